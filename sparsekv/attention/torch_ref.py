@@ -1,0 +1,183 @@
+"""Plain-PyTorch attention over the paged KV layout: the CPU path and the oracle of every kernel.
+
+Page layout (CONTRACTS.md §2): one pool tensor ``[num_pages, 2 (K, V), num_kv_heads, block_size,
+head_dim]``; a (request, layer) owns a block table of page ids, and its logical slot ``s`` lives
+in page ``block_table[(s - first_slot) // block_size]`` at offset ``s % block_size``
+(``first_slot`` is a multiple of ``block_size``; sliding layers free leading pages this way).
+
+Masks come from the physical cache: a query sees every held slot up to its own (causal by slot
+count), optionally limited to a sliding window of slots. Each function returns the log-sum-exp
+of every query row (natural log, fp32), which compression scoring reuses (DESIGN.md §4).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def write_kv(
+    kv_pool: torch.Tensor, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> None:
+    """Scatter new keys and values into their pages.
+
+    Args:
+        kv_pool: ``[num_pages, 2, num_kv_heads, block_size, head_dim]``.
+        slot_mapping: ``[num_tokens]`` int64 physical slot = ``page * block_size + offset``.
+        key, value: ``[num_tokens, num_kv_heads, head_dim]``.
+    """
+    block_size = kv_pool.shape[3]
+    pages = slot_mapping // block_size
+    offsets = slot_mapping % block_size
+    kv_pool[pages, 0, :, offsets] = key.to(kv_pool.dtype)
+    kv_pool[pages, 1, :, offsets] = value.to(kv_pool.dtype)
+
+
+def gather_kv(
+    kv_pool: torch.Tensor, block_table: torch.Tensor, num_held: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copy the held slots of one (request, layer) out of the pool.
+
+    Args:
+        kv_pool: ``[num_pages, 2, num_kv_heads, block_size, head_dim]``.
+        block_table: ``[num_blocks]`` int64 page ids, first held page first.
+        num_held: slots held (``num_slots - first_slot``).
+
+    Returns:
+        keys, values: ``[num_kv_heads, num_held, head_dim]`` in the pool dtype.
+    """
+    num_kv_heads, block_size, head_dim = kv_pool.shape[2], kv_pool.shape[3], kv_pool.shape[4]
+    if num_held == 0:
+        empty = kv_pool.new_empty((num_kv_heads, 0, head_dim))
+        return empty, empty
+    pages = kv_pool.index_select(0, block_table)  # [nb, 2, kvh, bs, d]
+    kv = pages.permute(1, 2, 0, 3, 4).reshape(2, num_kv_heads, -1, head_dim)
+    return kv[0, :, :num_held], kv[1, :, :num_held]
+
+
+def causal_mask(
+    num_queries: int,
+    num_keys: int,
+    sliding_window: int | None = None,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """Boolean visibility ``[num_queries, num_keys]`` for queries that are the last keys.
+
+    Query ``i`` sits at key index ``num_keys - num_queries + i`` and sees keys up to it; with a
+    sliding window ``w`` it sees only the ``w`` most recent of those (itself included).
+    """
+    q_index = torch.arange(num_queries, device=device)[:, None] + (num_keys - num_queries)
+    k_index = torch.arange(num_keys, device=device)[None, :]
+    visible = k_index <= q_index
+    if sliding_window is not None:
+        visible &= k_index > q_index - sliding_window
+    return visible
+
+
+def attention_with_lse(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of the last ``num_queries`` tokens over ``num_keys`` keys, with LSE.
+
+    Args:
+        query: ``[num_heads, num_queries, head_dim]``.
+        key, value: ``[num_kv_heads, num_keys, head_dim]``, ``num_keys >= num_queries``;
+            ``num_heads`` is a multiple of ``num_kv_heads`` (GQA).
+        scale: softmax scale (usually ``head_dim ** -0.5``).
+        sliding_window: optional window in slots (Gemma 3 local layers).
+        logit_softcap: optional tanh soft-cap of attention logits.
+
+    Returns:
+        out: ``[num_heads, num_queries, head_dim]`` in the query dtype.
+        lse: ``[num_heads, num_queries]`` fp32 natural-log sum of exp(q.k * scale).
+    """
+    num_heads, num_queries, head_dim = query.shape
+    num_kv_heads, num_keys, _ = key.shape
+    group = num_heads // num_kv_heads
+    if group > 1:
+        key = key.repeat_interleave(group, dim=0)
+        value = value.repeat_interleave(group, dim=0)
+    key = key.to(query.dtype)
+    value = value.to(query.dtype)
+    visible = causal_mask(num_queries, num_keys, sliding_window, query.device)
+    if logit_softcap is None and query.dtype in (torch.float32, torch.bfloat16):
+        bias = torch.zeros(visible.shape, dtype=query.dtype, device=query.device)
+        bias.masked_fill_(~visible, float("-inf"))
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query[None], key[None], value[None], attn_mask=bias, scale=scale
+        )[:2]
+        return out[0], lse[0].float()
+    scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scale
+    if logit_softcap is not None:
+        scores = torch.tanh(scores / logit_softcap) * logit_softcap
+    scores.masked_fill_(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse[..., None])
+    out = torch.matmul(probs, value.float()).to(query.dtype)
+    return out, lse
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    kv_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    first_slots: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    return_attn_mass: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One query token per request attending over its paged K/V (gather + dense math).
+
+    Args:
+        query: ``[batch, num_heads, head_dim]`` (the new token's K/V is already in the pool).
+        kv_pool: ``[num_pages, 2, num_kv_heads, block_size, head_dim]``.
+        block_tables: ``[batch, max_blocks]`` int64 page ids (padding entries may be any valid
+            page id; they are masked).
+        seq_lens: ``[batch]`` int64 logical slot count ``num_slots`` (new token included).
+        scale: softmax scale.
+        first_slots: ``[batch]`` int64 logical slot of each first held page (default 0).
+        sliding_window: see ``attention_with_lse``.
+        logit_softcap: see ``attention_with_lse``.
+        return_attn_mass: also return each held slot's attention probability, summed over the
+            query heads of its KV group (H2O accumulates it).
+
+    Returns:
+        out: ``[batch, num_heads, head_dim]``; lse: ``[batch, num_heads]`` fp32;
+        mass: ``[batch, num_kv_heads, max_blocks * block_size]`` fp32 over held slots (zero past
+        each request's held count), or ``None``.
+    """
+    batch, num_heads, head_dim = query.shape
+    num_kv_heads, block_size = kv_pool.shape[2], kv_pool.shape[3]
+    group = num_heads // num_kv_heads
+    if batch == 0:
+        empty_lse = query.new_empty((0, num_heads), dtype=torch.float32)
+        mass = query.new_empty((0, num_kv_heads, 0), dtype=torch.float32)
+        return query.clone(), empty_lse, mass if return_attn_mass else None
+    if first_slots is None:
+        first_slots = torch.zeros_like(seq_lens)
+    max_blocks = block_tables.shape[1]
+    pages = kv_pool[block_tables]  # [b, nb, 2, kvh, bs, d]
+    kv = pages.permute(2, 0, 3, 1, 4, 5).reshape(2, batch, num_kv_heads, max_blocks * block_size, -1)
+    keys, values = kv[0].float(), kv[1].float()
+    q = query.float().view(batch, num_kv_heads, group, head_dim)
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [b, kvh, g, L]
+    if logit_softcap is not None:
+        scores = torch.tanh(scores / logit_softcap) * logit_softcap
+    held = (seq_lens - first_slots)[:, None]
+    slot = torch.arange(max_blocks * block_size, device=query.device)[None, :]
+    visible = slot < held
+    if sliding_window is not None:
+        logical = slot + first_slots[:, None]
+        visible &= logical > (seq_lens[:, None] - 1 - sliding_window)
+    scores.masked_fill_(~visible[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [b, kvh, g]
+    probs = torch.exp(scores - lse[..., None])
+    out = torch.matmul(probs, values).reshape(batch, num_heads, head_dim).to(query.dtype)
+    mass = probs.sum(dim=2) if return_attn_mass else None
+    return out, lse.reshape(batch, num_heads), mass
