@@ -40,7 +40,8 @@ class Logprob:
 
     Attributes:
         token_id: the sampled token.
-        logprob: its log-probability (natural log) under the processed distribution.
+        logprob: its log-probability (natural log) under the raw model distribution
+            (``log_softmax`` of the logits, before penalties and temperature).
         top: ``(token_id, logprob)`` pairs, most likely first (length = requested top-N).
     """
 

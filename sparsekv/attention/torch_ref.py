@@ -45,7 +45,7 @@ def gather_kv(
     Returns:
         keys, values: ``[num_kv_heads, num_held, head_dim]`` in the pool dtype.
     """
-    num_kv_heads, block_size, head_dim = kv_pool.shape[2], kv_pool.shape[3], kv_pool.shape[4]
+    num_kv_heads, head_dim = kv_pool.shape[2], kv_pool.shape[4]
     if num_held == 0:
         empty = kv_pool.new_empty((num_kv_heads, 0, head_dim))
         return empty, empty
@@ -163,7 +163,9 @@ def paged_decode_attention(
         first_slots = torch.zeros_like(seq_lens)
     max_blocks = block_tables.shape[1]
     pages = kv_pool[block_tables]  # [b, nb, 2, kvh, bs, d]
-    kv = pages.permute(2, 0, 3, 1, 4, 5).reshape(2, batch, num_kv_heads, max_blocks * block_size, -1)
+    kv = pages.permute(2, 0, 3, 1, 4, 5).reshape(
+        2, batch, num_kv_heads, max_blocks * block_size, -1
+    )
     keys, values = kv[0].float(), kv[1].float()
     q = query.float().view(batch, num_kv_heads, group, head_dim)
     scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [b, kvh, g, L]

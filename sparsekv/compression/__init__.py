@@ -1,0 +1,27 @@
+"""KV cache compressors: one small class per method, shared top-k mechanics in the base.
+
+See DESIGN.md §5 and docs/internals.md ("Compression").
+"""
+
+from sparsekv.compression.base import Compressor, LayerView, top_indices_prefer_recent
+from sparsekv.compression.registry import COMPRESSORS, get_compressor
+from sparsekv.compression.scoring import (
+    aggregate_gqa,
+    attention_mass_per_head,
+    pool_scores,
+    prefill_attention_mass,
+    window_attention_scores,
+)
+
+__all__ = [
+    "COMPRESSORS",
+    "Compressor",
+    "LayerView",
+    "aggregate_gqa",
+    "attention_mass_per_head",
+    "get_compressor",
+    "pool_scores",
+    "prefill_attention_mass",
+    "top_indices_prefer_recent",
+    "window_attention_scores",
+]

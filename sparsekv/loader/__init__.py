@@ -1,0 +1,10 @@
+"""Model loading: built-in names, GGUF files and HF folders -> Hugging Face state dicts.
+
+See docs/internals.md ("Loader") for the interface and DESIGN.md §7 for the models.
+"""
+
+from sparsekv.loader.checkpoint import Checkpoint, load_checkpoint
+from sparsekv.loader.convert import convert_gguf
+from sparsekv.loader.resolve import resolve_model
+
+__all__ = ["Checkpoint", "convert_gguf", "load_checkpoint", "resolve_model"]

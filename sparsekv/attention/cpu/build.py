@@ -1,0 +1,116 @@
+"""Build and load the native CPU kernels (C++ through ``torch.utils.cpp_extension``).
+
+The extension is compiled once per machine into a cache folder (``SPARSEKV_EXT_DIR``, default
+``~/.cache/sparsekv/ext/<torch>-<python>``) and reloaded from there afterwards; the engine calls
+:func:`load_extension` at start so a request never waits for a compiler. Run
+``python -m sparsekv.attention.cpu.build`` to build at install time.
+
+``SPARSEKV_DISABLE_NATIVE=1`` turns the kernels off; a failed build warns once and the callers
+fall back to the plain-PyTorch reference (``attention/torch_ref.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+EXTENSION_NAME = "sparsekv_cpu_kernels"
+CSRC_DIR = Path(__file__).resolve().parent / "csrc"
+SOURCES = (
+    "binding.cpp",
+    "isa_avx512.cpp",
+    "isa_avx2.cpp",
+    "isa_avx2_w16.cpp",
+    "isa_generic.cpp",
+)
+# -ffp-contract=fast lets `a += b * c` on vectors become one FMA (ISO C++ mode turns it off).
+EXTRA_CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno"]
+EXTRA_LDFLAGS = ["-fopenmp"]
+
+_build_lock = threading.Lock()
+
+
+def native_disabled() -> bool:
+    """True when ``SPARSEKV_DISABLE_NATIVE`` is set to a true value (1, true, yes, on)."""
+    return os.environ.get("SPARSEKV_DISABLE_NATIVE", "").strip().lower() in (
+        "1",
+        "true",
+        "yes",
+        "on",
+    )
+
+
+def build_directory() -> Path:
+    """Cache folder of the compiled extension, one per torch and Python version."""
+    root = os.environ.get("SPARSEKV_EXT_DIR")
+    if root:
+        base = Path(root)
+    else:
+        base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "sparsekv" / "ext"
+    tag = f"torch{torch.__version__.replace('+', '_')}-py{sys.version_info[0]}{sys.version_info[1]}"
+    return base / tag
+
+
+def compile_extension(verbose: bool = False) -> ModuleType:
+    """Compile (or reload from the cache) the extension; raises on any build error."""
+    from torch.utils import cpp_extension
+
+    directory = build_directory()
+    directory.mkdir(parents=True, exist_ok=True)
+    return cpp_extension.load(
+        name=EXTENSION_NAME,
+        sources=[str(CSRC_DIR / name) for name in SOURCES],
+        extra_cflags=EXTRA_CFLAGS,
+        extra_ldflags=EXTRA_LDFLAGS,
+        extra_include_paths=[str(CSRC_DIR)],
+        build_directory=str(directory),
+        verbose=verbose,
+    )
+
+
+@functools.cache
+def _load_once() -> ModuleType | None:
+    # Cached for the process: the compiled module is immutable, and a failure is reported once.
+    try:
+        return compile_extension()
+    except Exception as exc:  # noqa: BLE001 - any build problem means "use the reference"
+        warnings.warn(
+            f"sparsekv native CPU kernels unavailable ({type(exc).__name__}: {exc}); "
+            "falling back to the PyTorch reference attention",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+
+
+def load_extension() -> ModuleType | None:
+    """The compiled kernel module, building it on first use; ``None`` if disabled or failed.
+
+    Thread-safe: concurrent first callers wait for one build (processes sharing the cache folder
+    are serialised by ``cpp_extension``'s lock file).
+    """
+    if native_disabled():
+        return None
+    with _build_lock:
+        return _load_once()
+
+
+def main() -> None:
+    """Build the extension now and print where it lives and how long it took."""
+    start = time.perf_counter()
+    module = compile_extension(verbose="-v" in sys.argv[1:])
+    elapsed = time.perf_counter() - start
+    print(f"{EXTENSION_NAME}: {module.__file__} ({elapsed:.1f} s)")
+    print("kernel variants on this CPU:", ", ".join(module.available_isas()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,258 @@
+// Torch binding of the paged CPU kernels: argument checks, work planning, threading.
+//
+// Work is split into items of whole pages of one (request, KV head) (flash-decoding style
+// splits, merged by log-sum-exp afterwards), sorted longest first and handed out dynamically to
+// the intra-op threads, so ragged batches and batch-1 decode keep every core busy.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <atomic>
+#include <string>
+#include <vector>
+
+#include "kernels.h"
+
+namespace skv = sparsekv_cpu;
+
+namespace {
+
+bool cpu_has(const char* feature) {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (std::string(feature) == "avx512f") return __builtin_cpu_supports("avx512f");
+  if (std::string(feature) == "avx2") return __builtin_cpu_supports("avx2");
+  if (std::string(feature) == "fma") return __builtin_cpu_supports("fma");
+#endif
+  (void)feature;
+  return false;
+}
+
+// Kernel variants this CPU runs, fastest first.
+std::vector<std::string> available_isas() {
+  std::vector<std::string> isas;
+  if (cpu_has("avx512f")) isas.push_back("avx512");
+  if (cpu_has("avx2") && cpu_has("fma")) {
+    isas.push_back("avx2");
+    isas.push_back("avx2_w16");
+  }
+  isas.push_back("generic");
+  return isas;
+}
+
+const skv::KernelTable& table_for(const std::string& isa) {
+  const auto isas = available_isas();
+  TORCH_CHECK(std::find(isas.begin(), isas.end(), isa) != isas.end(), "kernel variant '", isa,
+              "' is not supported on this CPU");
+  if (isa == "avx512") return skv::kTableAvx512;
+  if (isa == "avx2") return skv::kTableAvx2;
+  if (isa == "avx2_w16") return skv::kTableAvx2W16;
+  return skv::kTableGeneric;
+}
+
+// Runs fn(item, scratch) for item in [0, num_items) on the intra-op threads; items are taken
+// from a shared counter so uneven items balance.
+template <typename F>
+void run_dynamic(int64_t num_items, int64_t scratch_floats, const F& fn) {
+  if (num_items == 0) return;
+  std::atomic<int64_t> next{0};
+  const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), num_items);
+  at::parallel_for(0, num_threads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(scratch_floats + 64);
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1))
+        fn(i, scratch.data());
+  });
+}
+
+void check_pool(const at::Tensor& pool) {
+  TORCH_CHECK(pool.device().is_cpu(), "kv_pool must be on CPU");
+  TORCH_CHECK(pool.dim() == 5 && pool.size(1) == 2,
+              "kv_pool must be [num_pages, 2, num_kv_heads, block_size, head_dim]");
+  TORCH_CHECK(pool.is_contiguous(), "kv_pool must be contiguous");
+  TORCH_CHECK(pool.scalar_type() == at::kFloat || pool.scalar_type() == at::kBFloat16,
+              "kv_pool must be float32 or bfloat16");
+}
+
+std::vector<at::Tensor> paged_decode(const at::Tensor& query_in, const at::Tensor& pool,
+                                     const at::Tensor& block_tables_in,
+                                     const at::Tensor& seq_lens_in,
+                                     const at::Tensor& first_slots_in, double scale,
+                                     int64_t sliding_window, double softcap,
+                                     bool return_mass, const std::string& isa) {
+  check_pool(pool);
+  const auto& table = table_for(isa);
+  TORCH_CHECK(query_in.dim() == 3, "query must be [batch, num_heads, head_dim]");
+  TORCH_CHECK(query_in.scalar_type() == pool.scalar_type(), "query and kv_pool dtypes differ");
+  const int64_t batch = query_in.size(0), num_heads = query_in.size(1), d = query_in.size(2);
+  const int64_t num_pages = pool.size(0), kvh = pool.size(2), bs = pool.size(3);
+  TORCH_CHECK(pool.size(4) == d, "head_dim of query and kv_pool differ");
+  TORCH_CHECK(num_heads % kvh == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(d % (2 * table.width) == 0, "head_dim must be a multiple of ", 2 * table.width);
+  auto query = query_in.contiguous();
+  auto block_tables = block_tables_in.to(at::kLong).contiguous();
+  auto seq_lens = seq_lens_in.to(at::kLong).contiguous();
+  auto first_slots = first_slots_in.to(at::kLong).contiguous();
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == batch, "block_tables shape");
+  TORCH_CHECK(seq_lens.numel() == batch && first_slots.numel() == batch, "seq_lens shape");
+  const int64_t max_blocks = block_tables.size(1), group = num_heads / kvh;
+  const int64_t held_cap = max_blocks * bs;
+
+  auto out = at::empty_like(query);
+  auto lse = at::empty({batch, num_heads}, query.options().dtype(at::kFloat));
+  at::Tensor mass, scores;
+  if (return_mass) {
+    mass = at::zeros({batch, kvh, held_cap}, lse.options());
+    scores = at::empty({batch, kvh, group, held_cap}, lse.options());
+  }
+
+  // Plan: visible slot range per request, then items of at most chunk_pages pages.
+  const int64_t* bt = block_tables.data_ptr<int64_t>();
+  const int64_t* sl = seq_lens.data_ptr<int64_t>();
+  const int64_t* fs = first_slots.data_ptr<int64_t>();
+  std::vector<int64_t> lo(batch), hi(batch), p0(batch), p1(batch);
+  int64_t total_pages = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(fs[b] >= 0 && fs[b] % bs == 0, "first_slot must be a multiple of block_size");
+    TORCH_CHECK(sl[b] <= fs[b] + held_cap, "seq_len exceeds the block table");
+    hi[b] = sl[b];
+    lo[b] = fs[b];
+    if (sliding_window > 0) lo[b] = std::max(lo[b], sl[b] - sliding_window);
+    p0[b] = p1[b] = 0;
+    if (hi[b] > lo[b]) {
+      p0[b] = (lo[b] - fs[b]) / bs;
+      p1[b] = (hi[b] - 1 - fs[b]) / bs + 1;
+    }
+    for (int64_t p = p0[b]; p < p1[b]; ++p) {
+      const int64_t page = bt[b * max_blocks + p];
+      TORCH_CHECK(page >= 0 && page < num_pages, "block table entry out of range: ", page);
+    }
+    total_pages += p1[b] - p0[b];
+  }
+  const int64_t threads = at::get_num_threads();
+  const int64_t target_items = std::max<int64_t>(4 * threads, 1);
+  const int64_t min_pages = std::max<int64_t>(1, 256 / bs);
+  const int64_t chunk_pages =
+      std::max(min_pages, (total_pages * kvh + target_items - 1) / target_items);
+
+  std::vector<skv::DecodeItem> items;
+  std::vector<int64_t> first_item(batch * kvh + 1, 0);
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t h = 0; h < kvh; ++h) {
+      first_item[b * kvh + h] = (int64_t)items.size();
+      for (int64_t p = p0[b]; p < p1[b]; p += chunk_pages)
+        items.push_back({b, h, p, std::min(p + chunk_pages, p1[b]), lo[b], hi[b], fs[b]});
+    }
+  first_item[batch * kvh] = (int64_t)items.size();
+  std::vector<int64_t> order(items.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = (int64_t)i;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
+    return items[x].page_end - items[x].page_begin > items[y].page_end - items[y].page_begin;
+  });
+
+  skv::DecodeArgs args{};
+  args.query = query.data_ptr();
+  args.pool = pool.data_ptr();
+  args.block_tables = bt;
+  args.max_blocks = max_blocks;
+  args.num_heads = num_heads;
+  args.num_kv_heads = kvh;
+  args.block_size = bs;
+  args.head_dim = d;
+  args.scale = (float)scale;
+  args.softcap = softcap > 0 ? (float)softcap : 0.0f;
+  args.is_bf16 = pool.scalar_type() == at::kBFloat16;
+  args.out = out.data_ptr();
+  args.lse = lse.data_ptr<float>();
+  args.scores = return_mass ? scores.data_ptr<float>() : nullptr;
+  args.mass = return_mass ? mass.data_ptr<float>() : nullptr;
+  args.held_cap = held_cap;
+
+  const int64_t state_floats = skv::decode_state_floats(group, d);
+  std::vector<float> states(items.size() * state_floats);
+  const int64_t scratch = std::max(table.decode_scratch(args), d);
+  run_dynamic((int64_t)items.size(), scratch, [&](int64_t i, float* buf) {
+    const int64_t k = order[i];
+    table.decode_item(args, items[k], buf, states.data() + k * state_floats);
+  });
+  run_dynamic(batch * kvh, scratch, [&](int64_t i, float* buf) {
+    const int64_t b = i / kvh, h = i % kvh;
+    const int64_t n = first_item[i + 1] - first_item[i];
+    table.decode_combine(args, b, h, states.data() + first_item[i] * state_floats, n,
+                         lo[b] - fs[b], std::max(hi[b], lo[b]) - fs[b], buf);
+  });
+  return {out, lse, mass};
+}
+
+at::Tensor window_scores(const at::Tensor& window_queries, const at::Tensor& lse,
+                         const at::Tensor& pool, const at::Tensor& block_table_in,
+                         int64_t num_slots, double scale, const std::string& isa) {
+  check_pool(pool);
+  const auto& table = table_for(isa);
+  TORCH_CHECK(window_queries.dim() == 3, "window_queries must be [num_heads, window, head_dim]");
+  const int64_t num_heads = window_queries.size(0), w = window_queries.size(1);
+  const int64_t d = window_queries.size(2), kvh = pool.size(2), bs = pool.size(3);
+  TORCH_CHECK(pool.size(4) == d, "head_dim of window_queries and kv_pool differ");
+  TORCH_CHECK(num_heads % kvh == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(lse.dim() == 2 && lse.size(0) == num_heads && lse.size(1) == w, "lse shape");
+  auto block_table = block_table_in.to(at::kLong).contiguous();
+  const int64_t num_blocks = (num_slots + bs - 1) / bs;
+  TORCH_CHECK(num_slots >= 0 && block_table.numel() >= num_blocks, "block_table too short");
+  const int64_t* bt = block_table.data_ptr<int64_t>();
+  for (int64_t p = 0; p < num_blocks; ++p)
+    TORCH_CHECK(bt[p] >= 0 && bt[p] < pool.size(0), "block table entry out of range: ", bt[p]);
+  auto out = at::zeros({num_heads, num_slots}, pool.options().dtype(at::kFloat));
+  if (num_slots == 0 || w == 0 || num_heads == 0) return out;
+
+  // Rows: each head's window rows padded to the vector width, all padded to the row block.
+  const int64_t group = num_heads / kvh, W = table.width;
+  const int64_t wp = (w + W - 1) / W * W;
+  const int64_t row_block = table.window_row_block * W;
+  const int64_t rows = (group * wp + row_block - 1) / row_block * row_block;
+  auto fopt = out.options();
+  auto q = at::zeros({kvh, rows, d}, fopt);
+  auto l = at::zeros({kvh, rows}, fopt);
+  auto thr = at::full({rows}, -1.0, fopt);
+  auto qv = window_queries.to(at::kFloat).mul(scale).view({kvh, group, w, d});
+  auto lv = lse.to(at::kFloat).view({kvh, group, w});
+  auto steps = at::arange(w, fopt).add_(double(num_slots - w));
+  for (int64_t g = 0; g < group; ++g) {
+    q.narrow(1, g * wp, w).copy_(qv.select(1, g));
+    l.narrow(1, g * wp, w).copy_(lv.select(1, g));
+    thr.narrow(0, g * wp, w).copy_(steps);
+  }
+  auto qt = q.transpose(1, 2).contiguous();  // [kvh, d, rows]
+
+  skv::WindowArgs args{};
+  args.qt = qt.data_ptr<float>();
+  args.lse = l.data_ptr<float>();
+  args.thr = thr.data_ptr<float>();
+  args.pool = pool.data_ptr();
+  args.block_table = bt;
+  args.num_kv_heads = kvh;
+  args.block_size = bs;
+  args.head_dim = d;
+  args.num_slots = num_slots;
+  args.group = group;
+  args.rows_per_head = wp;
+  args.rows = rows;
+  args.is_bf16 = pool.scalar_type() == at::kBFloat16;
+  args.out = out.data_ptr<float>();
+  run_dynamic(kvh * num_blocks, table.window_scratch(args), [&](int64_t i, float* buf) {
+    table.window_page(args, i % kvh, i / kvh, buf);
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "sparsekv paged CPU attention kernels";
+  m.def("available_isas", &available_isas, "kernel variants this CPU runs, fastest first");
+  m.def("vector_width", [](const std::string& isa) { return table_for(isa).width; });
+  // The GIL is released while kernels run so other Python threads (the server) go on.
+  m.def("paged_decode", &paged_decode, "paged decode attention -> [out, lse, mass]",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("window_scores", &window_scores, "window scores over paged keys -> [num_heads, slots]",
+        py::call_guard<py::gil_scoped_release>());
+}

@@ -1,0 +1,29 @@
+// AVX2 + FMA kernels: kernel_impl.h compiled with 8 fp32 lanes per vector.
+#include <stdint.h>
+
+#include "kernels.h"
+
+#if defined(__x86_64__)
+#pragma GCC target("avx2,fma,f16c")
+namespace sparsekv_cpu {
+namespace isa_avx2 {
+#define SKV_W 8
+#include "kernel_impl.h"
+#undef SKV_W
+}  // namespace isa_avx2
+
+const KernelTable kTableAvx2 = {"avx2",
+                        8,
+                        isa_avx2::kWinSlots,
+                        isa_avx2::kWinRows,
+                        &isa_avx2::decode_scratch,
+                        &isa_avx2::window_scratch,
+                        &isa_avx2::decode_item,
+                        &isa_avx2::decode_combine,
+                        &isa_avx2::window_page};
+}  // namespace sparsekv_cpu
+#else
+namespace sparsekv_cpu {
+const KernelTable kTableAvx2 = {"avx2", 0, 0, 0, nullptr, nullptr, nullptr, nullptr, nullptr};
+}
+#endif

@@ -1,0 +1,29 @@
+// AVX2 + FMA with 16-lane vectors (tests the AVX-512 code on AVX2 machines; GCC splits each vector in two) kernels: kernel_impl.h compiled with 16 fp32 lanes per vector.
+#include <stdint.h>
+
+#include "kernels.h"
+
+#if defined(__x86_64__)
+#pragma GCC target("avx2,fma,f16c")
+namespace sparsekv_cpu {
+namespace isa_avx2_w16 {
+#define SKV_W 16
+#include "kernel_impl.h"
+#undef SKV_W
+}  // namespace isa_avx2_w16
+
+const KernelTable kTableAvx2W16 = {"avx2_w16",
+                        16,
+                        isa_avx2_w16::kWinSlots,
+                        isa_avx2_w16::kWinRows,
+                        &isa_avx2_w16::decode_scratch,
+                        &isa_avx2_w16::window_scratch,
+                        &isa_avx2_w16::decode_item,
+                        &isa_avx2_w16::decode_combine,
+                        &isa_avx2_w16::window_page};
+}  // namespace sparsekv_cpu
+#else
+namespace sparsekv_cpu {
+const KernelTable kTableAvx2W16 = {"avx2_w16", 0, 0, 0, nullptr, nullptr, nullptr, nullptr, nullptr};
+}
+#endif

@@ -1,0 +1,29 @@
+// AVX-512F kernels: kernel_impl.h compiled with 16 fp32 lanes per vector.
+#include <stdint.h>
+
+#include "kernels.h"
+
+#if defined(__x86_64__)
+#pragma GCC target("avx512f,avx2,fma,f16c")
+namespace sparsekv_cpu {
+namespace isa_avx512 {
+#define SKV_W 16
+#include "kernel_impl.h"
+#undef SKV_W
+}  // namespace isa_avx512
+
+const KernelTable kTableAvx512 = {"avx512",
+                        16,
+                        isa_avx512::kWinSlots,
+                        isa_avx512::kWinRows,
+                        &isa_avx512::decode_scratch,
+                        &isa_avx512::window_scratch,
+                        &isa_avx512::decode_item,
+                        &isa_avx512::decode_combine,
+                        &isa_avx512::window_page};
+}  // namespace sparsekv_cpu
+#else
+namespace sparsekv_cpu {
+const KernelTable kTableAvx512 = {"avx512", 0, 0, 0, nullptr, nullptr, nullptr, nullptr, nullptr};
+}
+#endif

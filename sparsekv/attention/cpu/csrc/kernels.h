@@ -1,0 +1,83 @@
+// Plain-C++ interface between the torch binding and the per-ISA kernels.
+//
+// The ISA translation units (isa_*.cpp) include no torch or standard-library headers: each is
+// compiled with its own `#pragma GCC target`, and an inline function or template shared with
+// the binding could be merged by the linker into its AVX-512 copy and then run on a CPU without
+// AVX-512. They see only these plain structs and raw pointers.
+//
+// Page layout (CONTRACTS.md §2): pool [num_pages, 2 (K, V), num_kv_heads, block_size, head_dim],
+// contiguous; one head's slots of a page are contiguous rows of head_dim elements. bf16 elements
+// are passed as their raw 16-bit patterns.
+#pragma once
+
+#include <stdint.h>
+
+namespace sparsekv_cpu {
+
+struct DecodeArgs {
+  const void* query;            // [batch, num_heads, head_dim], pool dtype
+  const void* pool;             // [num_pages, 2, num_kv_heads, block_size, head_dim]
+  const int64_t* block_tables;  // [batch, max_blocks]
+  int64_t max_blocks;
+  int64_t num_heads, num_kv_heads, block_size, head_dim;
+  float scale;
+  float softcap;  // <= 0: none
+  bool is_bf16;
+  // Outputs.
+  void* out;         // [batch, num_heads, head_dim], pool dtype
+  float* lse;        // [batch, num_heads]
+  float* scores;     // [batch, num_kv_heads, group, held_cap] raw logits, or nullptr
+  float* mass;       // [batch, num_kv_heads, held_cap], zero-filled, or nullptr
+  int64_t held_cap;  // max_blocks * block_size
+};
+
+// One unit of decode work: block-table entries [page_begin, page_end) of one (request, KV head).
+// slot_lo/slot_hi is the request's visible logical slot range, first_slot its first held slot.
+struct DecodeItem {
+  int64_t b, kvh, page_begin, page_end, slot_lo, slot_hi, first_slot;
+};
+
+// Per-split partial state: for each query head of the group, [max, sum, acc[head_dim]].
+// (static: an inline function with external linkage could be merged across ISA units.)
+static inline int64_t decode_state_floats(int64_t group, int64_t head_dim) {
+  return group * (head_dim + 2);
+}
+
+struct WindowArgs {
+  const float* qt;   // [num_kv_heads, head_dim, rows] window queries * scale, transposed
+  const float* lse;  // [num_kv_heads, rows]
+  const float* thr;  // [rows] last slot a row sees (-1: padding row)
+  const void* pool;
+  const int64_t* block_table;  // [num_blocks]
+  int64_t num_kv_heads, block_size, head_dim, num_slots;
+  int64_t group;          // query heads per KV head
+  int64_t rows_per_head;  // window rows padded to the vector width
+  int64_t rows;           // group * rows_per_head, padded to the row block
+  bool is_bf16;
+  float* out;  // [num_kv_heads * group, num_slots]
+};
+
+struct KernelTable {
+  const char* name;
+  int width;  // fp32 lanes of a vector; head_dim must be a multiple of 2 * width
+  int window_slot_block;  // slots per register block of the window-score kernel
+  int window_row_block;   // vectors per register block of the window-score kernel
+  // Scratch floats one thread needs for decode_item / window_page.
+  int64_t (*decode_scratch)(const DecodeArgs&);
+  int64_t (*window_scratch)(const WindowArgs&);
+  // Partial attention of one item into `state` (decode_state_floats of them).
+  void (*decode_item)(const DecodeArgs&, const DecodeItem&, float* scratch, float* state);
+  // Merge the `num_splits` partial states of (b, kvh), write out/lse and, if asked, mass over
+  // held slots [held_lo, held_hi).
+  void (*decode_combine)(const DecodeArgs&, int64_t b, int64_t kvh, const float* states,
+                         int64_t num_splits, int64_t held_lo, int64_t held_hi, float* scratch);
+  // Window scores of the slots of block-table entry `page_index` for one KV head.
+  void (*window_page)(const WindowArgs&, int64_t kvh, int64_t page_index, float* scratch);
+};
+
+extern const KernelTable kTableAvx512;
+extern const KernelTable kTableAvx2;
+extern const KernelTable kTableAvx2W16;
+extern const KernelTable kTableGeneric;
+
+}  // namespace sparsekv_cpu

@@ -1,0 +1,188 @@
+"""Paged attention for one step: cache writes, attention, and compression inside the layer.
+
+``PagedAttention.attend`` is what every model layer calls. Per layer it runs two paths:
+
+- decode path: requests with one new token and no compression this step; their K/V are written
+  into their pages and one batched paged-attention call reads the pages in place;
+- general path (prefill chunks, steps that compress): earlier K/V are gathered, the new K/V
+  appended as activations, attention returns each row's log-sum-exp, and a compressing layer
+  scores the slots with the observation window (reusing that LSE), keeps the top ``budget``
+  per KV head and writes only the kept K/V into its pages. A single-shot prefill therefore never
+  writes a budgeted layer's uncompressed prompt into the pool (DESIGN.md §4).
+
+Side state kept per (request, layer) outside the pool: the last ``window`` queries of budgeted
+layers (decode-time re-scoring) and H2O's accumulated attention mass.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparsekv.attention import backend
+from sparsekv.attention.metadata import AttentionMetadata, RequestSlice, physical_slots
+from sparsekv.attention.torch_ref import gather_kv, write_kv
+from sparsekv.compression.base import LayerView
+from sparsekv.compression.scoring import prefill_attention_mass
+from sparsekv.kv_cache.request_kv import LayerKV
+from sparsekv.kv_cache.spec import LayerSpec, cdiv
+
+
+class PagedAttention:
+    """The attention context of one step (an argument of the model's forward).
+
+    Args:
+        kv_pool: ``[num_pages, 2, num_kv_heads, block_size, head_dim]`` page storage.
+        metadata: this step's ``AttentionMetadata``.
+        layer_specs: per-layer cache spec (sliding windows).
+        logit_softcap: optional attention logit soft-cap of the model.
+    """
+
+    def __init__(
+        self,
+        kv_pool: torch.Tensor,
+        metadata: AttentionMetadata,
+        layer_specs: list[LayerSpec],
+        logit_softcap: float | None = None,
+    ) -> None:
+        self.kv_pool = kv_pool
+        self.metadata = metadata
+        self.layer_specs = layer_specs
+        self.block_size = kv_pool.shape[3]
+        self.logit_softcap = logit_softcap
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """Attention of the step's new tokens over their requests' caches.
+
+        Args:
+            layer: layer index.
+            q: ``[num_tokens, num_heads, head_dim]`` post-RoPE queries.
+            k, v: ``[num_tokens, num_kv_heads, head_dim]`` new keys (post-RoPE) and values.
+            scale: softmax scale.
+
+        Returns:
+            ``[num_tokens, num_heads, head_dim]`` in the query dtype.
+        """
+        out = torch.empty_like(q)
+        window = self.layer_specs[layer].sliding_window
+        batch = self.metadata.decode[layer]
+        if batch is not None:
+            write_kv(self.kv_pool, batch.slot_mapping, k[batch.rows], v[batch.rows])
+            need_mass = any(s.needs_attention_mass for s in batch.slices)
+            queries = q[batch.rows]
+            result, _, mass = backend.decode_attention(
+                queries,
+                self.kv_pool,
+                batch.block_tables,
+                batch.seq_lens,
+                scale,
+                first_slots=batch.first_slots,
+                sliding_window=window,
+                logit_softcap=self.logit_softcap,
+                return_attn_mass=need_mass,
+            )
+            out[batch.rows] = result
+            for i, request in enumerate(batch.slices):
+                state = request.kv.layers[layer]
+                _remember_queries(state, queries[i : i + 1], request.window)
+                if request.needs_attention_mass and state.budget is not None:
+                    held = request.layers[layer].num_held + 1
+                    _accumulate(state, mass[i, :, :held])
+        for request in self.metadata.general[layer]:
+            rows = slice(request.start, request.start + request.num_new)
+            out[rows] = self._general(request, layer, q[rows], k[rows], v[rows], scale, window)
+        return out
+
+    def _general(
+        self,
+        request: RequestSlice,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        window: int | None,
+    ) -> torch.Tensor:
+        step = request.layers[layer]
+        state = request.kv.layers[layer]
+        held, num_new = step.num_held, step.num_new
+        table = torch.tensor(
+            step.block_table[: cdiv(held, self.block_size)],
+            dtype=torch.long,
+            device=self.kv_pool.device,
+        )
+        cached_k, cached_v = gather_kv(self.kv_pool, table, held)
+        keys = torch.cat([cached_k, k.transpose(0, 1).to(self.kv_pool.dtype)], dim=1)
+        values = torch.cat([cached_v, v.transpose(0, 1).to(self.kv_pool.dtype)], dim=1)
+        queries = q.transpose(0, 1)  # [H, n, d]
+        out, lse = backend.prefill_attention(
+            queries, keys, values, scale, sliding_window=window, logit_softcap=self.logit_softcap
+        )
+        _remember_queries(state, q, request.window)
+        if request.needs_attention_mass and state.budget is not None:
+            _accumulate(state, prefill_attention_mass(keys, queries, lse, scale))
+        if step.compress_to is None:
+            slots = physical_slots(step.block_table, range(held, held + num_new), self.block_size)
+            self._write(slots, keys[:, held:], values[:, held:])
+        else:
+            self._compress(request, step.compress_to, state, keys, values, lse, scale)
+        return out.transpose(0, 1)
+
+    def _compress(
+        self,
+        request: RequestSlice,
+        budget: int,
+        state: LayerKV,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        lse: torch.Tensor,
+        scale: float,
+    ) -> None:
+        window_queries = state.recent_queries
+        num_window = window_queries.shape[1]
+        # The chunk's own LSE serves when the whole window lies in this chunk.
+        window_lse = lse[:, -num_window:] if lse.shape[1] >= num_window else None
+        view = LayerView(
+            keys=keys,
+            values=values,
+            window_queries=window_queries,
+            window_lse=window_lse,
+            scale=scale,
+            accumulated=state.accumulated,
+            generator=request.generator,
+        )
+        kept = request.compressor.select(view, budget, request.window)  # [KVH, k]
+        index = kept[..., None].expand(-1, -1, keys.shape[-1])
+        slots = physical_slots(state.block_table, range(kept.shape[1]), self.block_size)
+        self._write(slots, keys.gather(1, index), values.gather(1, index))
+        if state.accumulated is not None:
+            state.accumulated = state.accumulated.gather(1, kept)
+
+    def _write(self, slots: list[int], keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write ``[num_kv_heads, m, head_dim]`` K/V into ``m`` physical slots."""
+        if not slots:
+            return
+        mapping = torch.tensor(slots, dtype=torch.long, device=self.kv_pool.device)
+        write_kv(self.kv_pool, mapping, keys.transpose(0, 1), values.transpose(0, 1))
+
+
+def _remember_queries(state: LayerKV, q: torch.Tensor, window: int) -> None:
+    """Keep the last ``window`` queries ``[H, <=window, d]`` of a budgeted layer."""
+    if state.budget is None:
+        return
+    new = q[-window:].transpose(0, 1)
+    if state.recent_queries is not None and new.shape[1] < window:
+        new = torch.cat([state.recent_queries, new], dim=1)[:, -window:]
+    state.recent_queries = new.contiguous()
+
+
+def _accumulate(state: LayerKV, mass: torch.Tensor) -> None:
+    """Add ``[num_kv_heads, num_slots]`` attention mass, growing the accumulator."""
+    acc = state.accumulated
+    if acc is None:
+        state.accumulated = mass.float().clone()
+        return
+    grown = mass.float().clone()
+    grown[:, : acc.shape[1]] += acc
+    state.accumulated = grown

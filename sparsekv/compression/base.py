@@ -1,0 +1,148 @@
+"""The compressor interface: a read-only layer view in, scores out; the base turns scores into
+kept slots under a budget (DESIGN.md §5, CONTRACTS.md §1 and §4, docs/internals.md).
+
+Subclasses implement one hook, ``score``. ``select`` does the shared mechanics once: force-keep
+the most recent slots (the observation window), take the top scores among the rest per KV head
+with ties going to the more recent slot, and return sorted slot indices.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from sparsekv.config import CompressionConfig
+
+
+@dataclass(frozen=True)
+class LayerView:
+    """What a compressor may read of one (request, layer); never modified.
+
+    Attributes:
+        keys: ``[num_kv_heads, n, head_dim]`` held slots' keys, post-RoPE (and k-norm), in the
+            cache dtype.
+        values: ``[num_kv_heads, n, head_dim]`` held slots' values.
+        window_queries: ``[num_heads, w, head_dim]`` queries of the last ``w <= n`` tokens (the
+            observation window at prefill; the stored recent queries at decode), post-RoPE.
+            Query ``i`` is the token of slot ``n - w + i`` and sees slots ``j <= n - w + i``.
+        window_lse: ``[num_heads, w]`` fp32 natural-log softmax denominator of those rows over
+            exactly the held slots they see, from the attention kernel; ``None`` lets the
+            compressor compute it.
+        scale: softmax scale of the layer.
+        accumulated: ``[num_kv_heads, n]`` fp32 H2O attention mass per slot (prefill column
+            sums plus every decode step's attention, summed over each group's query heads), or
+            ``None`` where no compressor needs it.
+        generator: random source of the ``random`` baseline (seeded per request), or ``None``.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    window_queries: torch.Tensor
+    window_lse: torch.Tensor | None
+    scale: float
+    accumulated: torch.Tensor | None = None
+    generator: torch.Generator | None = None
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.keys.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        """Held slots ``n``."""
+        return self.keys.shape[1]
+
+    @property
+    def num_window(self) -> int:
+        """Window query rows ``w``."""
+        return self.window_queries.shape[1]
+
+
+@dataclass
+class Compressor(abc.ABC):
+    """Scores a layer's slots; ``select`` keeps the best ``budget`` of them.
+
+    Attributes:
+        window: observation window in tokens (the engine passes it to ``select`` as well).
+        pooling: ``max``, ``avg`` or ``none`` score smoothing (methods that pool).
+        kernel_size: odd pooling kernel in tokens.
+        gqa_agg: ``mean`` or ``max`` over a KV group's query heads (methods that use queries).
+    """
+
+    name: ClassVar[str] = ""
+
+    window: int = 32
+    pooling: str = "max"
+    kernel_size: int = 7
+    gqa_agg: str = "mean"
+
+    @classmethod
+    def from_config(cls, config: CompressionConfig) -> Compressor:
+        """Build from a validated policy; method-specific settings keep their defaults."""
+        return cls(
+            window=config.window,
+            pooling=config.pooling,
+            kernel_size=config.kernel_size,
+            gqa_agg=config.gqa_agg,
+        )
+
+    @abc.abstractmethod
+    def score(self, view: LayerView) -> torch.Tensor:
+        """Importance of every held slot, higher = keep.
+
+        Returns:
+            ``[num_kv_heads, n]`` fp32. Slots that must stay may score ``+inf``.
+        """
+
+    def num_recent(self, budget: int, window: int) -> int:
+        """Most recent slots kept regardless of score (the observation window by default)."""
+        return window
+
+    def select(self, view: LayerView, budget: int, window: int) -> torch.Tensor:
+        """Slots to keep per KV head (CONTRACTS.md §1, §4).
+
+        The last ``num_recent(budget, window)`` slots are always kept; the other
+        ``budget - recent`` are the highest scores among the older slots, ties going to the
+        more recent slot (higher index). If ``n <= budget`` every slot is kept.
+
+        Args:
+            view: the layer.
+            budget: slots to keep, window included (``>= window + 1`` for valid policies).
+            window: observation window in tokens.
+
+        Returns:
+            ``[num_kv_heads, k]`` int64 slot indices, ascending per row, ``k = min(budget, n)``.
+        """
+        num_kv_heads, n = view.num_kv_heads, view.num_tokens
+        device = view.keys.device
+        if n <= budget:
+            return torch.arange(n, device=device).expand(num_kv_heads, n).clone()
+        num_recent = min(self.num_recent(budget, window), budget)
+        num_older = n - num_recent
+        scores = self.score(view).float()
+        assert scores.shape == (num_kv_heads, n), (scores.shape, num_kv_heads, n)
+        chosen = top_indices_prefer_recent(scores[:, :num_older], budget - num_recent)
+        recent = torch.arange(num_older, n, device=device).expand(num_kv_heads, num_recent)
+        kept = torch.cat([chosen, recent], dim=1)
+        return kept.sort(dim=1).values
+
+
+def top_indices_prefer_recent(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the ``k`` highest scores per row; equal scores go to the higher index.
+
+    ``torch.topk`` leaves tie order unspecified, so this sorts the reversed row stably: among
+    equal scores the one met first in reversed order (the most recent) ranks first.
+
+    Args:
+        scores: ``[rows, m]`` fp32.
+        k: ``0 <= k <= m``.
+
+    Returns:
+        ``[rows, k]`` int64, unsorted.
+    """
+    m = scores.shape[-1]
+    order = torch.sort(scores.flip(-1), dim=-1, descending=True, stable=True).indices
+    return (m - 1) - order[:, :k]

@@ -1,0 +1,175 @@
+"""Incremental detokenization with stop strings (REFERENCE.md §5, "Text").
+
+Invariants:
+
+- With no stop string fired, the deltas of ``append`` plus ``flush()`` concatenate to exactly
+  ``tokenizer.decode(output_ids, skip_special_tokens=...)``.
+- A delta never ends inside a UTF-8 character: while the decoded window ends in U+FFFD the
+  text is held back (``flush`` releases it, replacement character included, at EOS / length).
+- Text that could be the start of a stop string is held back until it cannot be, so a stop
+  string is never half-sent; once one matches, the text ends just before it (or just after it
+  with ``include_stop_str_in_output``) and nothing more is emitted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sparsekv.sampling_params import SamplingParams
+
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+@dataclass
+class DetokenizerStep:
+    """What one token added to the text.
+
+    Attributes:
+        delta_text: newly released text (may be empty while text is held back).
+        stop: the stop string that matched (generation must end), else ``None``.
+    """
+
+    delta_text: str
+    stop: str | None = None
+
+
+class IncrementalDetokenizer:
+    """Turns one sample's generated tokens into text, a token at a time.
+
+    Decoding works on a short window of ids, as vLLM's ``detokenize_incrementally``: the ids
+    from ``prefix_offset`` (start of the last released chunk) to the end are decoded and
+    compared with the decode of ``[prefix_offset, read_offset)``; the difference is the new
+    text. Decoding the prefix chunk together with the new ids keeps tokenizers whose decoders
+    depend on context (leading-space stripping, byte fallback) consistent with a full decode,
+    at two decodes of a few ids per token.
+
+    The text is defined as ``decode(output_ids)``: the prompt is not used as decoding context,
+    so ``text`` matches what a non-streaming response reports.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer (only ``decode`` is used).
+        prompt_ids: the request's prompt ids (part of the interface; unused, since the output
+            text never depends on them).
+        params: ``stop``, ``include_stop_str_in_output``, ``skip_special_tokens`` and
+            ``min_tokens`` (stop strings fire only once that many tokens were generated) are
+            read.
+    """
+
+    def __init__(self, tokenizer, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = params.skip_special_tokens
+        self._stops = [s for s in params.stop if s]
+        self._include_stop = params.include_stop_str_in_output
+        self._min_tokens = params.min_tokens
+        self._output_ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self._decoded = ""  # all complete text decoded so far (released + held back)
+        self._num_released = 0  # characters of ``_decoded`` released as deltas
+        self.stop: str | None = None
+
+    @property
+    def text(self) -> str:
+        """All text released so far (the concatenation of the deltas and flushes)."""
+        return self._decoded[: self._num_released]
+
+    @property
+    def output_ids(self) -> list[int]:
+        """The generated ids appended so far."""
+        return list(self._output_ids)
+
+    def append(self, token_id: int) -> DetokenizerStep:
+        """Adds one generated token.
+
+        Args:
+            token_id: the sampled id (EOS and stop token ids too: the engine decides to stop
+                on them; their text shows only when ``skip_special_tokens`` is off).
+
+        Returns:
+            The released text and, if a stop string matched, that string. After a match,
+            further calls release nothing and repeat the stop string.
+        """
+        if self.stop is not None:
+            return DetokenizerStep("", self.stop)
+        self._output_ids.append(token_id)
+        new_text = self._decode_new_text()
+        if not new_text:
+            return DetokenizerStep("")
+        num_old = len(self._decoded)
+        self._decoded += new_text
+        if len(self._output_ids) >= self._min_tokens:
+            match = self._find_stop(num_old)
+            if match is not None:
+                return self._release_until_stop(*match)
+        return DetokenizerStep(self._release(len(self._decoded) - self._held_back_length()))
+
+    def flush(self) -> str:
+        """Releases everything held back, at EOS or the length limit.
+
+        Returns:
+            The rest of ``decode(output_ids)`` (a trailing partial character comes out as
+            U+FFFD, as in the full decode); ``""`` after a stop string matched. Stop strings
+            are not searched in this last piece.
+        """
+        if self.stop is not None:
+            return ""
+        if self._read_offset < len(self._output_ids):
+            prefix_text = self._decode(self._prefix_offset, self._read_offset)
+            self._decoded += self._decode(self._prefix_offset, None)[len(prefix_text) :]
+            self._prefix_offset = self._read_offset = len(self._output_ids)
+        return self._release(len(self._decoded))
+
+    def _decode(self, start: int, end: int | None) -> str:
+        ids = self._output_ids[start:end]
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+
+    def _decode_new_text(self) -> str:
+        """Complete text the window gained, advancing the offsets; ``""`` while incomplete."""
+        prefix_text = self._decode(self._prefix_offset, self._read_offset)
+        window_text = self._decode(self._prefix_offset, None)
+        if len(window_text) <= len(prefix_text) or window_text.endswith(_REPLACEMENT_CHAR):
+            return ""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._output_ids)
+        return window_text[len(prefix_text) :]
+
+    def _find_stop(self, num_old: int) -> tuple[int, str] | None:
+        """Earliest stop match ending in the new text (after ``num_old`` chars); list order
+        breaks ties."""
+        best: tuple[int, str] | None = None
+        for stop in self._stops:
+            index = self._decoded.find(stop, max(0, num_old - len(stop) + 1))
+            if index != -1 and (best is None or index < best[0]):
+                best = (index, stop)
+        return best
+
+    def _release_until_stop(self, index: int, stop: str) -> DetokenizerStep:
+        end = index + len(stop) if self._include_stop else index
+        # Held-back text guarantees the match starts after everything already released.
+        assert end >= self._num_released, "stop string overlaps released text"
+        self._decoded = self._decoded[:end]
+        self.stop = stop
+        return DetokenizerStep(self._release(end), stop)
+
+    def _held_back_length(self) -> int:
+        """Length of the longest suffix of the text that is a proper prefix of a stop string.
+
+        With ``include_stop_str_in_output`` nothing is held: a released prefix of a stop
+        string stays in the output whether or not the stop completes.
+        """
+        if self._include_stop:
+            return 0
+        longest = 0
+        for stop in self._stops:
+            for length in range(min(len(stop) - 1, len(self._decoded)), longest, -1):
+                if self._decoded.endswith(stop[:length]):
+                    longest = length
+                    break
+        return longest
+
+    def _release(self, end: int) -> str:
+        end = max(end, self._num_released)
+        delta = self._decoded[self._num_released : end]
+        self._num_released = end
+        return delta

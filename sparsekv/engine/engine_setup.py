@@ -1,0 +1,173 @@
+"""Build the engine's parts from a config: weights, model, page pool, scheduler, runner.
+
+Pool sizing (CONTRACTS.md §2): ``--kv-cache-memory`` GiB covers the pages and the side state
+kept outside the pool (stored window queries, H2O accumulators), reserved for ``max_num_seqs``
+requests; the rest becomes pages. A size above 80% of the available RAM is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from sparsekv.config import EngineConfig
+from sparsekv.engine.scheduler import Scheduler
+from sparsekv.kv_cache.manager import KVCacheManager
+from sparsekv.models.registry import build_model
+from sparsekv.runner.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+GIB = 1 << 30
+
+
+@dataclass
+class EngineParts:
+    """Everything ``LLMEngine`` runs on."""
+
+    model_name: str
+    tokenizer: object
+    hf_config: object
+    model: torch.nn.Module
+    kv: KVCacheManager
+    scheduler: Scheduler
+    runner: ModelRunner
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    vocab_size: int
+    dtype: torch.dtype
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    """``auto`` -> bf16 on CUDA or on CPUs with AVX512-BF16/AMX, else fp32."""
+    table = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    table.update({"float32": torch.float32, "fp32": torch.float32})
+    if name in table:
+        return table[name]
+    if device.startswith("cuda"):
+        return torch.bfloat16
+    flags = _cpu_flags()
+    return torch.bfloat16 if {"avx512_bf16", "amx_bf16"} & flags else torch.float32
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo, or None where unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def side_state_bytes(config: EngineConfig, num_layers: int, num_heads: int, head_dim: int) -> int:
+    """Host memory reserved for stored window queries of ``max_num_seqs`` requests (fp32)."""
+    window = config.compression.window
+    return config.scheduler.max_num_seqs * num_layers * num_heads * window * head_dim * 4
+
+
+def num_pool_pages(
+    config: EngineConfig,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+) -> int:
+    """Pages that fit in ``kv_cache_memory`` after the side-state reservation.
+
+    Raises:
+        ValueError: the size exceeds 80% of available RAM or leaves no room for pages.
+    """
+    total = int(config.cache.kv_cache_memory * GIB)
+    available = available_memory_bytes()
+    if available is not None and total > 0.8 * available:
+        raise ValueError(
+            f"kv_cache_memory: {config.cache.kv_cache_memory} GiB exceeds 80% of the "
+            f"{available / GIB:.1f} GiB of available memory"
+        )
+    element = torch.empty((), dtype=dtype).element_size()
+    page_bytes = 2 * num_kv_heads * config.cache.block_size * head_dim * element
+    side = side_state_bytes(config, num_layers, num_heads, head_dim)
+    pages = (total - min(side, total // 4)) // page_bytes
+    if pages < num_layers:
+        raise ValueError(
+            f"kv_cache_memory: {config.cache.kv_cache_memory} GiB holds {pages} pages, "
+            f"fewer than one per layer ({num_layers})"
+        )
+    return int(pages)
+
+
+def build_engine_parts(config: EngineConfig, checkpoint=None) -> EngineParts:
+    """Load weights and build the model, pool, scheduler and runner.
+
+    Args:
+        config: engine configuration.
+        checkpoint: a ``sparsekv.loader.Checkpoint`` to use instead of loading
+            ``config.model.model`` (tests with tiny random models).
+    """
+    device = config.model.device
+    dtype = resolve_dtype(config.model.dtype, device)
+    if checkpoint is None:
+        from sparsekv.loader import load_checkpoint
+
+        checkpoint = load_checkpoint(config.model.model, dtype)
+    hf_config = checkpoint.hf_config
+    model = build_model(hf_config, checkpoint.state_dict, dtype, device)
+    specs = model.layer_specs()
+    num_pages = num_pool_pages(
+        config, len(specs), model.num_heads, model.num_kv_heads, model.head_dim, dtype
+    )
+    kv = KVCacheManager(
+        specs,
+        num_pages,
+        config.cache.block_size,
+        model.num_kv_heads,
+        model.head_dim,
+        dtype,
+        device,
+        config.scheduler.max_num_batched_tokens,
+    )
+    context = getattr(hf_config, "max_position_embeddings", None) or 2048
+    max_model_len = min(config.model.max_model_len or context, context)
+    tokenizer = checkpoint.tokenizer
+    return EngineParts(
+        model_name=config.model.served_model_name or checkpoint.name,
+        tokenizer=tokenizer,
+        hf_config=hf_config,
+        model=model,
+        kv=kv,
+        scheduler=Scheduler(config.scheduler, kv),
+        runner=ModelRunner(model, kv, torch.device(device)),
+        max_model_len=max_model_len,
+        eos_token_ids=_eos_ids(hf_config, tokenizer),
+        vocab_size=hf_config.vocab_size,
+        dtype=dtype,
+    )
+
+
+def _eos_ids(hf_config, tokenizer) -> tuple[int, ...]:
+    ids = set()
+    for source in (
+        getattr(hf_config, "eos_token_id", None),
+        getattr(tokenizer, "eos_token_id", None),
+    ):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, (list, tuple)):
+            ids.update(int(x) for x in source)
+    return tuple(sorted(ids))

@@ -1,0 +1,296 @@
+"""The synchronous engine: add requests, abort them, and run steps.
+
+``step()`` = schedule -> execute -> commit -> append tokens and detokenize -> outputs. An
+exception inside a step fails only that step's requests (their pages are freed) and the engine
+goes on (CONTRACTS.md §5).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from sparsekv.config import CompressionConfig, EngineConfig
+from sparsekv.engine import output_processor as op
+from sparsekv.engine.detokenizer import IncrementalDetokenizer
+from sparsekv.engine.engine_setup import EngineParts, build_engine_parts
+from sparsekv.engine.request import Request
+from sparsekv.engine.stats import EngineStats
+from sparsekv.kv_cache.budget import layer_budgets
+from sparsekv.kv_cache.manager import KVPolicy
+from sparsekv.outputs import KVStats, RequestOutput
+from sparsekv.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    """Continuous-batching engine over a paged, layer-wise compressed KV cache.
+
+    Args:
+        config: validated engine configuration.
+        parts: prebuilt model, tokenizer and KV manager (tests); built from ``config`` if None.
+    """
+
+    def __init__(self, config: EngineConfig, parts: EngineParts | None = None) -> None:
+        config.validate()
+        self.config = config
+        parts = parts or build_engine_parts(config)
+        self.parts = parts
+        self.tokenizer = parts.tokenizer
+        self.model_name = parts.model_name
+        self.max_model_len = parts.max_model_len
+        self.kv = parts.kv
+        self.scheduler = parts.scheduler
+        self.runner = parts.runner
+        self.eos_token_ids = parts.eos_token_ids
+        self.vocab_size = parts.vocab_size
+        self.stats = EngineStats()
+        self._groups: dict[str, op.RequestGroup] = {}
+        self._sample_owner: dict[str, str] = {}
+
+    # ----------------------------------------------------------------- requests
+    def resolve_compression(
+        self, compression: CompressionConfig | dict | None
+    ) -> CompressionConfig | None:
+        """Merge a per-request policy over the engine default (CONTRACTS.md §3).
+
+        Raises:
+            ValueError: an unknown field or an invalid merged policy.
+        """
+        base = self.config.compression
+        if compression is None:
+            policy = base
+        elif isinstance(compression, CompressionConfig):
+            compression.validate()
+            policy = compression
+        else:
+            policy = base.merged(dict(compression))
+        return policy if policy.enabled else None
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        compression: CompressionConfig | dict | None = None,
+        forced_token_ids: list[int] | None = None,
+        collect_logits: bool = False,
+    ) -> None:
+        """Queue a request (``n`` samples become ``n`` sequences).
+
+        Args:
+            request_id: unique id of the request.
+            prompt_token_ids: the tokenized prompt.
+            params: sampling parameters (validated here).
+            compression: per-request policy override (object or field dict), or None.
+            forced_token_ids: teacher forcing; sampled tokens are replaced by these.
+            collect_logits: keep fp32 logits of every sampled position (fidelity metric).
+
+        Raises:
+            ValueError: invalid parameters, an empty or out-of-vocabulary prompt, a prompt over
+                the context, or a request whose peak footprint exceeds the whole pool.
+        """
+        if request_id in self._groups:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        self._check_prompt(prompt_token_ids)
+        params.validate(max_model_len=self.max_model_len, num_prompt_tokens=len(prompt_token_ids))
+        policy = self.resolve_compression(compression)
+        budgets = self._budgets(policy, len(prompt_token_ids))
+        if all(b is None for b in budgets):
+            policy = None
+        kv_policy = KVPolicy(
+            decode_eviction=policy.decode_eviction if policy else True,
+            bounded_chunks=policy is not None and policy.chunked_mode == "bounded",
+        )
+        peak = self.kv.peak_pages(budgets, len(prompt_token_ids), params.max_tokens, kv_policy)
+        if peak > self.kv.num_total_pages:
+            raise ValueError(
+                f"max_tokens: the request needs {peak} KV pages at its peak but the pool has "
+                f"{self.kv.num_total_pages}; shorten the prompt or max_tokens, or raise "
+                "--kv-cache-memory"
+            )
+        samples = []
+        for index in range(params.n):
+            sample_id = request_id if params.n == 1 else f"{request_id}#{index}"
+            request = self._make_request(
+                sample_id, prompt_token_ids, params, policy, index, forced_token_ids
+            )
+            request.collect_logits = collect_logits
+            self.kv.register(sample_id, budgets, kv_policy)
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
+            logprobs = [] if params.logprobs is not None else None
+            samples.append(op.SampleState(request, detok, logprobs))
+            self._sample_owner[sample_id] = request_id
+        self._groups[request_id] = op.RequestGroup(request_id, list(prompt_token_ids), samples)
+        for state in samples:
+            self.scheduler.add(state.request)
+        self.stats.num_prompt_tokens += len(prompt_token_ids) * params.n
+
+    def _check_prompt(self, prompt_token_ids: list[int]) -> None:
+        if not prompt_token_ids:
+            raise ValueError("prompt: the prompt is empty")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(prompt_token_ids)} tokens leave no room in the context of "
+                f"{self.max_model_len} tokens"
+            )
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt: token id {bad[0]} is outside [0, {self.vocab_size})")
+
+    def _budgets(self, policy: CompressionConfig | None, num_prompt: int) -> list[int | None]:
+        specs = self.kv.layer_specs
+        if policy is None:
+            return [None] * len(specs)
+        compressible = [spec.compressible for spec in specs]
+        return layer_budgets(policy, len(specs), num_prompt, compressible)
+
+    def _make_request(
+        self,
+        sample_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        policy: CompressionConfig | None,
+        index: int,
+        forced_token_ids: list[int] | None,
+    ) -> Request:
+        from sparsekv.compression.registry import get_compressor
+
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator().manual_seed(params.seed + index)
+        kv_generator = torch.Generator().manual_seed(
+            (params.seed if params.seed is not None else self.config.model.seed) + index
+        )
+        return Request(
+            request_id=sample_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=params,
+            compression=policy,
+            eos_token_ids=self.eos_token_ids,
+            generator=generator,
+            forced_token_ids=forced_token_ids,
+            compressor=get_compressor(policy) if policy is not None else None,
+            kv_generator=kv_generator,
+            sample_index=index,
+        )
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its pages; returns its final output (or None)."""
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return None
+        for state in group.samples:
+            request = state.request
+            self._sample_owner.pop(request.request_id, None)
+            if not request.is_finished:
+                self._finish(state, "abort")
+        self.stats.num_aborted += 1
+        return op.build_output(group)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._groups)
+
+    # ----------------------------------------------------------------- stepping
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step and return outputs of requests that progressed or finished."""
+        scheduled = self.scheduler.schedule()
+        self.stats.num_preemptions += len(scheduled.preempted_ids)
+        if scheduled.is_empty:
+            return []
+        try:
+            result = self.runner.execute(scheduled)
+        except Exception as exc:  # noqa: BLE001 - a failing step must not kill the engine
+            logger.exception("engine step failed")
+            return self._fail_step(scheduled, exc)
+        self.scheduler.update(scheduled)
+        now = time.monotonic()
+        touched: dict[str, op.RequestGroup] = {}
+        for item in scheduled.scheduled:
+            if not item.samples:
+                continue
+            request = item.request
+            owner = self._sample_owner.get(request.request_id)
+            group = self._groups.get(owner) if owner is not None else None
+            if group is None:
+                continue
+            state = group.samples[request.sample_index]
+            token = result.token_ids[request.request_id]
+            if request.forced_token_ids is not None:
+                forced = request.forced_token_ids
+                token = forced[min(request.num_output_tokens, len(forced) - 1)]
+            if request.request_id in result.logits:
+                request.logits.append(result.logits[request.request_id])
+            logprob = result.logprobs.get(request.request_id)
+            reason = op.append_token(state, token, logprob, self.max_model_len)
+            self.stats.num_generation_tokens += 1
+            if reason is not None:
+                if reason == "length" or request.stop_reason is None:
+                    op.flush(state)
+                self._finish(state, reason)
+            group.first_token_time = group.first_token_time or now
+            group.last_token_time = now
+            touched[group.request_id] = group
+        return self._emit(touched)
+
+    def _finish(self, state: op.SampleState, reason: str) -> None:
+        request = state.request
+        request_kv = self.kv.get(request.request_id) if self.kv.has(request.request_id) else None
+        if request_kv is not None:
+            state.kv_stats = KVStats(
+                kept_per_layer=request_kv.kept_per_layer(),
+                evicted_per_layer=request_kv.evicted_per_layer(),
+                num_tokens=request.num_tokens,
+            )
+            self.stats.num_evicted_tokens += sum(request_kv.evicted_per_layer())
+        self.scheduler.finish(request, reason)
+
+    def _emit(self, touched: dict[str, op.RequestGroup]) -> list[RequestOutput]:
+        outputs = []
+        for request_id, group in touched.items():
+            outputs.append(op.build_output(group))
+            if group.finished:
+                self._forget(request_id)
+        return outputs
+
+    def _forget(self, request_id: str) -> None:
+        group = self._groups.pop(request_id, None)
+        if group is not None:
+            for state in group.samples:
+                self._sample_owner.pop(state.request.request_id, None)
+
+    def _fail_step(self, scheduled, exc: Exception) -> list[RequestOutput]:
+        touched: dict[str, op.RequestGroup] = {}
+        for item in scheduled.scheduled:
+            owner = self._sample_owner.get(item.request.request_id)
+            group = self._groups.get(owner) if owner is not None else None
+            if group is None:
+                continue
+            group.error = f"engine step failed: {type(exc).__name__}: {exc}"
+            touched[group.request_id] = group
+        for group in touched.values():
+            for state in group.samples:
+                if not state.request.is_finished:
+                    self._finish(state, "error")
+        return self._emit(touched)
+
+    def kv_usage(self) -> dict[str, float]:
+        """Pool occupancy and the engine-wide effective compression ratio (CONTRACTS.md §1)."""
+        held = full = 0
+        for request in self.scheduler.running:
+            if self.kv.has(request.request_id):
+                request_kv = self.kv.get(request.request_id)
+                held += sum(request_kv.kept_per_layer())
+                full += len(request_kv.layers) * request.num_computed_tokens
+        return {
+            "pages_used": self.kv.num_total_pages - self.kv.num_free_pages,
+            "pages_total": self.kv.num_total_pages,
+            "compression_ratio": 0.0 if full == 0 else 1.0 - held / full,
+        }

@@ -1,0 +1,51 @@
+"""Prompt encoding: raw text, token ids, or chat messages rendered with the model's template."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+Prompt = str | Sequence[int] | Sequence[dict]
+
+
+def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
+    """Token ids of a prompt.
+
+    Args:
+        tokenizer: a transformers tokenizer with a chat template.
+        prompt: text (tokenized as is, with the tokenizer's own special-token rule), a list of
+            token ids, or a list of chat messages ``{"role", "content"}`` (rendered with the
+            chat template and the assistant header; the template's BOS is not doubled).
+
+    Raises:
+        ValueError: an empty prompt or a malformed message list.
+    """
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt: the prompt is empty")
+        return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+    items = list(prompt)
+    if not items:
+        raise ValueError("prompt: the prompt is empty")
+    if all(isinstance(t, int) for t in items):
+        return items
+    if all(isinstance(m, dict) for m in items):
+        return render_chat(tokenizer, items)
+    raise ValueError("prompt: expected text, a list of token ids, or a list of chat messages")
+
+
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    """Apply the chat template and return token ids.
+
+    Raises:
+        ValueError: a message lacks ``role`` or ``content``, or the tokenizer has no template.
+    """
+    for i, message in enumerate(messages):
+        if "role" not in message or "content" not in message:
+            raise ValueError(f"messages[{i}]: each message needs 'role' and 'content'")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("messages: the model's tokenizer has no chat template")
+    text = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=False
+    )
+    # The template already carries any BOS; tokenizing without special tokens avoids a double.
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])

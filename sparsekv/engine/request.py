@@ -1,0 +1,84 @@
+"""A request as the scheduler sees it: token ids and counters (STYLE.md: counters, not phases)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from sparsekv.config import CompressionConfig
+from sparsekv.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    """One sequence being generated.
+
+    Attributes:
+        request_id: unique id (a sample of an ``n > 1`` request has its own id).
+        prompt_token_ids: the prompt.
+        sampling_params: how to sample.
+        compression: the request's resolved compression policy (``None`` = full cache).
+        output_token_ids: generated so far.
+        num_computed_tokens: tokens whose K/V are in the cache (or were scored and evicted).
+        generator: per-request RNG when a seed is given (survives preemption).
+        num_preemptions: preemptions in a row without progress (CONTRACTS.md §2).
+        forced_token_ids: teacher forcing: tokens appended instead of sampled ones (fidelity).
+        collect_logits: keep each sampled position's fp32 logits in ``logits`` (fidelity).
+        compressor: the request's compressor instance, or ``None`` for a full cache.
+        kv_generator: random source of the ``random`` compressor.
+        sample_index: index of this sample within its ``n > 1`` parent request.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    compression: CompressionConfig | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    arrival_time: float = field(default_factory=time.monotonic)
+    generator: torch.Generator | None = None
+    num_preemptions: int = 0
+    forced_token_ids: list[int] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    collect_logits: bool = False
+    logits: list[torch.Tensor] = field(default_factory=list)
+    compressor: Any = None
+    kv_generator: torch.Generator | None = None
+    sample_index: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def token_at(self, index: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]

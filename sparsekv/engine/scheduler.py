@@ -1,0 +1,179 @@
+"""Continuous batching: decide how many tokens each request computes in the next step.
+
+Every step closes the gap between each request's ``num_computed_tokens`` and ``num_tokens``
+under a step token budget: decodes and prefill chunks share one batch. Running requests go
+first, oldest first; when the pool runs out of pages the newest running request is preempted
+(swapped, or recomputed for full-cache requests when configured; CONTRACTS.md §2). Waiting
+requests are admitted only when nothing was preempted and their next step fits with a watermark.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from sparsekv.config import SchedulerConfig
+from sparsekv.engine.request import Request, RequestStatus
+from sparsekv.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from sparsekv.kv_cache.manager import KVCacheManager
+
+MAX_PREEMPTIONS_IN_A_ROW = 3
+
+
+class Scheduler:
+    """Queues of waiting and running requests over one KV manager.
+
+    Args:
+        config: batching limits and preemption mode.
+        kv: the KV manager (requests are registered with it before ``add``).
+    """
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions_total = 0
+
+    # ----------------------------------------------------------------- queues
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, request: Request, reason: str) -> None:
+        """Mark finished, leave the queues, and return every page to the pool."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = request.finish_reason or reason
+        self.kv.free(request.request_id)
+
+    # ----------------------------------------------------------------- scheduling
+    def schedule(self) -> SchedulerOutput:
+        """Build the next step (mutates queues and KV allocations)."""
+        out = SchedulerOutput()
+        token_budget = self.config.max_num_batched_tokens
+        scheduled: set[str] = set()
+        index = 0
+        while index < len(self.running) and token_budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            if num_new <= 0:
+                index += 1
+                continue
+            if not self._make_room(request, num_new, scheduled, out):
+                if request.status != RequestStatus.RUNNING:
+                    continue  # it preempted itself; ``running`` shifted under ``index``
+                index += 1
+                continue
+            out.scheduled.append(self._allocate(request, num_new))
+            scheduled.add(request.request_id)
+            token_budget -= num_new
+            index += 1
+        if not out.preempted_ids:
+            self._admit_waiting(out, token_budget)
+        return out
+
+    def _step_flags(self, request: Request, num_new: int) -> tuple[bool, bool]:
+        in_prefill = request.num_computed_tokens < request.num_prompt_tokens
+        completes_prompt = request.num_computed_tokens + num_new == request.num_prompt_tokens
+        return completes_prompt, in_prefill
+
+    def _allocate(self, request: Request, num_new: int) -> ScheduledRequest:
+        completes_prompt, in_prefill = self._step_flags(request, num_new)
+        layers = self.kv.allocate(request.request_id, num_new, completes_prompt, in_prefill)
+        samples = request.num_computed_tokens + num_new == request.num_tokens
+        return ScheduledRequest(request, num_new, layers, samples)
+
+    def _make_room(
+        self, request: Request, num_new: int, scheduled: set[str], out: SchedulerOutput
+    ) -> bool:
+        """Preempt newest requests until ``request``'s step fits; False if it cannot run now."""
+        flags = self._step_flags(request, num_new)
+        while not self.kv.can_allocate(request.request_id, num_new, *flags):
+            victim = self._pick_victim(scheduled)
+            if victim is None:
+                return False
+            self._preempt(victim)
+            out.preempted_ids.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _pick_victim(self, scheduled: set[str]) -> Request | None:
+        for candidate in reversed(self.running):
+            if candidate.request_id in scheduled:
+                continue
+            is_oldest = candidate is self.running[0]
+            if is_oldest and candidate.num_preemptions >= MAX_PREEMPTIONS_IN_A_ROW:
+                continue
+            return candidate
+        return None
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        if self.config.preemption_mode == "recompute" and not self._needs_swap(request):
+            self.kv.reset(request.request_id)
+            request.num_computed_tokens = 0
+        else:
+            self.kv.swap_out(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(request)
+
+    def _needs_swap(self, request: Request) -> bool:
+        """History-dependent caches (any budgeted layer) only resume exactly by swapping."""
+        return any(layer.budget is not None for layer in self.kv.get(request.request_id).layers)
+
+    def _admit_waiting(self, out: SchedulerOutput, token_budget: int) -> None:
+        while self.waiting and token_budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            # An idle engine admits without the watermark, so a lone request always runs.
+            watermark = self.config.watermark_pages if self.running else 0
+            swapped_in = False
+            if self.kv.get(request.request_id).is_swapped:
+                needed = self.kv.num_swap_in_pages(request.request_id) + self.kv.num_layers
+                if needed + watermark > self.kv.num_free_pages:
+                    return
+                self.kv.swap_in(request.request_id)
+                swapped_in, watermark = True, 0
+            num_new = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            flags = self._step_flags(request, num_new)
+            fits = self.kv.can_allocate(request.request_id, num_new, *flags, watermark=watermark)
+            if not fits and not swapped_in:
+                return
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            if fits:
+                out.scheduled.append(self._allocate(request, num_new))
+                token_budget -= num_new
+
+    # ----------------------------------------------------------------- after a step
+    def update(self, out: SchedulerOutput) -> None:
+        """Commit a finished step: counters and page trimming (tokens are appended by the engine)."""
+        for item in out.scheduled:
+            self.kv.commit(item.request.request_id, item.layers)
+            item.request.num_computed_tokens += item.num_new_tokens
+            item.request.num_preemptions = 0
+
+    def fail(self, out: SchedulerOutput) -> list[Request]:
+        """A step raised: finish its requests with ``error`` and free their pages."""
+        failed = []
+        for item in out.scheduled:
+            self.finish(item.request, "error")
+            failed.append(item.request)
+        return failed

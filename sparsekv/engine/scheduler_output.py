@@ -1,0 +1,46 @@
+"""The whole scheduler -> runner contract: plain data describing one engine step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sparsekv.engine.request import Request
+from sparsekv.kv_cache.manager import LayerStep
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step.
+
+    Attributes:
+        request: the request (the runner reads token ids, sampling params, compression).
+        num_new_tokens: tokens computed this step, starting at ``request.num_computed_tokens``.
+        layers: per-layer KV plan (block tables, held slots, compression target).
+        samples: the step reaches the request's last known token, so a token is sampled.
+    """
+
+    request: Request
+    num_new_tokens: int
+    layers: list[LayerStep]
+    samples: bool
+
+
+@dataclass
+class SchedulerOutput:
+    """Everything the runner needs for one step, in batch order.
+
+    Attributes:
+        scheduled: requests of this step; their tokens are flattened in this order.
+        preempted_ids: requests preempted while scheduling this step.
+    """
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled

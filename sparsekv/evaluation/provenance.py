@@ -1,0 +1,79 @@
+"""Provenance of a measurement: code version, library versions, threads, CPU (CONTRACTS.md §4)."""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Flags that decide which kernels and dtypes are fast on this CPU (CONTRACTS.md §3 --dtype).
+CPU_FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+_REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _git(*args: str) -> str | None:
+    try:
+        done = subprocess.run(
+            ["git", *args], cwd=_REPO_ROOT, capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def cpu_info(path: str = "/proc/cpuinfo") -> dict[str, Any]:
+    """CPU model name and the flags of :data:`CPU_FLAGS_OF_INTEREST` (``False`` when unknown).
+
+    Reads Linux's ``/proc/cpuinfo``; elsewhere the model is ``platform.processor()`` and no
+    flag is set.
+    """
+    fields: dict[str, str] = {}
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())  # the first CPU's entry
+    except OSError:
+        pass
+    flags = set(fields.get("flags", "").split())
+    model = fields.get("model name") or platform.processor() or None
+    return {"model": model, "flags": {name: name in flags for name in CPU_FLAGS_OF_INTEREST}}
+
+
+def provenance(config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What a report needs to be reproduced.
+
+    Args:
+        config: the settings of the measurement (model, dtype, policy...), stored as given.
+
+    Returns:
+        A JSON-ready dict with ``git_sha`` and ``git_dirty`` (``None`` outside a git checkout),
+        ``torch_version``, ``transformers_version`` (``None`` if not installed),
+        ``num_threads`` (``torch.get_num_threads()``), ``cpu`` (model name and flags
+        avx2/avx512f/avx512_bf16/amx_bf16/amx_tile), ``python_version``, ``platform``,
+        ``date`` (UTC, ISO 8601) and ``config``.
+    """
+    try:
+        import transformers
+
+        transformers_version: str | None = transformers.__version__
+    except ImportError:
+        transformers_version = None
+    status = _git("status", "--porcelain")
+    return {
+        "git_sha": _git("rev-parse", "HEAD"),
+        "git_dirty": None if status is None else bool(status),
+        "torch_version": torch.__version__,
+        "transformers_version": transformers_version,
+        "num_threads": torch.get_num_threads(),
+        "cpu": cpu_info(),
+        "python_version": platform.python_version(),
+        "platform": platform.platform(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "config": dict(config) if config is not None else None,
+    }

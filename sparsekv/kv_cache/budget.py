@@ -1,0 +1,163 @@
+"""Per-layer KV budgets and peak footprints: pure functions of a policy (CONTRACTS.md §1-§2).
+
+A budget is the number of slots a budgeted layer keeps, observation window included; ``None``
+means the layer keeps a full cache (full-first-N layers, sliding-window layers, policy off).
+Schedules: uniform, PyramidKV (arXiv 2406.02069, REFERENCE.md §1), explicit list.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from sparsekv.config import CompressionConfig
+
+PYRAMID_BETA = 20
+
+# Float products such as (1 - 0.7) * 1000 = 300.00000000000006 must not round up to 301.
+_RATIO_EPS = 1e-9
+
+
+def ratio_budget(compression_ratio: float, window: int, num_prompt_tokens: int) -> int:
+    """Budget of a compression ratio (fraction removed): ``max(window + 1, ceil((1 - r) * n))``."""
+    kept = math.ceil((1.0 - compression_ratio) * num_prompt_tokens - _RATIO_EPS)
+    return max(window + 1, kept)
+
+
+def base_budget(config: CompressionConfig, num_prompt_tokens: int) -> int:
+    """The policy's per-layer budget before any schedule (the average for PyramidKV).
+
+    Raises:
+        ValueError: the policy gives neither a budget nor a ratio.
+    """
+    if config.budget is not None:
+        return config.budget
+    if config.compression_ratio is None:
+        raise ValueError("kv_compression.budget: give a budget or a compression_ratio")
+    return ratio_budget(config.compression_ratio, config.window, num_prompt_tokens)
+
+
+def uniform_budgets(budget: int, window: int, num_prompt_tokens: int, num_layers: int) -> list[int]:
+    """Every budgeted layer keeps ``budget`` slots (SnapKV and the other methods)."""
+    return [budget] * num_layers
+
+
+def pyramid_budgets(
+    budget: int, window: int, num_prompt_tokens: int, num_layers: int, beta: int = PYRAMID_BETA
+) -> list[int]:
+    """PyramidKV's linearly falling budgets over ``num_layers`` budgeted layers (bottom first).
+
+    REFERENCE.md §1: with ``B = budget`` (average, window included), ``W = window``,
+    ``n = num_prompt_tokens``::
+
+        min_num = (B - W) // beta;  max_num = 2 * (B - W) - min_num
+        if max_num >= n - W: max_num = n - W; min_num = 2 * (B - W) - max_num
+        steps = (max_num - min_num) // (L - 1);  budget_l = max_num - l * steps + W
+
+    Fallbacks: ``n < B`` keeps everything and ``n < 2 * (B - W)`` is uniform SnapKV; both return
+    a uniform ``B`` (a layer with ``n <= B`` keeps every prompt token at prefill, and decode
+    eviction still works against ``B``). One layer is uniform too. Budgets are clamped to
+    ``>= W + 1`` (CONTRACTS.md §1) for tiny ``B - W`` where the schedule reaches ``W``.
+
+    Returns:
+        ``num_layers`` budgets in slots.
+    """
+    if num_prompt_tokens < budget or num_prompt_tokens < 2 * (budget - window) or num_layers < 2:
+        return [budget] * num_layers
+    min_num = (budget - window) // beta
+    max_num = 2 * (budget - window) - min_num
+    if max_num >= num_prompt_tokens - window:
+        max_num = num_prompt_tokens - window
+        min_num = 2 * (budget - window) - max_num
+    steps = (max_num - min_num) // (num_layers - 1)
+    return [max(window + 1, max_num - layer * steps + window) for layer in range(num_layers)]
+
+
+# Methods whose budgets are not uniform; every other method uses ``uniform_budgets``.
+_SCHEDULES: dict[str, Callable[[int, int, int, int], list[int]]] = {
+    "pyramidkv": pyramid_budgets,
+}
+
+
+def layer_budgets(
+    config: CompressionConfig,
+    num_layers: int,
+    num_prompt_tokens: int,
+    compressible: list[bool],
+) -> list[int | None]:
+    """Budget of every layer of a request (CONTRACTS.md §1); ``None`` = full cache.
+
+    Order of rules: policy off (method ``none`` or ratio 0) -> all ``None``; an explicit
+    ``config.layer_budgets`` list wins next (0 = full); otherwise the first ``full_layers``
+    layers are full and the rest are budgeted by the method's schedule over the budgeted layers
+    only. Non-compressible (sliding-window) layers are always ``None``.
+
+    Args:
+        config: a validated policy.
+        num_layers: decoder layers of the model.
+        num_prompt_tokens: tokens the policy compresses (the prompt, or the shared context).
+        compressible: ``[num_layers]``, False for sliding-window layers.
+
+    Returns:
+        ``[num_layers]`` budgets in slots, each ``>= window + 1``, or ``None``.
+
+    Raises:
+        ValueError: ``layer_budgets`` has the wrong length, or no budget or ratio is given.
+    """
+    assert len(compressible) == num_layers, (len(compressible), num_layers)
+    if not config.enabled:
+        return [None] * num_layers
+    if config.layer_budgets is not None:
+        if len(config.layer_budgets) != num_layers:
+            raise ValueError(
+                f"kv_compression.layer_budgets: {len(config.layer_budgets)} budgets for a model "
+                f"with {num_layers} layers"
+            )
+        return [
+            budget if budget and compressible[layer] else None
+            for layer, budget in enumerate(config.layer_budgets)
+        ]
+    budgeted = [
+        layer for layer in range(num_layers) if layer >= config.full_layers and compressible[layer]
+    ]
+    schedule = _SCHEDULES.get(config.method, uniform_budgets)
+    budgets = schedule(
+        base_budget(config, num_prompt_tokens), config.window, num_prompt_tokens, len(budgeted)
+    )
+    result: list[int | None] = [None] * num_layers
+    for layer, budget in zip(budgeted, budgets):
+        result[layer] = budget
+    return result
+
+
+def peak_layer_slots(
+    budget: int | None,
+    num_prompt_tokens: int,
+    max_tokens: int,
+    block_size: int,
+    decode_eviction: bool,
+) -> int:
+    """Most slots a full (``budget=None``) or budgeted layer ever holds (CONTRACTS.md §2).
+
+    Full: ``n + max_tokens``. Budgeted with decode eviction:
+    ``min(n + max_tokens, max(min(n, budget), budget + block_size))``; without it
+    ``min(n, budget) + max_tokens``. (The uncompressed prompt held during an exact-mode chunked
+    prefill is the caller's to add.)
+    """
+    total = num_prompt_tokens + max_tokens
+    if budget is None:
+        return total
+    kept = min(num_prompt_tokens, budget)
+    if decode_eviction:
+        return min(total, max(kept, budget + block_size))
+    return kept + max_tokens
+
+
+def peak_sliding_slots(sliding_window: int, max_num_batched_tokens: int, block_size: int) -> int:
+    """Most slots a sliding-window layer holds: ``window + max_num_batched_tokens + block_size``."""
+    return sliding_window + max_num_batched_tokens + block_size
+
+
+def num_pages(num_slots: int, block_size: int) -> int:
+    """Pages needed for ``num_slots`` slots: ``ceil(num_slots / block_size)``."""
+    return -(-num_slots // block_size)

@@ -1,0 +1,64 @@
+"""Per-request KV bookkeeping: a block table and slot counters for every layer.
+
+Counters follow CONTRACTS.md §2: ``num_slots`` is the logical slot count of a (request, layer)
+(``first_slot`` included), distinct from the request's logical ``num_tokens``; ``first_slot`` is
+the logical slot of the first page still held (sliding layers free leading pages).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class LayerKV:
+    """KV state of one (request, layer).
+
+    Attributes:
+        block_table: page ids, first held page first.
+        num_slots: logical slots (held slots = ``num_slots - first_slot``).
+        first_slot: logical slot of ``block_table[0]`` (a multiple of ``block_size``).
+        num_evicted: tokens removed by compression so far.
+        budget: slots kept after compression, or ``None`` for a layer that is never compressed.
+        recent_queries: ``[num_heads, <= window, head_dim]`` queries of the latest tokens
+            (post-RoPE), used to re-score at decode time; ``None`` for uncompressed layers.
+        accumulated: ``[num_kv_heads, num_held]`` fp32 attention mass per slot (H2O).
+    """
+
+    block_table: list[int] = field(default_factory=list)
+    num_slots: int = 0
+    first_slot: int = 0
+    num_evicted: int = 0
+    budget: int | None = None
+    recent_queries: torch.Tensor | None = None
+    accumulated: torch.Tensor | None = None
+
+    @property
+    def num_held(self) -> int:
+        return self.num_slots - self.first_slot
+
+
+@dataclass
+class RequestKV:
+    """All layers of one request, plus its host-side swap copy while preempted.
+
+    Attributes:
+        layers: one ``LayerKV`` per model layer.
+        swapped_pages: per layer, ``[num_blocks, 2, num_kv_heads, block_size, head_dim]`` host
+            copies of the pages while the request is swapped out, else ``None``.
+    """
+
+    layers: list[LayerKV]
+    swapped_pages: list[torch.Tensor] | None = None
+
+    @property
+    def is_swapped(self) -> bool:
+        return self.swapped_pages is not None
+
+    def kept_per_layer(self) -> list[int]:
+        return [layer.num_held for layer in self.layers]
+
+    def evicted_per_layer(self) -> list[int]:
+        return [layer.num_evicted for layer in self.layers]

@@ -1,0 +1,137 @@
+"""Offline API: ``LLM(model=...).generate(prompts, SamplingParams)``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from sparsekv.config import (
+    CacheConfig,
+    CompressionConfig,
+    EngineConfig,
+    ModelConfig,
+)
+from sparsekv.engine.llm_engine import LLMEngine
+from sparsekv.engine.prompts import Prompt, encode_prompt
+from sparsekv.outputs import RequestOutput
+from sparsekv.sampling_params import SamplingParams
+
+
+class LLM:
+    """Generate offline with continuous batching over a sparse paged KV cache.
+
+    Args:
+        model: GGUF path, Hugging Face folder, or built-in name.
+        dtype: ``auto``, ``bfloat16`` or ``float32``.
+        kv_compression: default compression policy (``None`` = CONTRACTS.md's default policy;
+            ``CompressionConfig(method="none")`` = full cache).
+        kv_cache_memory: GiB for the page pool.
+        engine_config: a full ``EngineConfig`` (overrides the keyword settings).
+        **kwargs: other ``ModelConfig``/``CacheConfig``/``SchedulerConfig`` fields by name.
+
+    Raises:
+        ValueError: an invalid setting, or a missing or corrupt model file.
+    """
+
+    def __init__(
+        self,
+        model: str = "smollm2-135m-instruct",
+        dtype: str = "auto",
+        kv_compression: CompressionConfig | None = None,
+        kv_cache_memory: float = 2.0,
+        engine_config: EngineConfig | None = None,
+        **kwargs,
+    ) -> None:
+        if engine_config is None:
+            engine_config = EngineConfig(
+                model=ModelConfig(model=model, dtype=dtype),
+                cache=CacheConfig(kv_cache_memory=kv_cache_memory),
+                compression=kv_compression or CompressionConfig(),
+            )
+            _apply_kwargs(engine_config, kwargs)
+        self.engine = LLMEngine(engine_config)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        kv_compression: CompressionConfig | dict | Sequence | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion; outputs come back in prompt order.
+
+        Args:
+            prompts: one prompt or a list (text, token ids, or chat messages).
+            sampling_params: one for all prompts or one per prompt (default: greedy-free
+                ``SamplingParams()``).
+            kv_compression: per-request policy override: one for all or a list.
+            use_tqdm: show a progress bar.
+
+        Raises:
+            ValueError: invalid input; nothing is queued in that case.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        params = _broadcast(sampling_params or SamplingParams(), len(prompt_list), "sampling")
+        policies = _broadcast(kv_compression, len(prompt_list), "kv_compression")
+        encoded = [encode_prompt(self.tokenizer, p) for p in prompt_list]
+        ids = [f"offline-{next(self._ids)}" for _ in encoded]
+        added = []
+        try:
+            for request_id, tokens, sp, policy in zip(ids, encoded, params, policies):
+                self.engine.add_request(request_id, tokens, sp, policy)
+                added.append(request_id)
+        except ValueError:
+            for request_id in added:
+                self.engine.abort_request(request_id)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), disable=not use_tqdm, desc="generate")
+        while self.engine.has_unfinished_requests():
+            for output in self.engine.step():
+                if output.finished:
+                    finished[output.request_id] = output
+                    bar.update(1)
+        bar.close()
+        return [finished[i] for i in ids]
+
+    def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None):
+        """One chat conversation -> its ``RequestOutput``."""
+        return self.generate([messages], sampling_params)[0]
+
+
+def _as_prompt_list(prompts) -> list:
+    if isinstance(prompts, str):
+        return [prompts]
+    items = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [items]
+    if items and all(isinstance(m, dict) for m in items):
+        return [items]
+    if not items:
+        raise ValueError("prompts: no prompt given")
+    return items
+
+
+def _broadcast(value, count: int, name: str) -> list:
+    if isinstance(value, (list, tuple)):
+        if len(value) != count:
+            raise ValueError(f"{name}: got {len(value)} entries for {count} prompts")
+        return list(value)
+    return [value] * count
+
+
+def _apply_kwargs(config: EngineConfig, kwargs: dict) -> None:
+    for key, value in kwargs.items():
+        for part in (config.model, config.cache, config.scheduler, config.compression):
+            if hasattr(part, key):
+                setattr(part, key, value)
+                break
+        else:
+            raise ValueError(f"{key}: unknown engine setting")

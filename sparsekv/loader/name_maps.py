@@ -1,0 +1,97 @@
+"""Declarative tables from GGUF tensor names to Hugging Face parameter names.
+
+GGUF names follow llama.cpp's ``gguf-py/gguf/tensor_mapping.py`` (``blk.{layer}.attn_q.weight``);
+HF names follow transformers' ``LlamaForCausalLM`` / ``Gemma3ForCausalLM`` state dicts.
+Per-tensor value fixes (llama.cpp's Q/K row permutation, Gemma's ``1 + w`` norms) are named
+here and implemented in :mod:`sparsekv.loader.transforms`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+# Tensors outside the decoder layers, shared by the supported architectures.
+GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+# Per-layer suffixes: ``blk.{i}.<gguf suffix>`` -> ``model.layers.{i}.<hf suffix>``.
+LLAMA_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+# Gemma 3 has four norms per layer (sandwich norms) and per-head q/k RMSNorms; note that its
+# ``ffn_norm`` is the *pre*-feed-forward norm, unlike Llama's.
+GEMMA3_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+_LAYER_NAME = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """How one GGUF architecture maps onto Hugging Face names.
+
+    Attributes:
+        layer_names: per-layer GGUF suffix -> HF suffix.
+        transforms: (regex on the GGUF name, transform name) pairs; every matching transform
+            is applied, in order (names index :data:`sparsekv.loader.transforms.TRANSFORMS`).
+        ignored: GGUF tensors with no HF parameter (dropped, e.g. precomputed RoPE factors).
+    """
+
+    layer_names: dict[str, str]
+    transforms: tuple[tuple[str, str], ...] = ()
+    ignored: frozenset[str] = field(default_factory=frozenset)
+
+    def hf_name(self, gguf_name: str) -> str | None:
+        """HF parameter name for a GGUF tensor name, or None if the name is unknown."""
+        if gguf_name in GLOBAL_NAMES:
+            return GLOBAL_NAMES[gguf_name]
+        match = _LAYER_NAME.fullmatch(gguf_name)
+        if match is None or match.group(2) not in self.layer_names:
+            return None
+        return f"model.layers.{match.group(1)}.{self.layer_names[match.group(2)]}"
+
+    def transforms_for(self, gguf_name: str) -> list[str]:
+        """Names of the value transforms that apply to a GGUF tensor."""
+        return [name for pattern, name in self.transforms if re.search(pattern, gguf_name)]
+
+
+ARCHITECTURES = {
+    # llama.cpp's convert_hf_to_gguf.py permutes Q and K rows (interleaved RoPE pairs) for Llama.
+    "llama": ArchSpec(
+        layer_names=LLAMA_LAYER_NAMES,
+        transforms=((r"\.attn_q\.weight$", "unpermute_q"), (r"\.attn_k\.weight$", "unpermute_k")),
+        ignored=frozenset({"rope_freqs.weight"}),
+    ),
+    # Gemma 3: no Q/K permutation (its converter keeps HF's half-split RoPE layout), but every
+    # RMSNorm weight (including q_norm / k_norm and the final norm) is stored as 1 + w.
+    "gemma3": ArchSpec(
+        layer_names=GEMMA3_LAYER_NAMES,
+        transforms=((r"norm\.weight$", "subtract_one"),),
+    ),
+}

@@ -1,0 +1,69 @@
+"""Load a Hugging Face folder: config.json, tokenizer files and one or more *.safetensors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoTokenizer
+
+# Multimodal checkpoints (e.g. Gemma 3 4B's Gemma3ForConditionalGeneration) keep the text model
+# under these prefixes; the engine serves the text model only, with HF's text-model names.
+_TEXT_PREFIXES = {
+    "model.language_model.": "model.",
+    "language_model.model.": "model.",
+    "language_model.lm_head.": "lm_head.",
+}
+_SKIPPED_PREFIXES = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.",
+                     "multi_modal_projector.")  # fmt: skip
+
+
+def load_hf_folder(folder: str | Path, dtype: torch.dtype):
+    """Read an HF folder into ``(hf_config, tokenizer, state_dict)``.
+
+    Args:
+        folder: holds ``config.json``, tokenizer files and ``*.safetensors`` (one file or shards).
+        dtype: floating dtype of the returned tensors.
+
+    Returns:
+        ``(hf_config, tokenizer, state_dict)``: the config (for a multimodal config, its
+        ``text_config``), the tokenizer, and HF text-model parameter names to contiguous tensors in
+        ``dtype`` (``lm_head.weight`` may be absent when ``tie_word_embeddings``).
+
+    Raises:
+        ValueError: (message starts with ``model:``) a safetensors file is unreadable, or the
+            folder has no tokenizer.
+    """
+    folder = Path(folder)
+    config = AutoConfig.from_pretrained(folder)
+    config = config.get_text_config(decoder=True)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError, TypeError) as exc:
+        raise ValueError(f"model: cannot load a tokenizer from {folder}: {exc}") from exc
+    state_dict = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        state_dict.update(_read_safetensors(file, dtype))
+    return config, tokenizer, state_dict
+
+
+def _read_safetensors(file: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    try:
+        tensors = load_file(file)
+    except (SafetensorError, OSError) as exc:
+        raise ValueError(f"model: cannot read {file}: {exc}") from exc
+    state_dict = {}
+    for name, tensor in tensors.items():
+        if name.startswith(_SKIPPED_PREFIXES):
+            continue
+        state_dict[_text_model_name(name)] = tensor.to(dtype).contiguous()
+    return state_dict
+
+
+def _text_model_name(name: str) -> str:
+    for prefix, replacement in _TEXT_PREFIXES.items():
+        if name.startswith(prefix):
+            return replacement + name[len(prefix) :]
+    return name

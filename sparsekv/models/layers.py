@@ -1,0 +1,114 @@
+"""Building blocks shared by the model files: RMSNorm, rotary embedding, gated MLP."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm (Zhang & Sennrich 2019), computed in fp32.
+
+    Args:
+        hidden_size: last-dimension size.
+        eps: added to the mean square.
+        unit_offset: scale by ``1 + weight`` (Gemma's convention) instead of ``weight``.
+    """
+
+    def __init__(self, hidden_size: int, eps: float, unit_offset: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+        self.unit_offset = unit_offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: ``[..., hidden_size]`` -> same shape and dtype."""
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        weight = self.weight.float()
+        if self.unit_offset:
+            weight = 1.0 + weight
+        return (x32 * weight).to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (Su et al. 2021, RoFormer), HF's rotate-half layout.
+
+    Frequencies come from transformers' RoPE initialisers, so llama3 / linear / dynamic scaling
+    follow the config exactly.
+
+    Args:
+        config: a transformers config (its ``rope_parameters`` select the scaling).
+        head_dim: rotated dimension.
+        layer_type: key into ``config.rope_parameters`` when it holds one entry per layer type
+            (Gemma 3: ``full_attention`` / ``sliding_attention``).
+    """
+
+    def __init__(self, config, head_dim: int, layer_type: str | None = None) -> None:
+        super().__init__()
+        self._args = (config, head_dim, layer_type)
+        self.register_buffer("inv_freq", torch.empty(head_dim // 2), persistent=False)
+        self.attention_scaling = 1.0
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """(Re)compute the frequencies, e.g. after building the module on the meta device."""
+        config, head_dim, layer_type = self._args
+        params = dict(getattr(config, "rope_parameters", None) or {})
+        if layer_type is not None and layer_type in params:
+            params = dict(params[layer_type])
+        else:
+            layer_type = None
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "default":
+            base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+            exponent = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
+            inv_freq, scaling = 1.0 / (base**exponent), 1.0
+        else:
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", layer_type=layer_type)
+        with torch.no_grad():
+            self.inv_freq = inv_freq.float().to(self.inv_freq.device)
+        self.attention_scaling = float(scaling)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """``positions``: ``[num_tokens]`` int64 -> cos, sin ``[num_tokens, 1, head_dim]``."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.attention_scaling).to(dtype)
+        sin = (emb.sin() * self.attention_scaling).to(dtype)
+        return cos[:, None, :], sin[:, None, :]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[num_tokens, num_heads, head_dim]`` by per-token cos/sin."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class GatedMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))`` with gate and up fused into one matmul.
+
+    Args:
+        hidden_size, intermediate_size: layer widths.
+        activation: ``silu`` (SwiGLU, Llama) or ``gelu_tanh`` (GeGLU, Gemma).
+        bias: linear biases.
+    """
+
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, activation: str, bias: bool = False
+    ) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.activation = activation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        if self.activation == "silu":
+            gate = nn.functional.silu(gate)
+        else:
+            gate = nn.functional.gelu(gate, approximate="tanh")
+        return self.down_proj(gate * up)

@@ -1,0 +1,128 @@
+"""SchedulerOutput -> forward -> sample -> RunnerOutput.
+
+The runner flattens the step's tokens into one ragged batch (absolute positions: a token's
+position is its index in the request, whatever was evicted), builds the attention metadata,
+runs the model once, computes logits only for rows that sample, and samples them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from sparsekv.attention.metadata import RequestSlice, build_metadata
+from sparsekv.attention.paged import PagedAttention
+from sparsekv.engine.scheduler_output import SchedulerOutput
+from sparsekv.kv_cache.manager import KVCacheManager
+from sparsekv.outputs import Logprob
+from sparsekv.sampling.sampler import Sampler, SamplingBatch
+
+
+@dataclass
+class RunnerOutput:
+    """Sampled tokens of the step.
+
+    Attributes:
+        token_ids: request id -> sampled token (only requests that sampled).
+        logprobs: request id -> logprob record (only where logprobs were requested).
+        logits: request id -> fp32 ``[vocab_size]`` logits (only where collected).
+    """
+
+    token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, Logprob] = field(default_factory=dict)
+    logits: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class ModelRunner:
+    """Runs the model over scheduled steps.
+
+    Args:
+        model: a model with ``forward(input_ids, positions, ctx)``, ``compute_logits`` and
+            ``layer_specs()``.
+        kv: the KV manager (page storage and per-request state).
+        device: torch device of the model.
+    """
+
+    def __init__(self, model: torch.nn.Module, kv: KVCacheManager, device: torch.device) -> None:
+        self.model = model
+        self.kv = kv
+        self.device = device
+        self.layer_specs = kv.layer_specs
+        self.sampler = Sampler()
+        self.logit_softcap = getattr(model, "attn_logit_softcap", None)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """Run one step.
+
+        Raises:
+            Whatever the model raises; the engine fails only this step's requests.
+        """
+        result = RunnerOutput()
+        if out.is_empty:
+            return result
+        input_ids, positions, slices = [], [], []
+        start = 0
+        for item in out.scheduled:
+            request = item.request
+            first = request.num_computed_tokens
+            input_ids.extend(request.token_slice(first, first + item.num_new_tokens))
+            positions.extend(range(first, first + item.num_new_tokens))
+            policy = request.compression
+            slices.append(
+                RequestSlice(
+                    request_id=request.request_id,
+                    start=start,
+                    num_new=item.num_new_tokens,
+                    layers=item.layers,
+                    kv=self.kv.get(request.request_id),
+                    compressor=request.compressor,
+                    window=policy.window if policy is not None else 1,
+                    generator=request.kv_generator,
+                )
+            )
+            start += item.num_new_tokens
+        metadata = build_metadata(slices, len(self.layer_specs), self.kv.block_size, self.device)
+        ctx = PagedAttention(self.kv.kv_pool, metadata, self.layer_specs, self.logit_softcap)
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, pos, ctx)
+        sampling = [(s, item) for s, item in zip(slices, out.scheduled) if item.samples]
+        if not sampling:
+            return result
+        rows = torch.tensor(
+            [s.start + s.num_new - 1 for s, _ in sampling], dtype=torch.long, device=self.device
+        )
+        logits = self.model.compute_logits(hidden[rows])
+        requests = [item.request for _, item in sampling]
+        batch = SamplingBatch.from_requests(
+            params=[r.sampling_params for r in requests],
+            generators=[r.generator for r in requests],
+            prompt_ids=[r.prompt_token_ids for r in requests],
+            output_ids=[r.output_token_ids for r in requests],
+            eos_token_ids=[list(r.eos_token_ids) for r in requests],
+            device=logits.device,
+        )
+        sampled = self.sampler(logits, batch)
+        token_ids = sampled.token_ids.tolist()
+        for i, request in enumerate(requests):
+            result.token_ids[request.request_id] = token_ids[i]
+            if request.collect_logits:
+                result.logits[request.request_id] = logits[i].cpu()
+            if request.sampling_params.logprobs is not None and sampled.logprobs is not None:
+                num_top = request.sampling_params.logprobs
+                result.logprobs[request.request_id] = _logprob_record(sampled, i, num_top)
+        return result
+
+
+def _logprob_record(sampled, row: int, num_top: int) -> Logprob:
+    top = []
+    if sampled.top_ids is not None and num_top > 0:
+        ids = sampled.top_ids[row, :num_top].tolist()
+        top = list(zip(ids, sampled.top_logprobs[row, :num_top].tolist()))
+    return Logprob(
+        token_id=int(sampled.token_ids[row]),
+        logprob=float(sampled.logprobs[row]),
+        top=top,
+    )

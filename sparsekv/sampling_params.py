@@ -1,0 +1,151 @@
+"""Per-request sampling settings (OpenAI / vLLM semantics), validated once at arrival."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+# Temperatures below this are treated as greedy: dividing logits by them overflows fp32.
+GREEDY_TEMPERATURE = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """How one request picks its tokens and when it stops.
+
+    Attributes:
+        n: number of independent samples of the prompt.
+        temperature: softmax temperature; ``0`` (or below 1e-5) means greedy decoding.
+        top_p: nucleus sampling: keep the smallest set of most likely tokens whose probability
+            sums to at least ``top_p``; ``1`` is off.
+        top_k: keep the ``top_k`` most likely tokens; ``0`` or ``-1`` is off.
+        min_p: drop tokens whose probability is below ``min_p`` times the top token's; ``0`` is off.
+        repetition_penalty: CTRL/HF penalty on every token of the prompt and output: positive
+            logits are divided by it, negative ones multiplied; ``1`` is off.
+        presence_penalty: OpenAI penalty subtracted once from every token already generated.
+        frequency_penalty: OpenAI penalty subtracted per occurrence of a generated token.
+        seed: seeds the request's own random generator (reproducible in any batch, and after
+            preemption); ``None`` uses the engine's generator.
+        stop: strings that end generation; the text is cut before the match (a ``str`` is
+            accepted and becomes a one-element list).
+        stop_token_ids: token ids that end generation (besides EOS).
+        ignore_eos: keep generating past EOS.
+        max_tokens: most tokens to generate.
+        min_tokens: EOS, ``stop_token_ids`` and stop strings are ignored until this many tokens
+            were generated.
+        logprobs: ``None`` for none; else the log-probability of each sampled token plus the
+            ``logprobs`` (0-20) most likely alternatives.
+        include_stop_str_in_output: keep the matched stop string in the text.
+        skip_special_tokens: leave special tokens out of the text.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    max_tokens: int = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when the request takes the argmax of the (penalized) logits."""
+        return self.temperature < GREEDY_TEMPERATURE
+
+    def validate(
+        self, max_model_len: int | None = None, num_prompt_tokens: int | None = None
+    ) -> None:
+        """Checks every field once, at arrival.
+
+        Args:
+            max_model_len: context length in tokens; with ``num_prompt_tokens`` the request
+                must fit (prompt + max_tokens <= max_model_len).
+            num_prompt_tokens: length of the templated prompt in tokens.
+
+        Raises:
+            ValueError: message starts with the offending parameter's name.
+        """
+        self._validate_counts()
+        self._validate_distribution()
+        self._validate_penalties()
+        self._validate_stops()
+        self._validate_length(max_model_len, num_prompt_tokens)
+
+    def _validate_counts(self) -> None:
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+            )
+        if self.logprobs is not None and (
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+
+    def _validate_distribution(self) -> None:
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+
+    def _validate_penalties(self) -> None:
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        if not -2 <= self.presence_penalty <= 2:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}")
+        if not -2 <= self.frequency_penalty <= 2:
+            raise ValueError(
+                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}"
+            )
+
+    def _validate_stops(self) -> None:
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must hold non-empty strings, got {s!r}")
+        for t in self.stop_token_ids:
+            if not _is_int(t) or t < 0:
+                raise ValueError(f"stop_token_ids must hold token ids >= 0, got {t!r}")
+
+    def _validate_length(self, max_model_len: int | None, num_prompt_tokens: int | None) -> None:
+        if max_model_len is None:
+            return
+        num_prompt = num_prompt_tokens or 0
+        if num_prompt + self.max_tokens > max_model_len:
+            raise ValueError(
+                f"max_tokens ({self.max_tokens}) plus the prompt's {num_prompt} tokens "
+                f"= {num_prompt + self.max_tokens} exceeds max_model_len ({max_model_len})"
+            )
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

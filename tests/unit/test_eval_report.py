@@ -1,0 +1,112 @@
+"""Report writer, heatmap and provenance."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from sparsekv.evaluation import provenance as provenance_module
+from sparsekv.evaluation.report import (
+    heatmap_grid,
+    markdown_table,
+    provenance,
+    write_heatmap,
+    write_report,
+)
+
+PROVENANCE_KEYS = {
+    "git_sha",
+    "torch_version",
+    "transformers_version",
+    "num_threads",
+    "cpu",
+    "python_version",
+    "date",
+    "config",
+}
+ROWS = [
+    {"method": "snapkv", "ratio": 0.5, "agreement": 0.91},
+    {"method": "snapkv", "ratio": 0.25, "agreement": 0.97},
+    {"method": "h2o", "ratio": 0.5, "agreement": 0.84},
+    {"method": "h2o", "ratio": 0.25, "agreement": 0.93},
+]
+
+
+def is_png(path) -> bool:
+    data = path.read_bytes()
+    return data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 1000
+
+
+def test_write_report_writes_three_files(tmp_path):
+    prov = provenance({"model": "smollm2-135m-instruct", "budget": 256})
+    files = write_report(
+        tmp_path / "out",
+        "fidelity",
+        ROWS,
+        title="Fidelity",
+        x="ratio",
+        y="agreement",
+        group="method",
+        provenance=prov,
+    )
+    document = json.loads(files.json.read_text())
+    assert document["rows"] == ROWS
+    assert PROVENANCE_KEYS <= set(document["provenance"])
+    assert document["provenance"]["config"] == {"model": "smollm2-135m-instruct", "budget": 256}
+    markdown = files.markdown.read_text()
+    assert "| method | ratio | agreement |" in markdown
+    assert "| h2o | 0.25 | 0.93 |" in markdown
+    assert "git_sha" in markdown
+    assert is_png(files.png)
+
+
+def test_write_report_single_line_and_errors(tmp_path):
+    files = write_report(
+        tmp_path, "one", ROWS[:2], title="t", x="ratio", y="agreement", provenance={}
+    )
+    assert is_png(files.png)
+    with pytest.raises(ValueError, match="lack"):
+        write_report(
+            tmp_path, "bad", [{"ratio": 1}], title="t", x="ratio", y="agreement", provenance={}
+        )
+    with pytest.raises(ValueError, match="at least one row"):
+        write_report(tmp_path, "bad", [], title="t", x="a", y="b", provenance={})
+
+
+def test_markdown_table_unions_columns():
+    table = markdown_table([{"a": 1}, {"b": 2.123456, "a": None}])
+    assert table.splitlines() == ["| a | b |", "|---|---|", "| 1 |  |", "|  | 2.123 |"]
+
+
+def test_heatmap_grid_averages_cells(tmp_path):
+    rows = [
+        {"length": 4000, "depth": 0.0, "score": 100.0},
+        {"length": 4000, "depth": 0.0, "score": 50.0},
+        {"length": 8000, "depth": 0.0, "score": 0.0},
+        {"length": 4000, "depth": 1.0, "score": 100.0},
+    ]
+    xs, ys, grid = heatmap_grid(rows)
+    assert xs == [4000, 8000] and ys == [0.0, 1.0]
+    assert grid[0] == [75.0, 0.0]
+    assert grid[1][0] == 100.0 and math.isnan(grid[1][1])
+    assert is_png(write_heatmap(tmp_path / "h" / "grid.png", rows, title="passkey"))
+
+
+def test_provenance_without_git_and_cpu_flags(tmp_path, monkeypatch):
+    monkeypatch.setattr(provenance_module, "_REPO_ROOT", tmp_path)
+    prov = provenance()
+    assert prov["git_sha"] is None and prov["config"] is None
+    assert prov["num_threads"] >= 1
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("model name\t: Test CPU\nflags\t\t: fpu avx2 avx512f amx_tile\n")
+    info = provenance_module.cpu_info(str(cpuinfo))
+    assert info["model"] == "Test CPU"
+    assert info["flags"] == {
+        "avx2": True,
+        "avx512f": True,
+        "avx512_bf16": False,
+        "amx_bf16": False,
+        "amx_tile": True,
+    }

@@ -1,0 +1,87 @@
+"""SamplingParams: defaults, normalization and validation messages."""
+
+from __future__ import annotations
+
+import pytest
+
+from sparsekv.sampling_params import SamplingParams
+
+
+def test_defaults_validate_and_stop_string_becomes_list():
+    params = SamplingParams(stop="###")
+    params.validate(max_model_len=2048, num_prompt_tokens=100)
+    assert params.stop == ["###"]
+    assert SamplingParams(stop=None).stop == []
+    assert not params.is_greedy
+    assert SamplingParams(temperature=0.0).is_greedy
+
+
+def test_list_fields_are_not_shared():
+    a, b = SamplingParams(), SamplingParams()
+    a.stop.append("x")
+    assert b.stop == []
+    stops = ["x"]
+    assert SamplingParams(stop=stops).stop is not stops
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs"),
+    [
+        ("max_tokens", {"max_tokens": 0}),
+        ("max_tokens", {"max_tokens": -3}),
+        ("temperature", {"temperature": -0.1}),
+        ("temperature", {"temperature": float("nan")}),
+        ("top_p", {"top_p": 0.0}),
+        ("top_p", {"top_p": 1.01}),
+        ("top_k", {"top_k": -2}),
+        ("min_p", {"min_p": -0.1}),
+        ("min_p", {"min_p": 1.5}),
+        ("n", {"n": 0}),
+        ("logprobs", {"logprobs": -1}),
+        ("logprobs", {"logprobs": 21}),
+        ("repetition_penalty", {"repetition_penalty": 0.0}),
+        ("presence_penalty", {"presence_penalty": 2.5}),
+        ("presence_penalty", {"presence_penalty": -2.1}),
+        ("frequency_penalty", {"frequency_penalty": 2.1}),
+        ("frequency_penalty", {"frequency_penalty": -3.0}),
+        ("min_tokens", {"min_tokens": -1}),
+        ("min_tokens", {"min_tokens": 20, "max_tokens": 10}),
+        ("stop", {"stop": ["ok", ""]}),
+        ("stop_token_ids", {"stop_token_ids": [-5]}),
+        ("seed", {"seed": 1.5}),
+    ],
+)
+def test_each_rule_names_its_parameter(name, kwargs):
+    with pytest.raises(ValueError) as info:
+        SamplingParams(**kwargs).validate()
+    assert str(info.value).startswith(name)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"top_k": -1},
+        {"top_k": 0},
+        {"top_p": 1.0},
+        {"min_p": 0.0},
+        {"min_p": 1.0},
+        {"logprobs": 0},
+        {"logprobs": 20},
+        {"presence_penalty": -2.0, "frequency_penalty": 2.0},
+        {"min_tokens": 16, "max_tokens": 16},
+        {"temperature": 0.0},
+    ],
+)
+def test_boundaries_are_accepted(kwargs):
+    SamplingParams(**kwargs).validate()
+
+
+def test_prompt_plus_max_tokens_must_fit_the_context():
+    SamplingParams(max_tokens=100).validate(max_model_len=612, num_prompt_tokens=512)
+    with pytest.raises(ValueError) as info:
+        SamplingParams(max_tokens=101).validate(max_model_len=612, num_prompt_tokens=512)
+    message = str(info.value)
+    assert message.startswith("max_tokens")
+    assert "512" in message and "612" in message and "101" in message
+    with pytest.raises(ValueError, match="^max_tokens"):
+        SamplingParams(max_tokens=700).validate(max_model_len=612)
