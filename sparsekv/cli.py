@@ -98,11 +98,22 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None)
-    serve.add_argument("--max-body-bytes", type=int, default=8 << 20)
-    serve.add_argument("--request-timeout", type=float, default=None)
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1 (default: env SPARSEKV_API_KEY)",
+    )
+    serve.add_argument(
+        "--max-body-bytes", type=int, default=8 << 20, help="largest request body (413 past it)"
+    )
+    serve.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="seconds before a request is aborted; also the SIGTERM drain limit (default: none)",
+    )
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 

@@ -61,18 +61,23 @@ class CacheConfig:
         block_size: slots per page.
         kv_cache_dtype: storage dtype of K/V (``auto`` = the model dtype).
         enable_prefix_caching: share full pages of identical prompt prefixes.
+        num_pages: pool size in pages, overriding the size derived from ``kv_cache_memory``
+            (tests and benchmarks that need an exact pool).
     """
 
     kv_cache_memory: float = 2.0
     block_size: int = 16
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
+    num_pages: int | None = None
 
     def validate(self) -> None:
         if not self.kv_cache_memory > 0:
             raise ValueError("kv_cache_memory must be > 0 GiB")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError("block_size must be a positive power of two")
+        if self.num_pages is not None and self.num_pages < 1:
+            raise ValueError("num_pages must be >= 1")
         if self.kv_cache_dtype not in ("auto",):
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported yet")
 

@@ -51,7 +51,13 @@ class PagedAttention:
         self.logit_softcap = logit_softcap
 
     def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """Attention of the step's new tokens over their requests' caches.
 
@@ -60,12 +66,19 @@ class PagedAttention:
             q: ``[num_tokens, num_heads, head_dim]`` post-RoPE queries.
             k, v: ``[num_tokens, num_kv_heads, head_dim]`` new keys (post-RoPE) and values.
             scale: softmax scale.
+            sliding_window: the model's attention window for this layer in tokens (a query
+                sees itself and the ``sliding_window - 1`` before it); ``None`` uses the layer
+                spec's. The mask is the model's math, the spec only says which pages the cache
+                may free, so a model can keep its window on a layer paged as ``full``; it must
+                not exceed a ``sliding`` spec's window (those slots are gone).
 
         Returns:
             ``[num_tokens, num_heads, head_dim]`` in the query dtype.
         """
         out = torch.empty_like(q)
-        window = self.layer_specs[layer].sliding_window
+        spec_window = self.layer_specs[layer].sliding_window
+        assert sliding_window is None or spec_window is None or sliding_window <= spec_window
+        window = sliding_window if sliding_window is not None else spec_window
         batch = self.metadata.decode[layer]
         if batch is not None:
             write_kv(self.kv_pool, batch.slot_mapping, k[batch.rows], v[batch.rows])

@@ -93,6 +93,8 @@ def num_pool_pages(
     Raises:
         ValueError: the size exceeds 80% of available RAM or leaves no room for pages.
     """
+    if config.cache.num_pages is not None:
+        return config.cache.num_pages
     total = int(config.cache.kv_cache_memory * GIB)
     available = available_memory_bytes()
     if available is not None and total > 0.8 * available:

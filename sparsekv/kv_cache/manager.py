@@ -131,8 +131,10 @@ class KVCacheManager:
             return min(total, bound)
         if budget is None:
             return total
-        # The exact-mode prefill transiently holds the uncompressed earlier chunks.
-        prefill_peak = n_prompt if not p.bounded_chunks else min(n_prompt, budget)
+        # An exact-mode chunked prefill holds the uncompressed earlier chunks until the last
+        # one; a single-shot prefill never writes them (DESIGN.md §4).
+        chunked = n_prompt > self.max_num_batched_tokens
+        prefill_peak = n_prompt if chunked and not p.bounded_chunks else min(n_prompt, budget)
         if p.decode_eviction:
             decode_peak = min(total, max(min(n_prompt, budget), budget + self.block_size))
         else:

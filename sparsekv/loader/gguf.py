@@ -8,12 +8,12 @@ loader does), renamed with :mod:`sparsekv.loader.name_maps` and fixed up with
 
 from __future__ import annotations
 
+import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from gguf.quants import dequantize
 
@@ -21,6 +21,8 @@ from sparsekv.loader.gguf_file import GGUFFile, GGUFTensorInfo, read_gguf
 from sparsekv.loader.gguf_metadata import load_gguf_config_and_tokenizer
 from sparsekv.loader.name_maps import ARCHITECTURES, ArchSpec
 from sparsekv.loader.transforms import TRANSFORMS
+
+_CHUNK_VALUES = 1 << 22  # values per dequantization work unit (16 MiB in float32)
 
 
 @dataclass(frozen=True)
@@ -66,11 +68,28 @@ def gguf_state_dict(gguf: GGUFFile, spec: ArchSpec, config, dtype: torch.dtype):
         to ``model.embed_tokens.weight`` (``config.tie_word_embeddings`` is then True).
     """
     plans = _plan(gguf, spec)
-    # numpy's dequantization and torch's ops release the GIL for most of their work.
+    # Tensors needing a transform are dequantized in float32 first; the rest go straight to
+    # ``dtype``, so bf16 loads never hold a float32 copy of the big embedding.
+    outputs = {
+        plan.hf_name: torch.empty(
+            plan.info.shape, dtype=torch.float32 if plan.transforms else dtype
+        )
+        for plan in plans
+    }
+    units = [(plan, rows) for plan in plans for rows in _row_chunks(plan.info.shape)]
+    # Row chunks spread big tensors over the workers; numpy's dequantization and torch's copies
+    # release the GIL for most of their work.
     num_workers = max(1, min(4, os.cpu_count() or 1))
     with ThreadPoolExecutor(num_workers) as pool:
-        tensors = pool.map(lambda plan: _load_tensor(gguf, plan, config, dtype), plans)
-        return {plan.hf_name: tensor for plan, tensor in zip(plans, tensors)}
+        for _ in pool.map(lambda unit: _dequantize_rows(gguf, *unit, outputs), units):
+            pass
+    state_dict = {}
+    for plan in plans:
+        tensor = outputs.pop(plan.hf_name)
+        for name in plan.transforms:
+            tensor = TRANSFORMS[name](tensor, config)
+        state_dict[plan.hf_name] = tensor.to(dtype).contiguous()
+    return state_dict
 
 
 def _arch_spec(gguf: GGUFFile) -> ArchSpec:
@@ -94,20 +113,27 @@ def _plan(gguf: GGUFFile, spec: ArchSpec) -> list[_TensorPlan]:
                 f"architecture {gguf.architecture!r}"
             )
         plans.append(_TensorPlan(info, hf_name, tuple(spec.transforms_for(name))))
-    # Largest first, so the thread pool does not end on one big tensor.
-    return sorted(plans, key=lambda plan: -plan.info.num_bytes)
+    return plans
 
 
-def _load_tensor(gguf: GGUFFile, plan: _TensorPlan, config, dtype: torch.dtype) -> torch.Tensor:
-    values = dequantize(gguf.raw_data(plan.info), plan.info.qtype)
-    if not values.flags.writeable:  # F32 tensors come back as views of the read-only map
-        values = values.copy()
-    tensor = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
-    if tuple(tensor.shape) != plan.info.shape:
+def _row_chunks(shape: tuple[int, ...]) -> list[slice]:
+    if len(shape) == 1:
+        return [slice(0, shape[0])]
+    rows_per_chunk = max(1, _CHUNK_VALUES // math.prod(shape[1:]))
+    return [slice(start, start + rows_per_chunk) for start in range(0, shape[0], rows_per_chunk)]
+
+
+def _dequantize_rows(
+    gguf: GGUFFile, plan: _TensorPlan, rows: slice, outputs: dict[str, torch.Tensor]
+) -> None:
+    info = plan.info
+    raw = gguf.raw_data(info)
+    values = dequantize(raw if len(info.shape) == 1 else raw[rows], info.qtype)
+    target = outputs[plan.hf_name][rows]
+    if values.shape != target.shape:
         raise ValueError(
-            f"model: {gguf.path}: tensor {plan.info.name} dequantized to {tuple(tensor.shape)}, "
-            f"expected {plan.info.shape}"
+            f"model: {gguf.path}: tensor {info.name} rows {rows.start}:{rows.stop} dequantized "
+            f"to {values.shape}, expected {tuple(target.shape)}"
         )
-    for name in plan.transforms:
-        tensor = TRANSFORMS[name](tensor, config)
-    return tensor.to(dtype).contiguous()
+    # from_numpy warns on read-only arrays (F32 data is a view of the read-only map).
+    target.copy_(torch.from_numpy(values if values.flags.writeable else values.copy()))

@@ -7,13 +7,14 @@ Slow: transformers parses the 262k-token vocabulary with gguf.GGUFReader (1-2 mi
 from __future__ import annotations
 
 import importlib.util
+import json
 
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Gemma3ForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3ForCausalLM
 
-from sparsekv.loader import load_checkpoint
+from sparsekv.loader import convert_gguf, load_checkpoint
 
 pytestmark = [
     pytest.mark.slow,
@@ -95,15 +96,39 @@ def test_greedy_continuation_is_coherent(ours, our_model, prompt_ids):
 
 
 def test_agrees_with_llama_cpp(ours, our_model, prompt_ids):
+    # An independent engine on the same file: checks the (1 + w) norm convention end to end.
     llama_cpp = pytest.importorskip("llama_cpp")
     llm = llama_cpp.Llama(
-        model_path=str(ours.path), n_ctx=128, logits_all=True, verbose=False, n_threads=2
+        model_path=str(ours.path), n_ctx=128, logits_all=True, verbose=False, n_threads=1
     )
-    llm.eval(PROMPT_IDS)
-    cpp_logits = np.array(llm.scores[: len(PROMPT_IDS)])
+    # Teacher-forced: llama.cpp's argmax after the prompt and each continuation token must be
+    # the next token of our greedy continuation.
+    llm.eval(PROMPT_IDS + GREEDY_IDS)
+    cpp_logits = np.array(llm.scores[: len(PROMPT_IDS) + len(GREEDY_IDS)])
+    positions = slice(len(PROMPT_IDS) - 1, len(PROMPT_IDS) + len(GREEDY_IDS) - 1)
+    assert cpp_logits[positions].argmax(-1).tolist() == GREEDY_IDS
     with torch.no_grad():
         our_logits = our_model(prompt_ids).logits[0].numpy()
     # llama.cpp quantizes activations to 8 bits in its matmuls: argmax agrees, values differ
     # by up to ~1.3 (measured) on logits of magnitude ~22.
-    assert (cpp_logits.argmax(-1) == our_logits.argmax(-1)).all()
-    assert np.abs(cpp_logits - our_logits).max() < 3.0
+    assert (cpp_logits[: len(PROMPT_IDS)].argmax(-1) == our_logits.argmax(-1)).all()
+    assert np.abs(cpp_logits[: len(PROMPT_IDS)] - our_logits).max() < 3.0
+
+
+def test_convert_round_trip_through_transformers(ours, prompt_ids, tmp_path):
+    out = convert_gguf(ours.path, tmp_path / "gemma3")  # bf16
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["Gemma3ForCausalLM"]
+    assert config["model_type"] == "gemma3_text" and config["dtype"] == "bfloat16"
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == [1, 106]  # <eos>, <end_of_turn>
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(loaded).__name__ == "Gemma3ForCausalLM"
+    expected = {name: t.to(torch.bfloat16).float() for name, t in ours.state_dict.items()}
+    actual = loaded.state_dict()
+    assert all(torch.equal(actual[name], expected[name]) for name in expected)
+    output = loaded.generate(prompt_ids, max_new_tokens=4, do_sample=False)
+    assert output[0, prompt_ids.shape[1] :].tolist() == GREEDY_IDS[:4]
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert tokenizer.chat_template == ours.tokenizer.chat_template
+    assert tokenizer(PROMPT).input_ids == PROMPT_IDS

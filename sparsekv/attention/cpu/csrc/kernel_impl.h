@@ -78,28 +78,29 @@ static inline float hmax(vf v) {
   return m;
 }
 
-// exp(x), relative error ~2e-7 (Cephes expf polynomial); 0 below -87.3, where the exponent
-// underflows, so masked (-inf) logits give exactly 0.
-static inline vf vexp(vf x) {
-  const vf lo = splat(-87.3365478515625f), hi = splat(88.0f);
-  const vi under = x < lo;
-  x = x > hi ? hi : x;
-  x = x < lo ? lo : x;
+// 2^x to ~2e-7 relative error (degree-6 polynomial of 2^f on [-0.5, 0.5]); exactly 0 below
+// -126 (so masked -inf logits give 0), clamped at 2^127 above.
+static inline vf vexp2(vf x) {
+  const vi under = x < splat(-126.0f);
+  x = x > splat(127.0f) ? splat(127.0f) : x;
   const vf magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
-  const vf n = (x * splat(1.44269504088896341f) + magic) - magic;
-  vf r = x - n * splat(0.693359375f);
-  r = r - n * splat(-2.12194440e-4f);
-  vf p = splat(1.9875691500e-4f);
-  p = p * r + splat(1.3981999507e-3f);
-  p = p * r + splat(8.3334519073e-3f);
-  p = p * r + splat(4.1665795894e-2f);
-  p = p * r + splat(1.6666665459e-1f);
-  p = p * r + splat(5.0000001201e-1f);
-  const vf y = p * r * r + r + splat(1.0f);
+  const vf n = (x + magic) - magic;
+  const vf f = x - n;
+  vf p = splat(1.5403530393381606e-4f);
+  p = p * f + splat(1.3333558146428443e-3f);
+  p = p * f + splat(9.6181291076284772e-3f);
+  p = p * f + splat(5.5504108664821580e-2f);
+  p = p * f + splat(2.4022650695910071e-1f);
+  p = p * f + splat(6.9314718055994531e-1f);
+  p = p * f + splat(1.0f);
   const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
-  const vf res = y * (vf)e;
-  return under ? splat(0.0f) : res;
+  return under ? splat(0.0f) : p * (vf)e;
 }
+
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2 = 0.69314718055994531f;
+
+static inline vf vexp(vf x) { return vexp2(x * splat(kLog2e)); }
 
 // Sum each of the W vectors v[0..W) into lane i of the result (a transposing reduction: about
 // 3 shuffles/adds per vector instead of a log2(W)-step horizontal sum each).
@@ -152,6 +153,33 @@ static inline vf reduce_lanes(const vf* v) {
 
 // ---------------------------------------------------------------------------------------------
 // Decode attention.
+//
+// An item walks its pages in tiles of up to kTileSlots slots (one online-softmax update per
+// tile, not per page). Logits are kept in base 2 (q is pre-scaled by scale * log2(e)). While a
+// tile is processed, the next tile's key rows are prefetched during the logits and its value
+// rows during the value pass, so memory stays busy in both phases (block tables are not
+// sequential, so the hardware prefetcher cannot find the next page).
+
+constexpr int64_t kTileSlots = 32;
+constexpr int kMaxTilePages = 8;
+
+template <typename T>
+struct PageSpan {  // slots [j0, j0 + n) of one page of one KV head
+  const T* k;      // the head's key rows of the page (values follow at + kv_stride)
+  int64_t j0, n;
+  int64_t held;  // held index of slot j0
+};
+
+template <typename T>
+static inline void prefetch_rows(const PageSpan<T>* p, int64_t offset, int64_t d, int64_t r0,
+                                 int64_t r1) {
+  if (p == nullptr) return;
+  r1 = r1 < p->n ? r1 : p->n;
+  if (r1 <= r0) return;
+  const char* base = reinterpret_cast<const char*>(p->k + offset + (p->j0 + r0) * d);
+  const int64_t bytes = (r1 - r0) * d * (int64_t)sizeof(T);
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(base + o, 0, 3);
+}
 
 // Dot products of two key rows with the g query rows of q (stride d, chunk order).
 template <typename T, int g>
@@ -181,30 +209,18 @@ static inline void dot1(const T* k, const float* q, int64_t d, vf* a) {
   }
 }
 
-// Logits of slots [j0, j1) of a page for g heads into sc[h * ss + (j - j0)].
-// Prefetch the key and value rows [j, j + n) of the next page (spread over the page's work:
-// a burst of prefetches stalls once the miss buffers fill).
-template <typename T>
-static inline void prefetch_rows(const T* next_k, int64_t kv_stride, int64_t d, int64_t j,
-                                 int64_t n) {
-  if (next_k == nullptr) return;
-  const char* k = reinterpret_cast<const char*>(next_k + j * d);
-  const char* v = reinterpret_cast<const char*>(next_k + kv_stride + j * d);
-  for (int64_t o = 0; o < n * d * (int64_t)sizeof(T); o += 64) {
-    __builtin_prefetch(k + o, 0, 3);
-    __builtin_prefetch(v + o, 0, 3);
-  }
-}
-
+// Logits of the span's slots for g heads into sc[h * ss + t], t < span.n (a W-slot group may
+// write up to W - 1 values past n; the caller's buffer has room and overwrites them).
 template <typename T, int g>
-static inline void page_logits(const T* K, int64_t bs, int64_t d, int64_t j0, int64_t j1,
-                               const float* q, float* sc, int64_t ss, const T* next_k,
-                               int64_t kv_stride) {
-  int64_t j = j0;
+static inline void span_logits(const PageSpan<T>& sp, const PageSpan<T>* next, int64_t bs,
+                               int64_t d, const float* q, float* sc, int64_t ss) {
+  const T* K = sp.k;
+  int64_t j = sp.j0;
+  const int64_t j1 = sp.j0 + sp.n;
   for (; j < j1 && j + W <= bs; j += W) {  // W slots at once; rows past j1 are ignored
     vf part[g][W];
     for (int jj = 0; jj < W; jj += 2) {
-      prefetch_rows(next_k, kv_stride, d, j + jj, 2);
+      prefetch_rows(next, 0, d, j - sp.j0 + jj, j - sp.j0 + jj + 2);
       vf a0[g], a1[g];
       dot2<T, g>(K + (j + jj) * d, K + (j + jj + 1) * d, q, d, a0, a1);
       for (int h = 0; h < g; ++h) {
@@ -212,75 +228,107 @@ static inline void page_logits(const T* K, int64_t bs, int64_t d, int64_t j0, in
         part[h][jj + 1] = a1[h];
       }
     }
-    for (int h = 0; h < g; ++h) storeu(sc + h * ss + (j - j0), reduce_lanes(part[h]));
+    for (int h = 0; h < g; ++h) storeu(sc + h * ss + (j - sp.j0), reduce_lanes(part[h]));
   }
   for (; j < j1; ++j) {
+    prefetch_rows(next, 0, d, j - sp.j0, j - sp.j0 + 1);
     vf a[g];
-    prefetch_rows(next_k, kv_stride, d, j, 1);
     dot1<T, g>(K + j * d, q, d, a);
-    for (int h = 0; h < g; ++h) sc[h * ss + (j - j0)] = hsum(a[h]);
+    for (int h = 0; h < g; ++h) sc[h * ss + (j - sp.j0)] = hsum(a[h]);
+  }
+  prefetch_rows(next, 0, d, sp.n, bs);  // rows the next span has beyond this one's
+}
+
+// acc[h] = acc[h] * alpha[h] + sum_t p[h][t] * v[t] over chunk ci of head_dim (2W elements).
+template <typename T, int g>
+static inline void value_pass(const DecodeArgs& a, const PageSpan<T>* cur, int nc,
+                              const PageSpan<T>* nxt, int nn, const float* sc,
+                              const int64_t* offs, int64_t ss, const float* alpha, float* state,
+                              int64_t ci, int64_t chunks) {
+  const int64_t d = a.head_dim, st = d + 2, c = ci * 2 * W;
+  const int64_t kv_stride = a.num_kv_heads * a.block_size * d;
+  vf ae[g], ao[g];
+  for (int h = 0; h < g; ++h) {
+    ae[h] = loadu(state + h * st + 2 + c) * splat(alpha[h]);
+    ao[h] = loadu(state + h * st + 2 + c + W) * splat(alpha[h]);
+  }
+  for (int k = 0; k < nc; ++k) {
+    if (k < nn) {  // this chunk's share of the next tile's value rows
+      const int64_t rows = nxt[k].n;
+      prefetch_rows(nxt + k, kv_stride, d, ci * rows / chunks, (ci + 1) * rows / chunks);
+    }
+    const T* V = cur[k].k + kv_stride + cur[k].j0 * d + c;
+    const float* p = sc + offs[k];
+    for (int64_t t = 0; t < cur[k].n; ++t) {
+      vf ve, vo;
+      load2(V + t * d, ve, vo);
+      for (int h = 0; h < g; ++h) {
+        const vf pt = splat(p[h * ss + t]);
+        ae[h] += pt * ve;
+        ao[h] += pt * vo;
+      }
+    }
+  }
+  for (int h = 0; h < g; ++h) {
+    storeu(state + h * st + 2 + c, ae[h]);
+    storeu(state + h * st + 2 + c + W, ao[h]);
   }
 }
 
-// Online-softmax update of g heads with slots [j0, j1) of one page.
+// Online-softmax update of g heads with one tile. state: per head [max, sum, acc[d]] (base 2).
 template <typename T, int g>
-static void page_update(const DecodeArgs& a, const T* K, const T* V, int64_t j0, int64_t j1,
-                        const float* q, float* sc, float* state, float* scores,
-                        const T* next_k) {
-  const int64_t d = a.head_dim, bs = a.block_size, n = j1 - j0;
-  const int64_t nv = (n + W - 1) / W * W, ss = (bs + W - 1) / W * W + W, st = d + 2;
-  page_logits<T, g>(K, bs, d, j0, j1, q, sc, ss, next_k, V - K);
+static void tile_update(const DecodeArgs& a, const PageSpan<T>* cur, int nc,
+                        const PageSpan<T>* nxt, int nn, const float* q, float* sc,
+                        float* state, float* scores) {
+  const int64_t d = a.head_dim, bs = a.block_size, st = d + 2;
+  const int64_t cap = kTileSlots > bs ? kTileSlots : bs, ss = cap + 2 * W;
+  int64_t offs[kMaxTilePages + 1];
+  offs[0] = 0;
+  for (int k = 0; k < nc; ++k) {
+    span_logits<T, g>(cur[k], k < nn ? nxt + k : nullptr, bs, d, q, sc + offs[k], ss);
+    offs[k + 1] = offs[k] + cur[k].n;
+  }
+  const int64_t n = offs[nc], nv = (n + W - 1) / W * W;
   float alpha[g];
   for (int h = 0; h < g; ++h) {
     float* s = sc + h * ss;
-    if (a.softcap > 0.0f)
-      for (int64_t t = 0; t < n; ++t) s[t] = a.softcap * __builtin_tanhf(s[t] / a.softcap);
-    if (scores != nullptr) __builtin_memcpy(scores + h * a.held_cap, s, n * sizeof(float));
+    if (a.softcap > 0.0f) {  // cap * tanh(x / cap) on natural-log logits
+      const float cap2 = a.softcap * kLog2e;
+      for (int64_t t = 0; t < n; ++t) s[t] = cap2 * __builtin_tanhf(s[t] / cap2);
+    }
+    if (scores != nullptr)
+      for (int k = 0; k < nc; ++k)
+        __builtin_memcpy(scores + h * a.held_cap + cur[k].held, s + offs[k],
+                         cur[k].n * sizeof(float));
     for (int64_t t = n; t < nv; ++t) s[t] = kNegInf;
     vf mx = splat(kNegInf);
     for (int64_t t = 0; t < nv; t += W) mx = vmax(mx, loadu(s + t));
     float* m = state + h * st;  // m[0] = running max, m[1] = running sum
-    const float m_new = hmax(mx) > m[0] ? hmax(mx) : m[0];
-    alpha[h] = __builtin_expf(m[0] - m_new);
+    const float tile_max = hmax(mx);
+    const float m_new = tile_max > m[0] ? tile_max : m[0];
+    alpha[h] = vexp2(splat(m[0] - m_new))[0];
     vf sum = splat(0.0f);
     for (int64_t t = 0; t < nv; t += W) {
-      const vf p = vexp(loadu(s + t) - splat(m_new));
+      const vf p = vexp2(loadu(s + t) - splat(m_new));
       storeu(s + t, p);
       sum += p;
     }
     m[0] = m_new;
     m[1] = m[1] * alpha[h] + hsum(sum);
   }
-  for (int64_t c = 0; c < d; c += 2 * W) {
-    vf ae[g], ao[g];
-    for (int h = 0; h < g; ++h) {
-      ae[h] = loadu(state + h * st + 2 + c) * splat(alpha[h]);
-      ao[h] = loadu(state + h * st + 2 + c + W) * splat(alpha[h]);
-    }
-    for (int64_t t = 0; t < n; ++t) {
-      vf ve, vo;
-      load2(V + (j0 + t) * d + c, ve, vo);
-      for (int h = 0; h < g; ++h) {
-        const vf p = splat(sc[h * ss + t]);
-        ae[h] += p * ve;
-        ao[h] += p * vo;
-      }
-    }
-    for (int h = 0; h < g; ++h) {
-      storeu(state + h * st + 2 + c, ae[h]);
-      storeu(state + h * st + 2 + c + W, ao[h]);
-    }
-  }
+  const int64_t chunks = d / (2 * W);
+  for (int64_t ci = 0; ci < chunks; ++ci)
+    value_pass<T, g>(a, cur, nc, nxt, nn, sc, offs, ss, alpha, state, ci, chunks);
 }
 
 template <typename T>
-static void page_update_heads(const DecodeArgs& a, int g, const T* K, const T* V, int64_t j0,
-                              int64_t j1, const float* q, float* sc, float* state,
-                              float* scores, const T* next_k) {
+static void tile_update_heads(const DecodeArgs& a, int g, const PageSpan<T>* cur, int nc,
+                              const PageSpan<T>* nxt, int nn, const float* q, float* sc,
+                              float* state, float* scores) {
   switch (g) {
-#define SKV_CASE(G)                                                   \
-  case G:                                                             \
-    page_update<T, G>(a, K, V, j0, j1, q, sc, state, scores, next_k); \
+#define SKV_CASE(G)                                                      \
+  case G:                                                                \
+    tile_update<T, G>(a, cur, nc, nxt, nn, q, sc, state, scores); \
     break;
     SKV_CASE(1)
     SKV_CASE(2)
@@ -294,46 +342,68 @@ static void page_update_heads(const DecodeArgs& a, int g, const T* K, const T* V
   }
 }
 
+// Fill up to one tile of spans starting at block-table entry *pi; returns the span count.
+template <typename T>
+static int next_tile(const DecodeArgs& a, const DecodeItem& it, int64_t* pi, PageSpan<T>* out) {
+  const int64_t bs = a.block_size, d = a.head_dim;
+  const int64_t cap = kTileSlots > bs ? kTileSlots : bs;
+  const int64_t page_stride = 2 * a.num_kv_heads * bs * d;
+  const T* pool = static_cast<const T*>(a.pool);
+  const int64_t* table = a.block_tables + it.b * a.max_blocks;
+  int count = 0;
+  int64_t slots = 0;
+  while (*pi < it.page_end && count < kMaxTilePages) {
+    const int64_t base = it.first_slot + *pi * bs;
+    const int64_t j0 = it.slot_lo > base ? it.slot_lo - base : 0;
+    const int64_t j1 = it.slot_hi - base < bs ? it.slot_hi - base : bs;
+    if (count > 0 && slots + (j1 - j0) > cap) break;
+    out[count].k = pool + table[*pi] * page_stride + it.kvh * bs * d;
+    out[count].j0 = j0;
+    out[count].n = j1 - j0;
+    out[count].held = *pi * bs + j0;
+    slots += j1 - j0;
+    ++count;
+    ++*pi;
+  }
+  return count;
+}
+
 static int64_t decode_scratch(const DecodeArgs& a) {
   const int64_t group = a.num_heads / a.num_kv_heads;
-  const int64_t ss = (a.block_size + W - 1) / W * W + W;
-  return group * a.head_dim + kMaxGroupBlock * ss + a.head_dim + 2 * W;
+  const int64_t cap = kTileSlots > a.block_size ? kTileSlots : a.block_size;
+  return group * a.head_dim + kMaxGroupBlock * (cap + 2 * W) + a.head_dim + group + 2 * W;
 }
 
 template <typename T>
 static void decode_item_t(const DecodeArgs& a, const DecodeItem& it, float* scratch,
                           float* state) {
-  const int64_t G = a.num_heads / a.num_kv_heads, d = a.head_dim, bs = a.block_size;
-  const int64_t st = d + 2, kv_stride = a.num_kv_heads * bs * d, page_stride = 2 * kv_stride;
-  float* q = scratch;  // [G][d], scaled, chunk order
+  const int64_t G = a.num_heads / a.num_kv_heads, d = a.head_dim, st = d + 2;
+  float* q = scratch;  // [G][d], scaled to base-2 logits, chunk order
   float* sc = q + G * d;
   const T* qsrc = static_cast<const T*>(a.query) + (it.b * a.num_heads + it.kvh * G) * d;
+  const float qscale = a.scale * kLog2e;
   for (int64_t h = 0; h < G; ++h)
-    for (int64_t e = 0; e < d; ++e) q[h * d + chunk_pos<T>(e)] = to_float(qsrc[h * d + e]) * a.scale;
+    for (int64_t e = 0; e < d; ++e) q[h * d + chunk_pos<T>(e)] = to_float(qsrc[h * d + e]) * qscale;
   for (int64_t h = 0; h < G; ++h) {
     state[h * st] = kNegInf;
     for (int64_t e = 1; e < st; ++e) state[h * st + e] = 0.0f;
   }
-  const T* pool = static_cast<const T*>(a.pool);
-  const int64_t* table = a.block_tables + it.b * a.max_blocks;
-  for (int64_t pi = it.page_begin; pi < it.page_end; ++pi) {
-    const int64_t base = it.first_slot + pi * bs;
-    const int64_t j0 = it.slot_lo > base ? it.slot_lo - base : 0;
-    const int64_t j1 = it.slot_hi - base < bs ? it.slot_hi - base : bs;
-    const T* K = pool + table[pi] * page_stride + it.kvh * bs * d;
-    const T* V = K + kv_stride;
-    // Block tables are not sequential, so the hardware prefetcher cannot find the next page.
-    const T* next_k = pi + 1 < it.page_end ? pool + table[pi + 1] * page_stride + it.kvh * bs * d
-                                           : nullptr;
+  PageSpan<T> tiles[2][kMaxTilePages];
+  int64_t pi = it.page_begin;
+  int cur = 0, nc = next_tile<T>(a, it, &pi, tiles[0]);
+  while (nc > 0) {
+    const int nn = next_tile<T>(a, it, &pi, tiles[1 - cur]);
     for (int64_t h0 = 0; h0 < G; h0 += kMaxGroupBlock) {
       const int g = (int)(G - h0 < kMaxGroupBlock ? G - h0 : kMaxGroupBlock);
       float* scores = nullptr;
       if (a.scores != nullptr)
-        scores = a.scores + ((it.b * a.num_kv_heads + it.kvh) * G + h0) * a.held_cap +
-                 pi * bs + j0;
-      page_update_heads<T>(a, g, K, V, j0, j1, q + h0 * d, sc, state + h0 * st, scores,
-                           h0 == 0 ? next_k : nullptr);
+        scores = a.scores + ((it.b * a.num_kv_heads + it.kvh) * G + h0) * a.held_cap;
+      // Later head blocks find the pages in cache: only the first one prefetches.
+      tile_update_heads<T>(a, g, tiles[cur], nc, tiles[1 - cur], h0 == 0 ? nn : 0, q + h0 * d,
+                           sc, state + h0 * st, scores);
     }
+    cur = 1 - cur;
+    nc = nn;
   }
 }
 
@@ -345,6 +415,7 @@ static void decode_item(const DecodeArgs& a, const DecodeItem& it, float* scratc
     decode_item_t<float>(a, it, scratch, state);
 }
 
+// Merge split states (base 2), write out, lse (natural log) and the attention mass.
 template <typename T>
 static void decode_combine_t(const DecodeArgs& a, int64_t b, int64_t kvh, const float* states,
                              int64_t num_splits, int64_t held_lo, int64_t held_hi,
@@ -353,6 +424,8 @@ static void decode_combine_t(const DecodeArgs& a, int64_t b, int64_t kvh, const 
   const int64_t sstride = G * st;
   T* out = static_cast<T*>(a.out) + (b * a.num_heads + kvh * G) * d;
   float* lse = a.lse + b * a.num_heads + kvh * G;
+  float* acc = scratch;     // [d]
+  float* lse2 = acc + d;    // [G] base-2 lse
   for (int64_t h = 0; h < G; ++h) {
     float M = kNegInf;
     for (int64_t s = 0; s < num_splits; ++s) {
@@ -360,13 +433,12 @@ static void decode_combine_t(const DecodeArgs& a, int64_t b, int64_t kvh, const 
       M = m > M ? m : M;
     }
     float L = 0.0f;
-    float* acc = scratch;
     for (int64_t e = 0; e < d; ++e) acc[e] = 0.0f;
     if (M != kNegInf) {
       for (int64_t s = 0; s < num_splits; ++s) {
         const float* sp = states + s * sstride + h * st;
         if (sp[0] == kNegInf) continue;
-        const float w = __builtin_expf(sp[0] - M);
+        const float w = __builtin_exp2f(sp[0] - M);
         L += sp[1] * w;
         for (int64_t e = 0; e < d; ++e) acc[e] += sp[2 + e] * w;
       }
@@ -374,7 +446,8 @@ static void decode_combine_t(const DecodeArgs& a, int64_t b, int64_t kvh, const 
     // A request that sees no slot (nothing held) gets a zero output and lse = -inf.
     const float inv = L > 0.0f ? 1.0f / L : 0.0f;
     for (int64_t e = 0; e < d; ++e) from_float(acc[chunk_pos<T>(e)] * inv, out + h * d + e);
-    lse[h] = L > 0.0f ? M + __builtin_logf(L) : kNegInf;
+    lse2[h] = L > 0.0f ? M + __builtin_log2f(L) : kNegInf;
+    lse[h] = lse2[h] * kLn2;
   }
   if (a.mass == nullptr || held_hi <= held_lo) return;
   float* mass = a.mass + (b * a.num_kv_heads + kvh) * a.held_cap;
@@ -382,12 +455,13 @@ static void decode_combine_t(const DecodeArgs& a, int64_t b, int64_t kvh, const 
   int64_t t = held_lo;
   for (; t + W <= held_hi; t += W) {
     vf m = splat(0.0f);
-    for (int64_t h = 0; h < G; ++h) m += vexp(loadu(scores + h * a.held_cap + t) - splat(lse[h]));
+    for (int64_t h = 0; h < G; ++h)
+      m += vexp2(loadu(scores + h * a.held_cap + t) - splat(lse2[h]));
     storeu(mass + t, m);
   }
   for (; t < held_hi; ++t) {
     float m = 0.0f;
-    for (int64_t h = 0; h < G; ++h) m += __builtin_expf(scores[h * a.held_cap + t] - lse[h]);
+    for (int64_t h = 0; h < G; ++h) m += __builtin_exp2f(scores[h * a.held_cap + t] - lse2[h]);
     mass[t] = m;
   }
 }

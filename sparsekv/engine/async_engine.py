@@ -1,0 +1,387 @@
+"""``AsyncEngine``: the synchronous ``LLMEngine`` driven by a background thread for asyncio users.
+
+One loop thread owns the engine: every engine call (add, abort, step) runs there, so calls are
+serialised without a lock held across a step. Coroutines talk to it through a command queue
+that the thread drains between steps; its outputs come back to per-request ``asyncio.Queue``s
+through ``loop.call_soon_threadsafe``. The event loop therefore never waits on a forward pass.
+
+An exception inside a step fails only that step's requests (``LLMEngine.step`` handles it); an
+exception escaping the loop itself marks the engine dead (``is_alive`` False), fails every
+pending request with ``EngineDeadError`` and stops the thread (CONTRACTS.md §5).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from sparsekv.config import CompressionConfig
+from sparsekv.engine.llm_engine import LLMEngine
+from sparsekv.engine.stats import EngineStats
+from sparsekv.outputs import RequestOutput
+from sparsekv.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# How long the idle loop sleeps between checks of its stop flag (seconds); commands wake it.
+IDLE_WAIT_S = 0.5
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop is not running (it died, or the engine was shut down)."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is full (``SchedulerConfig.max_waiting``); retry later."""
+
+
+class RequestTimeoutError(RuntimeError):
+    """The request ran past its timeout and was aborted."""
+
+
+@dataclass
+class EngineSnapshot:
+    """Engine state published by the loop thread after every step and command batch.
+
+    Attributes:
+        num_running: requests (samples) running.
+        num_waiting: requests (samples) waiting or preempted.
+        num_pages_used: pool pages in use.
+        num_pages_total: pool pages in all.
+        compression_ratio: engine-wide effective ratio over running requests (CONTRACTS.md §1).
+        stats: a copy of the engine's monotonic counters.
+    """
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_pages_used: int = 0
+    num_pages_total: int = 0
+    compression_ratio: float = 0.0
+    stats: EngineStats = field(default_factory=EngineStats)
+
+
+class AsyncEngine:
+    """Asyncio front of an ``LLMEngine`` (its loop runs in a background thread).
+
+    Args:
+        engine: the engine to drive; no other thread may call it once ``start`` ran.
+        max_waiting: most requests queued before admission (``EngineOverloadedError`` past it);
+            defaults to the engine's ``SchedulerConfig.max_waiting``.
+    """
+
+    def __init__(self, engine: LLMEngine, max_waiting: int | None = None) -> None:
+        self.engine = engine
+        self.max_waiting = max_waiting or engine.config.scheduler.max_waiting
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._active: set[str] = set()  # loop thread only: requests added and not finished
+        self._num_pending_adds = 0
+        self._snapshot = EngineSnapshot()
+        self.error: BaseException | None = None
+
+    # ----------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        """Start the loop thread; call from inside the running event loop."""
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._publish_snapshot()
+        self._thread = threading.Thread(target=self._run, name="sparsekv-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_alive(self) -> bool:
+        """True while the loop thread runs and has not been asked to stop."""
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        """Abort every request, free their pages and stop the loop thread.
+
+        Args:
+            timeout: seconds to wait for the thread (a step in flight finishes first).
+        """
+        if self._thread is None or not self._thread.is_alive():
+            return
+        self._put(("stop",))
+        await asyncio.to_thread(self._thread.join, timeout)
+
+    def snapshot(self) -> EngineSnapshot:
+        """The latest published engine state (cheap; safe from any thread)."""
+        return self._snapshot
+
+    # ----------------------------------------------------------------- requests
+    async def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        compression: CompressionConfig | dict | None = None,
+        timeout: float | None = None,
+    ) -> RequestStream:
+        """Add a request; returns once the engine accepted it (or raises why not).
+
+        Args:
+            request_id: unique id.
+            prompt_token_ids: the tokenized prompt.
+            params: sampling parameters.
+            compression: per-request policy override (merged over the engine default).
+            timeout: seconds from now; past it the request is aborted.
+
+        Returns:
+            The request's outputs as an async iterator; call ``abort()`` on it if you stop
+            reading before it finishes.
+
+        Raises:
+            ValueError: invalid input (the message starts with the parameter's name).
+            EngineOverloadedError: the waiting queue is full.
+            EngineDeadError: the loop is not running.
+        """
+        if not self.is_alive:
+            raise EngineDeadError("the engine is not running")
+        if self._snapshot.num_waiting + self._num_pending_adds >= self.max_waiting:
+            raise EngineOverloadedError(
+                f"the server is overloaded: {self.max_waiting} requests are already waiting"
+            )
+        outputs: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = outputs
+        stream = RequestStream(self, request_id, outputs, timeout)
+        try:
+            await self._add(request_id, prompt_token_ids, params, compression)
+        except BaseException:
+            stream.abort()
+            raise
+        return stream
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        compression: CompressionConfig | dict | None = None,
+        timeout: float | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Add a request and yield its outputs until it finishes (see ``add_request``).
+
+        Leaving the iteration early (``aclose``, cancellation) aborts the request.
+
+        Raises:
+            ValueError, EngineOverloadedError, EngineDeadError: as ``add_request``.
+            EngineDeadError: the loop died while the request ran.
+            RequestTimeoutError: ``timeout`` elapsed (the request was aborted).
+        """
+        stream = await self.add_request(request_id, prompt_token_ids, params, compression, timeout)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            stream.abort()
+
+    async def _add(self, request_id, prompt_token_ids, params, compression) -> None:
+        added = self._loop.create_future()
+        self._num_pending_adds += 1
+        try:
+            self._put(("add", request_id, list(prompt_token_ids), params, compression, added))
+            while not added.done():
+                # A loop that dies between our check and its last drain never answers.
+                await asyncio.wait({added}, timeout=IDLE_WAIT_S)
+                if not added.done() and not self._thread.is_alive():
+                    raise EngineDeadError("the engine is not running")
+            added.result()
+        finally:
+            self._num_pending_adds -= 1
+            added.cancel()  # no-op when answered; else the late answer is dropped
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (non-blocking; done by the loop thread before its next step)."""
+        self._put(("abort", request_id))
+
+    # ----------------------------------------------------------------- loop thread
+    def _put(self, command: tuple) -> None:
+        self._commands.put(command)
+        self._wakeup.set()
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._drain_commands()
+                if self._stopping:
+                    break
+                if not self.engine.has_unfinished_requests():
+                    self._publish_snapshot()
+                    self._wakeup.wait(IDLE_WAIT_S)
+                    self._wakeup.clear()
+                    continue
+                outputs = self.engine.step()
+                self._publish_snapshot()
+                self._deliver(outputs)
+                if not outputs:
+                    self._wakeup.wait(0.001)  # nothing schedulable yet: do not spin
+                    self._wakeup.clear()
+            self._abort_all()
+        except BaseException as exc:  # noqa: BLE001 - a dead loop must be reported, not hidden
+            logger.exception("the engine loop died")
+            self.error = exc
+            self._stopping = True
+            self._fail_all(EngineDeadError(f"the engine loop died: {type(exc).__name__}: {exc}"))
+
+    def _drain_commands(self) -> None:
+        handled = False
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            handled = True
+            kind = command[0]
+            if kind == "add":
+                self._handle_add(*command[1:])
+            elif kind == "abort":
+                self._handle_abort(command[1])
+            elif kind == "stop":
+                self._stopping = True
+        if handled:
+            self._publish_snapshot()
+
+    def _handle_add(self, request_id, prompt_token_ids, params, compression, added) -> None:
+        try:
+            self.engine.add_request(request_id, prompt_token_ids, params, compression)
+        except Exception as exc:  # noqa: BLE001 - handed back to the caller
+            self._call_soon(_resolve, added, exc)
+            return
+        self._active.add(request_id)
+        self._call_soon(_resolve, added, None)
+
+    def _handle_abort(self, request_id: str) -> None:
+        output = self.engine.abort_request(request_id)
+        if output is not None:
+            self._deliver([output])
+
+    def _abort_all(self) -> None:
+        for request_id in list(self._active):
+            self._handle_abort(request_id)
+        self._fail_pending_commands(EngineDeadError("the engine was shut down"))
+        self._publish_snapshot()
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            if output.finished:
+                self._active.discard(output.request_id)
+        if outputs:
+            self._call_soon(self._dispatch, outputs)
+
+    def _dispatch(self, outputs: list) -> None:
+        """Event-loop side: route outputs (or one exception for all) to request queues."""
+        for output in outputs:
+            target = self._queues.get(output.request_id)
+            if target is not None:
+                target.put_nowait(output)
+
+    def _fail_all(self, exc: Exception) -> None:
+        self._fail_pending_commands(exc)
+
+        def fail_queues() -> None:
+            for target in self._queues.values():
+                target.put_nowait(exc)
+
+        self._call_soon(fail_queues)
+
+    def _fail_pending_commands(self, exc: Exception) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                self._call_soon(_resolve, command[-1], exc)
+
+    def _call_soon(self, callback, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    def _publish_snapshot(self) -> None:
+        engine = self.engine
+        usage = engine.kv_usage()
+        self._snapshot = EngineSnapshot(
+            num_running=engine.scheduler.num_running,
+            num_waiting=engine.scheduler.num_waiting,
+            num_pages_used=int(usage["pages_used"]),
+            num_pages_total=int(usage["pages_total"]),
+            compression_ratio=float(usage["compression_ratio"]),
+            stats=copy.copy(engine.stats),
+        )
+
+
+class RequestStream:
+    """The outputs of one request, in order, as an async iterator (see ``AsyncEngine``).
+
+    Args:
+        engine: the owning engine.
+        request_id: the request.
+        outputs: the queue the engine's loop feeds.
+        timeout: seconds from now after which the request is aborted.
+    """
+
+    def __init__(
+        self, engine: AsyncEngine, request_id: str, outputs: asyncio.Queue, timeout: float | None
+    ) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.outputs = outputs
+        self.timeout = timeout
+        loop = asyncio.get_running_loop()
+        self.deadline = None if timeout is None else loop.time() + timeout
+        self.finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._next()
+        if isinstance(item, BaseException):
+            self.abort()
+            raise item
+        if item.finished:
+            self.finished = True
+            self.engine._queues.pop(self.request_id, None)
+        return item
+
+    async def _next(self):
+        if self.deadline is None:
+            return await self.outputs.get()
+        remaining = max(0.0, self.deadline - asyncio.get_running_loop().time())
+        try:
+            return await asyncio.wait_for(self.outputs.get(), remaining)
+        except TimeoutError:
+            self.abort()
+            raise RequestTimeoutError(
+                f"the request ran past the server's request timeout of {self.timeout:g} s"
+            ) from None
+
+    def abort(self) -> None:
+        """Stop the request (if still running) and its deliveries; idempotent."""
+        self.engine._queues.pop(self.request_id, None)
+        if not self.finished:
+            self.finished = True
+            self.engine.abort(self.request_id)
+
+
+def _resolve(future: asyncio.Future, exc: BaseException | None) -> None:
+    if future.done():
+        return
+    if exc is None:
+        future.set_result(None)
+    else:
+        future.set_exception(exc)

@@ -1,0 +1,188 @@
+"""The OpenAI-compatible HTTP server: FastAPI app, lifespan, and ``sparsekv serve``.
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+GET /metrics. Readiness (CONTRACTS.md §4-§5): /health answers 200 only once the model is loaded
+and a one-token warm-up generation has run, and 503 if the engine loop died or the server is
+draining after SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+from contextlib import asynccontextmanager
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from sparsekv.engine.llm_engine import LLMEngine
+from sparsekv.sampling_params import SamplingParams
+from sparsekv.server.chat import create_chat_completion
+from sparsekv.server.completions import create_completion
+from sparsekv.server.errors import APIError, install_error_handlers
+from sparsekv.server.faults import FAULT_MARKER_ENV
+from sparsekv.server.metrics import CONTENT_TYPE
+from sparsekv.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
+from sparsekv.server.protocol import ChatCompletionRequest, CompletionRequest
+from sparsekv.server.serving import ServerContext, ServerSettings
+
+logger = logging.getLogger("sparsekv.server")
+
+API_KEY_ENV = "SPARSEKV_API_KEY"
+
+
+async def warm_up(ctx: ServerContext) -> None:
+    """Run a one-token greedy generation so the first user request pays no first-call costs.
+
+    Raises:
+        RuntimeError: the warm-up generation failed.
+    """
+    prompt_ids = list(ctx.tokenizer("Hello", add_special_tokens=True)["input_ids"]) or [0]
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    final = None
+    async for output in ctx.engine.generate("warmup", prompt_ids, params):
+        final = output
+    if final is None or final.error is not None:
+        raise RuntimeError(f"warm-up generation failed: {final.error if final else 'no output'}")
+
+
+def _lifespan(ctx: ServerContext):
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        ctx.engine.start()
+        await warm_up(ctx)
+        ctx.is_ready = True
+        logger.info("sparsekv is ready: serving %s", ctx.model_name)
+        try:
+            yield
+        finally:
+            ctx.is_draining = True
+            await ctx.engine.shutdown()
+            logger.info("engine stopped")
+
+    return lifespan
+
+
+def create_app(engine: LLMEngine, settings: ServerSettings | None = None) -> FastAPI:
+    """Build the app around a loaded engine (its loop starts with the app's lifespan).
+
+    Args:
+        engine: the loaded engine; the app owns it from now on.
+        settings: HTTP-side settings (defaults: open, 8 MiB bodies, no timeout).
+    """
+    ctx = ServerContext(engine, settings or ServerSettings())
+    app = FastAPI(title="sparsekv", lifespan=_lifespan(ctx))
+    app.state.ctx = ctx
+    install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if ctx.is_draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        if ctx.is_ready and not ctx.engine.is_alive:
+            detail = repr(ctx.engine.error) if ctx.engine.error else "stopped"
+            return JSONResponse({"status": "dead", "error": detail}, status_code=503)
+        if not ctx.is_ready:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def list_models() -> dict:
+        return {"object": "list", "data": [_model_card(ctx)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> dict:
+        ctx.check_model(model_id)
+        return _model_card(ctx)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await create_completion(ctx, body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await create_chat_completion(ctx, body, request)
+
+    @app.api_route("/v1/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
+    async def unknown(path: str) -> Response:
+        raise APIError(404, f"unknown endpoint /v1/{path}", code="not_found")
+
+    app.add_middleware(BodyLimitMiddleware, max_bytes=ctx.settings.max_body_bytes)
+    app.add_middleware(APIKeyMiddleware, api_key=ctx.settings.api_key)  # outermost: auth first
+    return app
+
+
+def _model_card(ctx: ServerContext) -> dict:
+    return {
+        "id": ctx.model_name,
+        "object": "model",
+        "created": ctx.created,
+        "owned_by": "sparsekv",
+        "max_model_len": ctx.max_model_len,
+    }
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's server, marking the app as draining (503 for new requests) on SIGTERM/SIGINT."""
+
+    def __init__(self, config: uvicorn.Config, ctx: ServerContext) -> None:
+        super().__init__(config)
+        self.ctx = ctx
+
+    def handle_exit(self, sig, frame) -> None:
+        self.ctx.is_draining = True
+        super().handle_exit(sig, frame)
+
+
+def serve(args: argparse.Namespace) -> int:
+    """``sparsekv serve``: load the model, warm up, and serve until SIGTERM (exit code 0).
+
+    On SIGTERM uvicorn stops accepting connections, waits for running requests (at most
+    ``--request-timeout`` seconds, then cancels them, which aborts them), and the lifespan
+    shutdown aborts whatever is left and stops the engine loop.
+
+    Raises:
+        ValueError: invalid flags or a missing model.
+    """
+    from sparsekv.cli_args import engine_config_from_args
+
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    config = engine_config_from_args(args)
+    settings = ServerSettings(
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        max_body_bytes=args.max_body_bytes,
+        request_timeout=args.request_timeout,
+        fault_marker=os.environ.get(FAULT_MARKER_ENV) or None,
+    )
+    if settings.max_body_bytes < 1:
+        raise ValueError("max_body_bytes must be >= 1")
+    if settings.request_timeout is not None and settings.request_timeout <= 0:
+        raise ValueError("request_timeout must be > 0 seconds")
+    if settings.fault_marker:
+        logger.warning("test-only fault injection is on (%s)", FAULT_MARKER_ENV)
+    logger.info("loading %s", config.model.model)
+    app = create_app(LLMEngine(config), settings)
+    uv_config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="info",
+        timeout_graceful_shutdown=settings.request_timeout,
+    )
+    server = _DrainingServer(uv_config, app.state.ctx)
+    # uvicorn re-raises the caught signal after its graceful shutdown; with the default
+    # handlers that would kill the process (SIGTERM) or raise KeyboardInterrupt (SIGINT).
+    # No-op handlers make the drained shutdown exit 0 (CONTRACTS.md §5).
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    signal.signal(signal.SIGINT, lambda *_: None)
+    server.run()
+    return 0 if server.started else 1

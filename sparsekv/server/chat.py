@@ -1,0 +1,180 @@
+"""POST /v1/chat/completions: chat template, then one JSON body or ``chat.completion.chunk``s."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from sparsekv.engine.prompts import render_chat
+from sparsekv.outputs import CompletionOutput, Logprob, RequestOutput
+from sparsekv.sampling_params import MAX_LOGPROBS
+from sparsekv.server.errors import APIError, invalid_request
+from sparsekv.server.protocol import ChatCompletionRequest, ChatMessage
+from sparsekv.server.serving import (
+    ServerContext,
+    new_id,
+    run_to_end,
+    sampling_params,
+    sse_stream,
+    start_request,
+    streaming_response,
+    usage,
+)
+
+RENAMES = {"prompt": "messages"}
+
+
+def _message_dicts(messages: list[ChatMessage]) -> list[dict]:
+    result = []
+    for i, message in enumerate(messages):
+        content = message.content
+        if isinstance(content, list):
+            if any(part.type != "text" or part.text is None for part in content):
+                raise APIError(
+                    400, "only text content parts are supported", param=f"messages[{i}].content"
+                )
+            content = "".join(part.text for part in content)
+        role = "system" if message.role == "developer" else message.role
+        result.append({"role": role, "content": content or ""})
+    return result
+
+
+def _num_top_logprobs(body: ChatCompletionRequest) -> int | None:
+    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
+        raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}]", param="top_logprobs")
+    if not body.logprobs:
+        if body.top_logprobs:
+            raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
+        return None
+    return body.top_logprobs or 0
+
+
+def _logprob_content(tokenizer, records: list[Logprob]) -> list[dict]:
+    def entry(token_id: int, logprob: float) -> dict:
+        text = tokenizer.decode([token_id])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return [
+        {**entry(r.token_id, r.logprob), "top_logprobs": [entry(t, lp) for t, lp in r.top]}
+        for r in records
+    ]
+
+
+class ChatFormatter:
+    """Builds chat response bodies and stream chunks for one request."""
+
+    def __init__(self, ctx: ServerContext, request_id: str, body: ChatCompletionRequest) -> None:
+        self.ctx = ctx
+        self.request_id = request_id
+        self.want_logprobs = body.logprobs
+        self.include_usage = body.include_usage
+        self.num_choices = body.n
+        self.terminated: set[int] = set()
+
+    def _chunk(self, choices: list[dict], usage_value: dict | None = None) -> dict:
+        chunk = {
+            "id": self.request_id,
+            "object": "chat.completion.chunk",
+            "created": self.ctx.created,
+            "model": self.ctx.model_name,
+            "choices": choices,
+        }
+        if self.include_usage:
+            chunk["usage"] = usage_value
+        return chunk
+
+    def first_chunks(self) -> list[dict]:
+        """One chunk per choice carrying the role (sent before any token)."""
+        return [
+            self._chunk([self._choice(i, {"role": "assistant", "content": ""}, None, None)])
+            for i in range(self.num_choices)
+        ]
+
+    def _choice(self, index, delta, logprobs, finish_reason) -> dict:
+        return {
+            "index": index,
+            "delta": delta,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
+
+    def _logprobs(self, completion: CompletionOutput, records) -> dict | None:
+        if not self.want_logprobs or completion.logprobs is None:
+            return None
+        return {"content": _logprob_content(self.ctx.tokenizer, records)}
+
+    def chunks(self, output: RequestOutput) -> list[dict]:
+        """Content deltas, then exactly one terminal chunk per choice."""
+        result = []
+        for completion in output.outputs:
+            new = completion.logprobs[-completion.num_delta_tokens :] if completion.logprobs else []
+            new = new if completion.num_delta_tokens else []
+            if completion.delta_text or (self.want_logprobs and new):
+                delta = {"content": completion.delta_text}
+                logprobs = self._logprobs(completion, new)
+                result.append(self._chunk([self._choice(completion.index, delta, logprobs, None)]))
+            if completion.finish_reason and completion.index not in self.terminated:
+                self.terminated.add(completion.index)
+                choice = self._choice(completion.index, {}, None, completion.finish_reason)
+                result.append(self._chunk([choice]))
+        return result
+
+    def usage_chunk(self, output: RequestOutput) -> dict:
+        """The final chunk with empty ``choices`` and the usage."""
+        return self._chunk([], usage(output))
+
+    def response(self, output: RequestOutput) -> dict:
+        """The non-streamed ``chat.completion`` body."""
+        choices = [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": self._logprobs(c, c.logprobs or []),
+                "finish_reason": c.finish_reason,
+            }
+            for c in output.outputs
+        ]
+        return {
+            "id": self.request_id,
+            "object": "chat.completion",
+            "created": self.ctx.created,
+            "model": self.ctx.model_name,
+            "choices": choices,
+            "usage": usage(output),
+        }
+
+
+async def create_chat_completion(
+    ctx: ServerContext, body: ChatCompletionRequest, http_request: Request
+) -> Response:
+    """Serve one chat completion request (streamed or not)."""
+    ctx.check_model(body.model)
+    ctx.check_available()
+    messages = _message_dicts(body.messages)
+    try:
+        prompt_ids = await asyncio.to_thread(
+            render_chat, ctx.tokenizer, messages, body.add_generation_prompt
+        )
+    except ValueError as exc:
+        raise invalid_request(exc, RENAMES) from None
+    max_tokens = body.max_completion_tokens
+    if max_tokens is None:
+        max_tokens = body.max_tokens
+    if max_tokens is None:  # OpenAI: up to the end of the context
+        max_tokens = max(1, ctx.max_model_len - len(prompt_ids))
+    params = sampling_params(body, max_tokens, _num_top_logprobs(body))
+    request_id = new_id("chatcmpl")
+    ctx.mark_fault(request_id, (m["content"] for m in messages))
+    stream = await start_request(ctx, request_id, prompt_ids, params, body, RENAMES)
+    formatter = ChatFormatter(ctx, request_id, body)
+    timer = ctx.metrics.timer()
+    if body.stream:
+        usage_chunk = formatter.usage_chunk if body.include_usage else None
+        events = sse_stream(stream, timer, formatter.first_chunks(), formatter.chunks, usage_chunk)
+        return streaming_response(events, stream)
+    output = await run_to_end(http_request, stream, timer)
+    if output is None:
+        return Response(status_code=499)  # the client is gone; nobody reads this
+    return JSONResponse(formatter.response(output))

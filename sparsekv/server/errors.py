@@ -1,0 +1,130 @@
+"""OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}`` (REFERENCE.md §4).
+
+User input never yields a 500: ``ValueError``s (whose messages start with the parameter name,
+docs/internals.md) and pydantic errors become 400s naming ``param``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+# "max_tokens must ...", "prompt: ...", "kv_compression.budget (5) must ...", "messages[0]: ..."
+_PARAM = re.compile(r"^([A-Za-z_]\w*(?:\[\d+\])?(?:\.[A-Za-z_]\w*)*)(?!\w)")
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    500: "server_error",
+    503: "service_unavailable_error",
+    504: "timeout_error",
+}
+
+
+class APIError(Exception):
+    """An error answered as an OpenAI error body.
+
+    Args:
+        status: HTTP status code.
+        message: human-readable message.
+        param: the offending request field, if any.
+        code: a short machine-readable code (``None`` = derived from the status).
+        type: the OpenAI error type (``None`` = derived from the status).
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status, "server_error")
+
+    def body(self) -> dict:
+        """The JSON body (also sent as an SSE ``data:`` event mid-stream)."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code if self.code is not None else _default_code(self.status),
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        """The HTTP response carrying ``body()``."""
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def _default_code(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase.lower().replace(" ", "_")
+    except ValueError:
+        return "error"
+
+
+def param_of(message: str) -> str | None:
+    """The parameter a ``ValueError`` message names (its leading identifier), if any."""
+    match = _PARAM.match(message)
+    return match.group(1) if match else None
+
+
+def invalid_request(exc: ValueError, renames: dict[str, str] | None = None) -> APIError:
+    """A 400 from an engine/config ``ValueError``; ``renames`` maps engine names to API names."""
+    message = str(exc)
+    param = param_of(message)
+    if param is not None and renames:
+        param = renames.get(param, param)
+    return APIError(400, message, param=param, code="invalid_value")
+
+
+def _pydantic_param(loc: tuple) -> str | None:
+    parts = [str(p) for p in loc if p != "body"]
+    # Drop union-branch labels such as "list[int]" or "str" that pydantic inserts.
+    parts = [p for p in parts if not re.fullmatch(r"[a-z]+\[.*\]|str|int|float|bool", p)]
+    return ".".join(parts) or None
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Answer every error with the OpenAI body; invalid JSON and type errors are 400s."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":
+            return APIError(
+                400, "the request body is not valid JSON", code="invalid_json"
+            ).response()
+        param = _pydantic_param(tuple(first.get("loc", ())))
+        message = f"{param or 'body'}: {first.get('msg', 'invalid value')}"
+        return APIError(400, message, param=param, code="invalid_value").response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return APIError(exc.status_code, str(exc.detail)).response()
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return APIError(500, f"internal error: {type(exc).__name__}").response()

@@ -1,0 +1,137 @@
+"""Prometheus metrics (CONTRACTS.md §3 names, prefix ``sparsekv_``) on a per-app registry.
+
+Engine gauges and counters are read from the ``AsyncEngine`` snapshot at scrape time (the engine
+owns the counts, so they cannot drift); latency histograms are observed by the server as it
+consumes each request's outputs.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from sparsekv.engine.async_engine import AsyncEngine
+from sparsekv.outputs import RequestOutput
+
+PREFIX = "sparsekv_"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# (name, help, snapshot attribute)
+_GAUGES = (
+    ("num_requests_running", "Requests (samples) running in the engine.", "num_running"),
+    ("num_requests_waiting", "Requests (samples) waiting or preempted.", "num_waiting"),
+    ("kv_pages_used", "KV pool pages in use.", "num_pages_used"),
+    ("kv_pages_total", "KV pool pages in all.", "num_pages_total"),
+    (
+        "kv_compression_ratio",
+        "Effective KV compression ratio over running requests (fraction removed).",
+        "compression_ratio",
+    ),
+)
+# (name without _total, help, EngineStats attribute)
+_COUNTERS = (
+    (
+        "kv_tokens_evicted",
+        "KV slots removed by compression, summed over layers.",
+        "num_evicted_tokens",
+    ),
+    ("prompt_tokens", "Prompt tokens received.", "num_prompt_tokens"),
+    ("generation_tokens", "Tokens generated.", "num_generation_tokens"),
+    ("preemptions", "Requests preempted (swapped or recomputed).", "num_preemptions"),
+    ("aborted_requests", "Requests aborted (client disconnect, timeout, shutdown).", "num_aborted"),
+    (
+        "prefix_cache_queries",
+        "Prompt tokens looked up in the prefix cache.",
+        "num_prefix_cache_queries",
+    ),
+    ("prefix_cache_hits", "Prefix cache lookups that hit.", "num_prefix_cache_hits"),
+    (
+        "prefix_cache_hit_tokens",
+        "Prompt tokens served from the prefix cache.",
+        "num_prefix_cache_hit_tokens",
+    ),
+)
+
+
+class _EngineCollector:
+    """Yields the engine's gauges and counters from its latest snapshot."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    def collect(self):
+        snapshot = self.engine.snapshot()
+        for name, doc, attr in _GAUGES:
+            yield GaugeMetricFamily(PREFIX + name, doc, value=float(getattr(snapshot, attr)))
+        for name, doc, attr in _COUNTERS:
+            # Counters the engine does not keep yet (e.g. before the prefix cache) read 0.
+            value = float(getattr(snapshot.stats, attr, 0))
+            yield CounterMetricFamily(PREFIX + name, doc, value=value)
+
+
+class ServerMetrics:
+    """The app's registry: engine collector plus latency histograms (seconds)."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_EngineCollector(engine))
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "Time from arrival to the first generated token.",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80),
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            PREFIX + "inter_token_latency_seconds",
+            "Time between consecutive generated tokens.",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds",
+            "Time from arrival to the end of the request.",
+            buckets=(0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640),
+            registry=self.registry,
+        )
+
+    def render(self) -> bytes:
+        """The text exposition format."""
+        return generate_latest(self.registry)
+
+    def timer(self) -> RequestTimer:
+        """A timer for one request, started now."""
+        return RequestTimer(self)
+
+
+class RequestTimer:
+    """Observes TTFT, ITL and end-to-end latency of one request from its outputs."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+        self.start = time.monotonic()
+        self.last_token: float | None = None
+        self.done = False
+
+    def observe(self, output: RequestOutput) -> None:
+        """Record the tokens this output added (call once per output, in order)."""
+        num_new = sum(c.num_delta_tokens for c in output.outputs)
+        if num_new > 0:
+            now = time.monotonic()
+            if self.last_token is None:
+                self.metrics.ttft.observe(now - self.start)
+                num_new -= 1
+            if num_new > 0 and self.last_token is not None:
+                gap = (now - self.last_token) / num_new
+                for _ in range(num_new):
+                    self.metrics.itl.observe(gap)
+            self.last_token = now
+        if output.finished:
+            self.finish()
+
+    def finish(self) -> None:
+        """Record the end-to-end latency once (finished, failed or aborted)."""
+        if not self.done:
+            self.done = True
+            self.metrics.e2e.observe(time.monotonic() - self.start)

@@ -1,0 +1,114 @@
+"""Request bodies of the OpenAI-compatible API (REFERENCE.md §4, CONTRACTS.md §3 extra fields).
+
+Types are checked here (pydantic, 400 on mismatch); value rules live in ``SamplingParams`` and
+``CompressionConfig`` so the offline and HTTP APIs share one validation.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class KVCompressionBody(BaseModel):
+    """The ``kv_compression`` object: fields override the server's default policy one by one."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: str | None = None
+    budget: int | None = None
+    compression_ratio: float | None = None
+    window: int | None = None
+    pooling: str | None = None
+    kernel_size: int | None = None
+    gqa_agg: str | None = None
+    full_layers: int | None = None
+    layer_budgets: list[int] | None = None
+    decode_eviction: bool | None = None
+    chunked_mode: str | None = None
+    scope: str | None = None
+    context_tokens: int | None = None
+
+    def overrides(self) -> dict[str, Any]:
+        """The fields the client gave (``null`` means "not given")."""
+        return {k: v for k, v in self.model_dump(exclude_unset=True).items() if v is not None}
+
+
+class StreamOptions(BaseModel):
+    """``stream_options``: ``include_usage`` adds a usage chunk before ``[DONE]``."""
+
+    include_usage: bool = False
+
+
+class SamplingBody(BaseModel):
+    """Fields shared by both endpoints (OpenAI names plus the sparsekv/vLLM extras)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # extras (CONTRACTS.md §3)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    kv_compression: KVCompressionBody | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(SamplingBody):
+    """POST /v1/completions: text or token-id prompt; ``logprobs`` is the top-N count (0-20)."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+class TextPart(BaseModel):
+    """One part of a multi-part message content; only text is supported."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    """One chat message (``content`` text or a list of text parts)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingBody):
+    """POST /v1/chat/completions: ``logprobs`` is a bool, ``top_logprobs`` the top-N count."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True

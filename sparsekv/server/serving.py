@@ -1,0 +1,290 @@
+"""What both endpoints share: server state, sampling params, admission, and the two ways of
+answering (one JSON body, or an SSE stream ending in ``data: [DONE]``; REFERENCE.md §4).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterable
+from contextlib import suppress
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from starlette.background import BackgroundTask
+
+from sparsekv.engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineOverloadedError,
+    RequestStream,
+    RequestTimeoutError,
+)
+from sparsekv.engine.llm_engine import LLMEngine
+from sparsekv.outputs import RequestOutput
+from sparsekv.sampling_params import SamplingParams
+from sparsekv.server.errors import APIError, invalid_request
+from sparsekv.server.faults import StepFaultInjector
+from sparsekv.server.metrics import RequestTimer, ServerMetrics
+from sparsekv.server.protocol import SamplingBody
+
+# How often a non-streaming request checks whether its client went away (seconds).
+DISCONNECT_POLL_S = 0.1
+
+
+@dataclass
+class ServerSettings:
+    """HTTP-side settings (CONTRACTS.md §3).
+
+    Attributes:
+        api_key: required ``Bearer`` key on /v1 (``None`` = open).
+        max_body_bytes: largest request body (413 past it).
+        request_timeout: seconds before a request is aborted (``None`` = no limit); also the
+            graceful-shutdown wait on SIGTERM.
+        fault_marker: test-only: prompts containing it fail in their first engine step.
+    """
+
+    api_key: str | None = None
+    max_body_bytes: int = 8 << 20
+    request_timeout: float | None = None
+    fault_marker: str | None = None
+
+
+class ServerContext:
+    """Per-app state: the async engine, settings, metrics and readiness flags.
+
+    Args:
+        engine: a loaded engine (its loop starts with the app).
+        settings: HTTP-side settings.
+    """
+
+    def __init__(self, engine: LLMEngine, settings: ServerSettings) -> None:
+        self.settings = settings
+        self.faults = StepFaultInjector(engine.runner) if settings.fault_marker else None
+        self.engine = AsyncEngine(engine)
+        self.metrics = ServerMetrics(self.engine)
+        self.model_name = engine.model_name
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.created = int(time.time())
+        self.is_ready = False
+        self.is_draining = False
+
+    def check_available(self) -> None:
+        """Raise 503 unless the server is ready, not draining, and its engine loop alive."""
+        if self.is_draining:
+            raise APIError(503, "the server is shutting down", code="shutting_down")
+        if not self.is_ready:
+            raise APIError(503, "the server is starting up", code="not_ready")
+        if not self.engine.is_alive:
+            raise APIError(503, "the engine loop is not running", code="engine_unavailable")
+
+    def check_model(self, model: str | None) -> None:
+        """404 for a model id other than the served one (``None`` = the served one)."""
+        if model is not None and model != self.model_name:
+            raise APIError(
+                404,
+                f"model {model!r} does not exist; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    def mark_fault(self, request_id: str, texts: Iterable[str]) -> None:
+        """Test-only: fail ``request_id``'s first step if its prompt holds the fault marker."""
+        marker = self.settings.fault_marker
+        if self.faults is not None and marker and any(marker in t for t in texts):
+            self.faults.mark(request_id)
+
+
+def new_id(prefix: str) -> str:
+    """An OpenAI-style id such as ``chatcmpl-<32 hex>``."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sampling_params(body: SamplingBody, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    """``SamplingParams`` from the body's fields (validated later by the engine)."""
+    if body.logit_bias:
+        raise APIError(400, "logit_bias is not supported", param="logit_bias")
+    return SamplingParams(
+        n=body.n,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        repetition_penalty=body.repetition_penalty,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        seed=body.seed,
+        stop=body.stop,
+        stop_token_ids=body.stop_token_ids or [],
+        ignore_eos=body.ignore_eos,
+        max_tokens=max_tokens,
+        min_tokens=body.min_tokens,
+        logprobs=logprobs,
+        include_stop_str_in_output=body.include_stop_str_in_output,
+        skip_special_tokens=body.skip_special_tokens,
+    )
+
+
+async def start_request(
+    ctx: ServerContext,
+    request_id: str,
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    body: SamplingBody,
+    renames: dict[str, str] | None = None,
+) -> RequestStream:
+    """Admit a request into the engine; user errors become 400s, overload a 503.
+
+    Args:
+        renames: engine parameter names to this endpoint's names (chat: prompt -> messages).
+    """
+    compression = body.kv_compression.overrides() if body.kv_compression is not None else None
+    try:
+        return await ctx.engine.add_request(
+            request_id, prompt_token_ids, params, compression, ctx.settings.request_timeout
+        )
+    except ValueError as exc:
+        raise invalid_request(exc, renames) from None
+    except EngineOverloadedError as exc:
+        raise APIError(503, str(exc), code="overloaded") from None
+    except EngineDeadError as exc:
+        raise APIError(503, str(exc), code="engine_unavailable") from None
+
+
+def check_output(output: RequestOutput) -> None:
+    """Raise the API error for an output that failed (step error) or was aborted by the server."""
+    if output.error is not None:
+        raise APIError(500, output.error, code="engine_error")
+    if any(c.finish_reason == "abort" for c in output.outputs):
+        raise APIError(503, "the request was aborted by the server", code="aborted")
+
+
+def as_api_error(exc: BaseException) -> APIError:
+    """Map an engine-side failure while a request runs to its API error."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, RequestTimeoutError):
+        return APIError(504, str(exc), code="request_timeout")
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc), code="engine_unavailable")
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+_ENGINE_ERRORS = (APIError, RequestTimeoutError, EngineDeadError)
+
+
+async def run_to_end(
+    http_request: Request, stream: RequestStream, timer: RequestTimer
+) -> RequestOutput | None:
+    """Consume a request to its final output; ``None`` if the client disconnected first.
+
+    The client is polled every ``DISCONNECT_POLL_S``; a disconnect aborts the request at once
+    (its pages return to the pool before the engine's next step).
+
+    Raises:
+        APIError: the request failed, timed out or was aborted by the server.
+    """
+
+    async def consume() -> RequestOutput:
+        final = None
+        async for output in stream:
+            timer.observe(output)
+            final = output
+        if final is None:
+            raise EngineDeadError("the request ended without an output")
+        check_output(final)
+        return final
+
+    task = asyncio.create_task(consume())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                try:
+                    return task.result()
+                except _ENGINE_ERRORS as exc:
+                    raise as_api_error(exc) from None
+            if await http_request.is_disconnected():
+                return None
+    finally:
+        stream.abort()
+        timer.finish()
+        if not task.done():
+            task.cancel()
+            with suppress(asyncio.CancelledError, Exception):
+                await task
+
+
+def sse(data: dict | str) -> str:
+    """One server-sent event ``data:`` line pair."""
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"data: {payload}\n\n"
+
+
+async def sse_stream(
+    stream: RequestStream,
+    timer: RequestTimer,
+    first: list[dict],
+    chunks: Callable[[RequestOutput], list[dict]],
+    usage_chunk: Callable[[RequestOutput], dict] | None,
+) -> AsyncIterator[str]:
+    """SSE framing: ``first`` chunks, chunks per output, optional usage chunk, ``[DONE]``.
+
+    An error mid-stream is sent as an ``{"error": ...}`` event, then ``[DONE]``. A client that
+    disconnects cancels this generator (Starlette), which aborts the request.
+    """
+    try:
+        for chunk in first:
+            yield sse(chunk)
+        final = None
+        async for output in stream:
+            timer.observe(output)
+            check_output(output)
+            for chunk in chunks(output):
+                yield sse(chunk)
+            final = output
+        if usage_chunk is not None and final is not None:
+            yield sse(usage_chunk(final))
+    except _ENGINE_ERRORS as exc:
+        yield sse(as_api_error(exc).body())
+    finally:
+        stream.abort()
+        timer.finish()
+    yield sse("[DONE]")
+
+
+def streaming_response(events: AsyncIterator[str], stream: RequestStream) -> StreamingResponse:
+    """An ``text/event-stream`` response; the request is aborted when the response ends.
+
+    The background abort also covers a client that leaves before the first event, when the
+    event generator never started (so its own cleanup never runs).
+    """
+
+    async def abort() -> None:
+        stream.abort()
+
+    return StreamingResponse(
+        events,
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        background=BackgroundTask(abort),
+    )
+
+
+def usage(output: RequestOutput) -> dict:
+    """OpenAI usage plus the KV footprint at the end of the request (CONTRACTS.md §3)."""
+    num_prompt = len(output.prompt_token_ids)
+    num_completion = sum(len(c.token_ids) for c in output.outputs)
+    stats = output.kv_stats
+    return {
+        "prompt_tokens": num_prompt,
+        "completion_tokens": num_completion,
+        "total_tokens": num_prompt + num_completion,
+        "kv_tokens_kept": stats.tokens_kept if stats is not None else 0,
+        "kv_tokens_full": stats.tokens_full if stats is not None else 0,
+        "kv_compression_ratio": stats.compression_ratio if stats is not None else 0.0,
+    }

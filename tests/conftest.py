@@ -1,0 +1,150 @@
+"""Shared fixtures: the real tokenizer and model loaded once, tiny random models, and the
+page-leak check that runs after every test (REFERENCE.md §5: no page leaks)."""
+
+from __future__ import annotations
+
+import os
+import types
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+SMOLLM2_DIR = None
+
+
+def smollm2_gguf_path():
+    from sparsekv.loader import resolve_model
+
+    return resolve_model("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """The SmolLM2 tokenizer (parsed from the GGUF once per session)."""
+    from transformers import AutoTokenizer
+
+    path = smollm2_gguf_path()
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+@pytest.fixture(scope="session")
+def smollm2_checkpoint():
+    """SmolLM2-135M-Instruct weights in fp32 (loaded once per session)."""
+    from sparsekv.loader import load_checkpoint
+
+    return load_checkpoint("smollm2-135m-instruct", torch.float32)
+
+
+def tiny_llama_config(num_heads: int = 4, num_kv_heads: int = 2, num_layers: int = 3, **kw):
+    """A tiny random Llama config with the SmolLM2 vocabulary (so its tokenizer works)."""
+    from transformers import LlamaConfig
+
+    values = dict(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        eos_token_id=2,
+        rms_norm_eps=1e-5,
+    )
+    values.update(kw)
+    return LlamaConfig(**values)
+
+
+def tiny_checkpoint(config, tokenizer, seed: int = 0):
+    """(checkpoint namespace, HF reference model) for a random model of ``config``."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    hf_model = AutoModelForCausalLM.from_config(config).eval()
+    # Larger random weights make attention peakier, so evictions change outputs visibly.
+    checkpoint = types.SimpleNamespace(
+        name="tiny",
+        path=None,
+        hf_config=config,
+        tokenizer=tokenizer,
+        state_dict=hf_model.state_dict(),
+    )
+    return checkpoint, hf_model
+
+
+class EngineRegistry:
+    """Engines created during the session, checked for leaked pages after each test."""
+
+    def __init__(self) -> None:
+        self.engines: list = []
+
+    def add(self, engine):
+        self.engines.append(engine)
+        return engine
+
+
+_REGISTRY = EngineRegistry()
+
+
+@pytest.fixture(scope="session")
+def engine_registry() -> EngineRegistry:
+    return _REGISTRY
+
+
+@pytest.fixture
+def make_engine(smollm2_tokenizer):
+    """Factory: ``make_engine(checkpoint, **settings) -> LLMEngine`` (registered for leak checks)."""
+    from sparsekv.config import (
+        CacheConfig,
+        CompressionConfig,
+        EngineConfig,
+        ModelConfig,
+        SchedulerConfig,
+    )
+    from sparsekv.engine.engine_setup import build_engine_parts
+    from sparsekv.engine.llm_engine import LLMEngine
+
+    def factory(checkpoint, compression=None, num_pages=None, block_size=16, **sched):
+        sched.setdefault("watermark_pages", 0)
+        config = EngineConfig(
+            model=ModelConfig(dtype="float32"),
+            cache=CacheConfig(kv_cache_memory=0.05, block_size=block_size, num_pages=num_pages),
+            compression=compression or CompressionConfig(method="none"),
+            scheduler=SchedulerConfig(**sched),
+        )
+        engine = LLMEngine(config, build_engine_parts(config, checkpoint))
+        return _REGISTRY.add(engine)
+
+    return factory
+
+
+@pytest.fixture(autouse=True)
+def no_page_leaks():
+    """After every test, every engine's pool is back to its baseline (all pages free)."""
+    yield
+    for engine in _REGISTRY.engines:
+        leftover = engine.num_unfinished_requests
+        free, total = engine.kv.num_free_pages, engine.kv.num_total_pages
+        for request_id in list(engine._groups):
+            engine.abort_request(request_id)
+        assert leftover == 0, f"{leftover} requests left unfinished"
+        assert free == total, f"page leak: {total - free} of {total} pages still held"
+
+
+def run_to_completion(engine, requests):
+    """Add ``(request_id, prompt_ids, params[, compression])`` tuples and step until done.
+
+    Returns:
+        dict request_id -> final RequestOutput.
+    """
+    for item in requests:
+        engine.add_request(*item)
+    finished = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+    return finished

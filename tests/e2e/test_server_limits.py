@@ -1,0 +1,99 @@
+"""Server limits and failure modes on an in-process server (SmolLM2, fp32) with one running
+request at most and one waiting: 503 past --max-waiting, --request-timeout, a dead engine loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from sparsekv.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from sparsekv.engine.llm_engine import LLMEngine
+from sparsekv.server.app import create_app
+from sparsekv.server.serving import ServerSettings
+from tests.e2e.conftest import InProcessServer, read_metrics, wait_for
+
+PROMPT = [504, 3458, 282, 4649, 314, 1345, 30, 378, 2012, 2909, 253, 1345]
+LONG = {"prompt": PROMPT, "max_tokens": 500, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def limited():
+    config = EngineConfig(
+        model=ModelConfig(dtype="float32"),
+        cache=CacheConfig(kv_cache_memory=0.1),
+        scheduler=SchedulerConfig(max_num_seqs=1, max_waiting=1),
+    )
+    app = create_app(LLMEngine(config), ServerSettings())
+    server = InProcessServer(app).start()
+    server.ctx = app.state.ctx
+    yield server
+    server.stop()
+
+
+def test_waiting_queue_limit_answers_503(limited):
+    url = limited.url
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            async with client.stream("POST", "/v1/completions", json=dict(LONG, stream=True)) as a:
+                lines = a.aiter_lines()
+                assert (await anext(lines)).startswith("data: ")  # A runs
+                short = {"prompt": PROMPT, "max_tokens": 2}
+                waiting = asyncio.create_task(client.post("/v1/completions", json=short))
+                assert await asyncio.to_thread(
+                    wait_for, lambda: read_metrics(url)["sparsekv_num_requests_waiting"] == 1, 10
+                )
+                rejected = await client.post("/v1/completions", json=short)
+                assert rejected.status_code == 503
+                error = rejected.json()["error"]
+                assert (
+                    error["type"] == "service_unavailable_error" and error["code"] == "overloaded"
+                )
+            # A is gone (client closed it): the waiting request now runs and completes.
+            done = await waiting
+            assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 2
+
+    asyncio.run(scenario())
+    assert wait_for(lambda: read_metrics(url)["sparsekv_kv_pages_used"] == 0, 2.0)
+
+
+def test_request_timeout_aborts(limited):
+    limited.ctx.settings.request_timeout = 1.0
+    try:
+        start = time.monotonic()
+        response = httpx.post(f"{limited.url}/v1/completions", json=LONG, timeout=60)
+        assert response.status_code == 504
+        assert response.json()["error"]["code"] == "request_timeout"
+        assert time.monotonic() - start < 10
+        with httpx.stream(
+            "POST", f"{limited.url}/v1/completions", json=dict(LONG, stream=True), timeout=60
+        ) as stream:
+            events = [e for e in stream.read().decode().split("\n\n") if e]
+        assert events[-1] == "data: [DONE]"
+        assert json.loads(events[-2][6:])["error"]["code"] == "request_timeout"
+    finally:
+        limited.ctx.settings.request_timeout = None
+    assert wait_for(lambda: read_metrics(limited.url)["sparsekv_kv_pages_used"] == 0, 2.0)
+
+
+def test_dead_engine_loop_makes_health_503(limited):
+    """Runs last in this module: it kills this server's engine loop on purpose."""
+    assert httpx.get(f"{limited.url}/health").status_code == 200
+    engine = limited.ctx.engine.engine
+
+    def broken_schedule():
+        raise RuntimeError("scheduler bug")
+
+    engine.scheduler.schedule = broken_schedule
+    response = httpx.post(f"{limited.url}/v1/completions", json=LONG, timeout=60)
+    assert response.status_code == 503
+    assert "engine loop died" in response.json()["error"]["message"]
+    health = httpx.get(f"{limited.url}/health")
+    assert health.status_code == 503 and health.json()["status"] == "dead"
+    again = httpx.post(f"{limited.url}/v1/completions", json=LONG, timeout=60)
+    assert again.status_code == 503
