@@ -12,23 +12,6 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-SMOLLM2_DIR = None
-
-
-def smollm2_gguf_path():
-    from sparsekv.loader import resolve_model
-
-    return resolve_model("smollm2-135m-instruct")
-
-
-@pytest.fixture(scope="session")
-def smollm2_tokenizer():
-    """The SmolLM2 tokenizer (parsed from the GGUF once per session)."""
-    from transformers import AutoTokenizer
-
-    path = smollm2_gguf_path()
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-
 
 @pytest.fixture(scope="session")
 def smollm2_checkpoint():
@@ -36,6 +19,12 @@ def smollm2_checkpoint():
     from sparsekv.loader import load_checkpoint
 
     return load_checkpoint("smollm2-135m-instruct", torch.float32)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_checkpoint):
+    """The SmolLM2 tokenizer (from the loader's metadata cache)."""
+    return smollm2_checkpoint.tokenizer
 
 
 def tiny_llama_config(num_heads: int = 4, num_kv_heads: int = 2, num_layers: int = 3, **kw):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +26,6 @@ class Checkpoint:
         state_dict: HF parameter name -> contiguous tensor in the requested dtype.
             ``lm_head.weight`` is absent when ``hf_config.tie_word_embeddings`` (the head is
             ``model.embed_tokens.weight``). Gemma norm weights follow HF (``x * (1 + w)``).
-        load_seconds: wall time :func:`load_checkpoint` took.
     """
 
     name: str
@@ -35,7 +33,6 @@ class Checkpoint:
     hf_config: object
     tokenizer: object
     state_dict: dict[str, torch.Tensor]
-    load_seconds: float = 0.0
 
 
 def load_checkpoint(model: str, dtype: torch.dtype) -> Checkpoint:
@@ -59,7 +56,6 @@ def load_checkpoint(model: str, dtype: torch.dtype) -> Checkpoint:
     """
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype: expected a floating torch.dtype, got {dtype!r}")
-    start = time.perf_counter()
     path = resolve_model(model)
     load = load_gguf if path.is_file() else load_hf_folder
     hf_config, tokenizer, state_dict = load(path, dtype)
@@ -70,5 +66,4 @@ def load_checkpoint(model: str, dtype: torch.dtype) -> Checkpoint:
         hf_config=hf_config,
         tokenizer=tokenizer,
         state_dict=state_dict,
-        load_seconds=time.perf_counter() - start,
     )

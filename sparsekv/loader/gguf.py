@@ -37,7 +37,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype):
 
     Args:
         path: the ``.gguf`` file (architectures: ``llama``, ``gemma3``).
-        dtype: floating dtype of the returned tensors (dequantized in float32, then cast).
+        dtype: floating dtype of the returned tensors (gguf dequantizes to float32; cast after).
 
     Returns:
         ``(hf_config, tokenizer, state_dict)``; see :func:`gguf_state_dict` for the tensors.

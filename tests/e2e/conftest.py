@@ -20,7 +20,7 @@ API_KEY = "sk-test-sparsekv"
 FAULT_MARKER = "@@inject-step-fault@@"
 MAX_BODY_BYTES = 256 * 1024
 MODEL = "smollm2-135m-instruct"
-STARTUP_TIMEOUT_S = 300
+STARTUP_TIMEOUT_S = 600  # a first start may compile the native kernels
 
 
 def free_port() -> int:

@@ -158,13 +158,13 @@ def test_n_seed_logprobs_stop_and_extras(client, http):
     greedy = client.chat.completions.create(
         model=MODEL, messages=CHAT, max_tokens=12, temperature=0
     )
-    words = greedy.choices[0].message.content.split()
+    text = greedy.choices[0].message.content
+    words = text.split()
     assert len(words) >= 3
-    stop = " " + words[2]
+    stop = words[2]
     cut = client.chat.completions.create(
         model=MODEL, messages=CHAT, max_tokens=12, temperature=0, stop=[stop, "zzz-never"]
     )
-    text = greedy.choices[0].message.content
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].message.content == text[: text.index(stop)]
 

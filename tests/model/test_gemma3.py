@@ -147,6 +147,15 @@ def random_prompts(lengths, seed: int = 1) -> list[list[int]]:
     return [torch.randint(4, VOCAB, (n,), generator=generator).tolist() for n in lengths]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls run 4x faster on one thread (no OpenMP barriers; measured 2 cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def tiny():
     config = tiny_config()

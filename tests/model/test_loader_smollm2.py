@@ -80,7 +80,6 @@ def test_checkpoint_fields(ours):
     assert config.max_position_embeddings == 8192
     assert config.tie_word_embeddings and "lm_head.weight" not in ours.state_dict
     assert all(t.dtype == torch.float32 and t.is_contiguous() for t in ours.state_dict.values())
-    assert ours.load_seconds < 60
 
 
 def test_state_dict_equals_transformers_gguf_loader(ours, reference):

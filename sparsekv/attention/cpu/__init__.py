@@ -1,0 +1,6 @@
+"""Native CPU attention kernels (C++ in ``csrc/``, built by ``build.py``, wrapped by ``ops.py``).
+
+The kernels read K/V pages in place (no gathered copy): paged decode attention and the
+window-score pass of compression. Use them through ``sparsekv.attention.backend``, which falls
+back to the PyTorch reference when the extension cannot be built.
+"""

@@ -32,7 +32,7 @@ SOURCES = (
     "isa_generic.cpp",
 )
 # -ffp-contract=fast lets `a += b * c` on vectors become one FMA (ISO C++ mode turns it off).
-EXTRA_CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno"]
+EXTRA_CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno", "-Wno-psabi"]
 EXTRA_LDFLAGS = ["-fopenmp"]
 
 _build_lock = threading.Lock()
@@ -60,12 +60,13 @@ def build_directory() -> Path:
 
 
 def compile_extension(verbose: bool = False) -> ModuleType:
-    """Compile (or reload from the cache) the extension; raises on any build error."""
+    """Compile (or reload from the cache) the extension and return its operator namespace
+    ``torch.ops.sparsekv_cpu``; raises on any build error."""
     from torch.utils import cpp_extension
 
     directory = build_directory()
     directory.mkdir(parents=True, exist_ok=True)
-    return cpp_extension.load(
+    cpp_extension.load(
         name=EXTENSION_NAME,
         sources=[str(CSRC_DIR / name) for name in SOURCES],
         extra_cflags=EXTRA_CFLAGS,
@@ -73,7 +74,9 @@ def compile_extension(verbose: bool = False) -> ModuleType:
         extra_include_paths=[str(CSRC_DIR)],
         build_directory=str(directory),
         verbose=verbose,
+        is_python_module=False,  # TORCH_LIBRARY operators, loaded into torch.ops
     )
+    return torch.ops.sparsekv_cpu
 
 
 @functools.cache
@@ -92,7 +95,8 @@ def _load_once() -> ModuleType | None:
 
 
 def load_extension() -> ModuleType | None:
-    """The compiled kernel module, building it on first use; ``None`` if disabled or failed.
+    """The kernel operators (``torch.ops.sparsekv_cpu``), building them on first use; ``None``
+    if disabled or the build failed.
 
     Thread-safe: concurrent first callers wait for one build (processes sharing the cache folder
     are serialised by ``cpp_extension``'s lock file).
@@ -106,10 +110,10 @@ def load_extension() -> ModuleType | None:
 def main() -> None:
     """Build the extension now and print where it lives and how long it took."""
     start = time.perf_counter()
-    module = compile_extension(verbose="-v" in sys.argv[1:])
+    ops = compile_extension(verbose="-v" in sys.argv[1:])
     elapsed = time.perf_counter() - start
-    print(f"{EXTENSION_NAME}: {module.__file__} ({elapsed:.1f} s)")
-    print("kernel variants on this CPU:", ", ".join(module.available_isas()))
+    print(f"{EXTENSION_NAME}: built or loaded from {build_directory()} in {elapsed:.1f} s")
+    print("kernel variants on this CPU:", ops.available_isas())
 
 
 if __name__ == "__main__":

@@ -1,10 +1,18 @@
-// Torch binding of the paged CPU kernels: argument checks, work planning, threading.
+// Torch operators of the paged CPU kernels (torch.ops.sparsekv_cpu.*): argument checks, work
+// planning, threading. Registered with TORCH_LIBRARY and light ATen headers rather than
+// torch/extension.h, which alone costs ~45 s of compile time.
 //
 // Work is split into items of whole pages of one (request, KV head) (flash-decoding style
 // splits, merged by log-sum-exp afterwards), sorted longest first and handed out dynamically to
 // the intra-op threads, so ragged batches and batch-1 decode keep every core busy.
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <atomic>
@@ -29,7 +37,7 @@ bool cpu_has(const char* feature) {
 }
 
 // Kernel variants this CPU runs, fastest first.
-std::vector<std::string> available_isas() {
+std::vector<std::string> isa_list() {
   std::vector<std::string> isas;
   if (cpu_has("avx512f")) isas.push_back("avx512");
   if (cpu_has("avx2") && cpu_has("fma")) {
@@ -40,8 +48,15 @@ std::vector<std::string> available_isas() {
   return isas;
 }
 
-const skv::KernelTable& table_for(const std::string& isa) {
-  const auto isas = available_isas();
+std::string available_isas() {  // comma-separated
+  std::string out;
+  for (const auto& isa : isa_list()) out += (out.empty() ? "" : ",") + isa;
+  return out;
+}
+
+const skv::KernelTable& table_for(c10::string_view isa_name) {
+  const std::string isa(isa_name);
+  const auto isas = isa_list();
   TORCH_CHECK(std::find(isas.begin(), isas.end(), isa) != isas.end(), "kernel variant '", isa,
               "' is not supported on this CPU");
   if (isa == "avx512") return skv::kTableAvx512;
@@ -50,13 +65,18 @@ const skv::KernelTable& table_for(const std::string& isa) {
   return skv::kTableGeneric;
 }
 
+// Below this many multiply-adds (~0.1 ms) a call runs on the calling thread: waking the pool
+// costs more, and far more when other processes keep the cores busy.
+constexpr int64_t kParallelMinWork = 1 << 21;
+
 // Runs fn(item, scratch) for item in [0, num_items) on the intra-op threads; items are taken
 // from a shared counter so uneven items balance.
 template <typename F>
-void run_dynamic(int64_t num_items, int64_t scratch_floats, const F& fn) {
+void run_dynamic(int64_t num_items, int64_t work, int64_t scratch_floats, const F& fn) {
   if (num_items == 0) return;
   std::atomic<int64_t> next{0};
-  const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), num_items);
+  const int64_t num_threads =
+      work < kParallelMinWork ? 1 : std::min<int64_t>(at::get_num_threads(), num_items);
   at::parallel_for(0, num_threads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(scratch_floats + 64);
     for (int64_t t = begin; t < end; ++t)
@@ -74,12 +94,15 @@ void check_pool(const at::Tensor& pool) {
               "kv_pool must be float32 or bfloat16");
 }
 
+int64_t vector_width(c10::string_view isa) { return table_for(isa).width; }
+
+// Returns [out, lse, mass] (mass is an empty tensor unless return_mass).
 std::vector<at::Tensor> paged_decode(const at::Tensor& query_in, const at::Tensor& pool,
                                      const at::Tensor& block_tables_in,
                                      const at::Tensor& seq_lens_in,
                                      const at::Tensor& first_slots_in, double scale,
-                                     int64_t sliding_window, double softcap,
-                                     bool return_mass, const std::string& isa) {
+                                     int64_t sliding_window, double softcap, bool return_mass,
+                                     c10::string_view isa) {
   check_pool(pool);
   const auto& table = table_for(isa);
   TORCH_CHECK(query_in.dim() == 3, "query must be [batch, num_heads, head_dim]");
@@ -100,7 +123,7 @@ std::vector<at::Tensor> paged_decode(const at::Tensor& query_in, const at::Tenso
 
   auto out = at::empty_like(query);
   auto lse = at::empty({batch, num_heads}, query.options().dtype(at::kFloat));
-  at::Tensor mass, scores;
+  at::Tensor mass = at::empty({0}, lse.options()), scores;
   if (return_mass) {
     mass = at::zeros({batch, kvh, held_cap}, lse.options());
     scores = at::empty({batch, kvh, group, held_cap}, lse.options());
@@ -171,11 +194,12 @@ std::vector<at::Tensor> paged_decode(const at::Tensor& query_in, const at::Tenso
   const int64_t state_floats = skv::decode_state_floats(group, d);
   std::vector<float> states(items.size() * state_floats);
   const int64_t scratch = std::max(table.decode_scratch(args), d);
-  run_dynamic((int64_t)items.size(), scratch, [&](int64_t i, float* buf) {
+  const int64_t work = total_pages * bs * kvh * group * d * 2;
+  run_dynamic((int64_t)items.size(), work, scratch, [&](int64_t i, float* buf) {
     const int64_t k = order[i];
     table.decode_item(args, items[k], buf, states.data() + k * state_floats);
   });
-  run_dynamic(batch * kvh, scratch, [&](int64_t i, float* buf) {
+  run_dynamic(batch * kvh, work / bs, scratch, [&](int64_t i, float* buf) {
     const int64_t b = i / kvh, h = i % kvh;
     const int64_t n = first_item[i + 1] - first_item[i];
     table.decode_combine(args, b, h, states.data() + first_item[i] * state_floats, n,
@@ -186,7 +210,7 @@ std::vector<at::Tensor> paged_decode(const at::Tensor& query_in, const at::Tenso
 
 at::Tensor window_scores(const at::Tensor& window_queries, const at::Tensor& lse,
                          const at::Tensor& pool, const at::Tensor& block_table_in,
-                         int64_t num_slots, double scale, const std::string& isa) {
+                         int64_t num_slots, double scale, c10::string_view isa) {
   check_pool(pool);
   const auto& table = table_for(isa);
   TORCH_CHECK(window_queries.dim() == 3, "window_queries must be [num_heads, window, head_dim]");
@@ -238,7 +262,8 @@ at::Tensor window_scores(const at::Tensor& window_queries, const at::Tensor& lse
   args.rows = rows;
   args.is_bf16 = pool.scalar_type() == at::kBFloat16;
   args.out = out.data_ptr<float>();
-  run_dynamic(kvh * num_blocks, table.window_scratch(args), [&](int64_t i, float* buf) {
+  const int64_t work = num_slots * kvh * rows * d;
+  run_dynamic(kvh * num_blocks, work, table.window_scratch(args), [&](int64_t i, float* buf) {
     table.window_page(args, i % kvh, i / kvh, buf);
   });
   return out;
@@ -246,13 +271,9 @@ at::Tensor window_scores(const at::Tensor& window_queries, const at::Tensor& lse
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "sparsekv paged CPU attention kernels";
-  m.def("available_isas", &available_isas, "kernel variants this CPU runs, fastest first");
-  m.def("vector_width", [](const std::string& isa) { return table_for(isa).width; });
-  // The GIL is released while kernels run so other Python threads (the server) go on.
-  m.def("paged_decode", &paged_decode, "paged decode attention -> [out, lse, mass]",
-        py::call_guard<py::gil_scoped_release>());
-  m.def("window_scores", &window_scores, "window scores over paged keys -> [num_heads, slots]",
-        py::call_guard<py::gil_scoped_release>());
+TORCH_LIBRARY(sparsekv_cpu, m) {
+  m.def("available_isas", &available_isas);
+  m.def("vector_width", &vector_width);
+  m.def("paged_decode", &paged_decode);
+  m.def("window_scores", &window_scores);
 }

@@ -321,22 +321,24 @@ static void tile_update(const DecodeArgs& a, const PageSpan<T>* cur, int nc,
     value_pass<T, g>(a, cur, nc, nxt, nn, sc, offs, ss, alpha, state, ci, chunks);
 }
 
+// Query heads per pass: the largest instantiated block that fits (7 = 4 + 3, 6 = 4 + 2, ...).
+static inline int head_block(int64_t remaining) {
+  return remaining >= 8 ? 8 : remaining >= 4 ? 4 : (int)remaining;
+}
+
 template <typename T>
 static void tile_update_heads(const DecodeArgs& a, int g, const PageSpan<T>* cur, int nc,
                               const PageSpan<T>* nxt, int nn, const float* q, float* sc,
                               float* state, float* scores) {
   switch (g) {
-#define SKV_CASE(G)                                                      \
-  case G:                                                                \
+#define SKV_CASE(G)                                               \
+  case G:                                                         \
     tile_update<T, G>(a, cur, nc, nxt, nn, q, sc, state, scores); \
     break;
     SKV_CASE(1)
     SKV_CASE(2)
     SKV_CASE(3)
     SKV_CASE(4)
-    SKV_CASE(5)
-    SKV_CASE(6)
-    SKV_CASE(7)
     SKV_CASE(8)
 #undef SKV_CASE
   }
@@ -393,13 +395,13 @@ static void decode_item_t(const DecodeArgs& a, const DecodeItem& it, float* scra
   int cur = 0, nc = next_tile<T>(a, it, &pi, tiles[0]);
   while (nc > 0) {
     const int nn = next_tile<T>(a, it, &pi, tiles[1 - cur]);
-    for (int64_t h0 = 0; h0 < G; h0 += kMaxGroupBlock) {
-      const int g = (int)(G - h0 < kMaxGroupBlock ? G - h0 : kMaxGroupBlock);
+    for (int64_t h0 = 0, g = 0; h0 < G; h0 += g) {
+      g = head_block(G - h0);
       float* scores = nullptr;
       if (a.scores != nullptr)
         scores = a.scores + ((it.b * a.num_kv_heads + it.kvh) * G + h0) * a.held_cap;
       // Later head blocks find the pages in cache: only the first one prefetches.
-      tile_update_heads<T>(a, g, tiles[cur], nc, tiles[1 - cur], h0 == 0 ? nn : 0, q + h0 * d,
+      tile_update_heads<T>(a, (int)g, tiles[cur], nc, tiles[1 - cur], h0 == 0 ? nn : 0, q + h0 * d,
                            sc, state + h0 * st, scores);
     }
     cur = 1 - cur;

@@ -1,12 +1,17 @@
-"""Server limits and failure modes on an in-process server (SmolLM2, fp32) with one running
-request at most and one waiting: 503 past --max-waiting, --request-timeout, a dead engine loop.
+"""An in-process server (SmolLM2, fp32) with one running request at most and one waiting:
+the docs/server.md examples run as written, 503 past --max-waiting, --request-timeout, and a
+dead engine loop (last: it kills this module's server).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -17,6 +22,8 @@ from sparsekv.server.app import create_app
 from sparsekv.server.serving import ServerSettings
 from tests.e2e.conftest import InProcessServer, read_metrics, wait_for
 
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "server.md"
+DOCS_URL = "http://127.0.0.1:8000"
 PROMPT = [504, 3458, 282, 4649, 314, 1345, 30, 378, 2012, 2909, 253, 1345]
 LONG = {"prompt": PROMPT, "max_tokens": 500, "ignore_eos": True}
 
@@ -33,6 +40,44 @@ def limited():
     server.ctx = app.state.ctx
     yield server
     server.stop()
+
+
+def _doc_blocks(language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", DOCS.read_text(), re.S)
+
+
+def _check_doc_output(output: str) -> None:
+    if "sparsekv_kv_pages_total" in output:
+        assert output.startswith('{"status":"ok"}\n')
+    elif output.startswith("data: "):
+        assert output.rstrip().endswith("data: [DONE]")
+        assert '"usage": {"prompt_tokens"' in output
+    elif output.startswith("{"):
+        body = json.loads(output.splitlines()[0])
+        assert "error" not in body and body["choices"][0]["finish_reason"] in ("stop", "length")
+    else:
+        raise AssertionError(f"unexpected output: {output[:200]!r}")
+
+
+def test_docs_examples_work_as_written(limited):
+    """Every curl block (those that start no server) and the Python block, against this server."""
+    blocks = [b for b in _doc_blocks("bash") if "sparsekv serve" not in b]
+    assert len(blocks) == 4
+    for block in blocks:
+        script = block.replace(DOCS_URL, limited.url)
+        result = subprocess.run(
+            ["bash", "-e", "-o", "pipefail", "-c", script],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        _check_doc_output(result.stdout)
+    [code] = _doc_blocks("python")
+    result = subprocess.run(
+        [sys.executable, "-c", code.replace(DOCS_URL, limited.url)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "kv_compression_ratio" in result.stdout
 
 
 def test_waiting_queue_limit_answers_503(limited):

@@ -1,0 +1,158 @@
+"""Native paged CPU kernels: the Python face of ``csrc/`` (same contracts as ``torch_ref``).
+
+Each function raises ``RuntimeError`` when the extension is unavailable; callers that want the
+silent fallback use ``sparsekv.attention.backend``. ``isa`` picks a kernel variant (``"avx512"``,
+``"avx2"``, ``"avx2_w16"``, ``"generic"``); by default the fastest one this CPU runs whose vector
+width divides ``head_dim``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from sparsekv.attention.cpu import build
+
+NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _extension():
+    ext = build.load_extension()
+    if ext is None:
+        raise RuntimeError("sparsekv native CPU kernels are not available")
+    return ext
+
+
+@functools.cache
+def _variants(ext) -> tuple[tuple[str, int], ...]:
+    # (name, fp32 lanes) of each variant the CPU runs, fastest first; fixed per process.
+    return tuple((isa, ext.vector_width(isa)) for isa in ext.available_isas().split(","))
+
+
+def available_isas() -> tuple[str, ...]:
+    """Kernel variants this CPU runs, fastest first (empty without the extension)."""
+    ext = build.load_extension()
+    return tuple(name for name, _ in _variants(ext)) if ext is not None else ()
+
+
+def pick_isa(head_dim: int) -> str | None:
+    """Fastest variant whose vectors fit ``head_dim`` (a multiple of twice the fp32 lane count)."""
+    ext = build.load_extension()
+    if ext is None:
+        return None
+    for isa, width in _variants(ext):
+        # avx2_w16 is a test vehicle for the AVX-512 code on AVX2 CPUs, slower than avx2.
+        if isa != "avx2_w16" and head_dim % (2 * width) == 0:
+            return isa
+    return None
+
+
+def supports(query: torch.Tensor, kv_pool: torch.Tensor) -> bool:
+    """True when the native kernels take these tensors (CPU, fp32/bf16 alike, contiguous pool)."""
+    return (
+        query.device.type == "cpu"
+        and kv_pool.device.type == "cpu"
+        and query.dtype in NATIVE_DTYPES
+        and kv_pool.dtype == query.dtype
+        and kv_pool.dim() == 5
+        and kv_pool.is_contiguous()
+        and not query.requires_grad
+        and pick_isa(kv_pool.shape[-1]) is not None
+    )
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    kv_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    first_slots: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    return_attn_mass: bool = False,
+    isa: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Decode attention reading K/V pages in place; see ``torch_ref.paged_decode_attention``.
+
+    Args:
+        query: ``[batch, num_heads, head_dim]`` fp32 or bf16 (the pool's dtype).
+        kv_pool: ``[num_pages, 2, num_kv_heads, block_size, head_dim]``, contiguous.
+        block_tables: ``[batch, max_blocks]`` int64 page ids.
+        seq_lens: ``[batch]`` int64 logical slot counts (new token included).
+        scale: softmax scale.
+        first_slots: ``[batch]`` int64 logical slot of each first held page (default 0).
+        sliding_window: optional window in slots.
+        logit_softcap: optional tanh soft-cap of the logits.
+        return_attn_mass: also return each held slot's probability summed over its group.
+        isa: kernel variant (default: :func:`pick_isa`).
+
+    Returns:
+        out ``[batch, num_heads, head_dim]`` (query dtype), lse ``[batch, num_heads]`` fp32,
+        mass ``[batch, num_kv_heads, max_blocks * block_size]`` fp32 or ``None``. A request
+        that sees no slot gets a zero output and ``lse = -inf`` (the reference gives NaN).
+
+    Raises:
+        RuntimeError: the extension is unavailable or rejects the arguments.
+    """
+    ext = _extension()
+    batch, num_heads, _ = query.shape
+    num_kv_heads = kv_pool.shape[2]
+    if batch == 0:
+        lse = query.new_empty((0, num_heads), dtype=torch.float32)
+        mass = query.new_empty((0, num_kv_heads, 0), dtype=torch.float32)
+        return query.clone(), lse, mass if return_attn_mass else None
+    if first_slots is None:
+        first_slots = torch.zeros_like(seq_lens)
+    out, lse, mass = ext.paged_decode(
+        query,
+        kv_pool,
+        block_tables,
+        seq_lens,
+        first_slots,
+        float(scale),
+        int(sliding_window or 0),
+        float(logit_softcap or 0.0),
+        bool(return_attn_mass),
+        isa or pick_isa(query.shape[-1]) or "generic",
+    )
+    return out, lse, (mass if return_attn_mass else None)
+
+
+def window_scores_paged(
+    window_queries: torch.Tensor,
+    lse: torch.Tensor,
+    kv_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    num_slots: int,
+    scale: float,
+    isa: str | None = None,
+) -> torch.Tensor:
+    """Window scores over paged keys; see ``cpu.reference.window_scores_paged``.
+
+    Args:
+        window_queries: ``[num_heads, window, head_dim]`` fp32 or bf16.
+        lse: ``[num_heads, window]`` fp32.
+        kv_pool: ``[num_pages, 2, num_kv_heads, block_size, head_dim]``, contiguous.
+        block_table: ``[num_blocks]`` int64 page ids, slot 0 first.
+        num_slots: held slots.
+        scale: softmax scale.
+        isa: kernel variant (default: :func:`pick_isa`).
+
+    Returns:
+        ``[num_heads, num_slots]`` fp32.
+
+    Raises:
+        RuntimeError: the extension is unavailable or rejects the arguments.
+    """
+    ext = _extension()
+    return ext.window_scores(
+        window_queries,
+        lse,
+        kv_pool,
+        block_table,
+        int(num_slots),
+        float(scale),
+        isa or pick_isa(kv_pool.shape[-1]) or "generic",
+    )

@@ -1,0 +1,278 @@
+"""``sparsekv bench kernels``: attention kernels against their memory or FLOP bound.
+
+Measures the machine once (read bandwidth from a large fp32 sum, matmul FLOP/s per dtype), then
+times, for the given shapes (default: SmolLM2 S1, 16 requests x 2000 tokens, 30 layers):
+
+- paged decode attention, native vs the PyTorch reference, against the bandwidth bound of one
+  step (bytes of K/V read / read bandwidth);
+- the window-score pass over paged keys against the fp32 FLOP bound;
+- prefill attention with LSE (``attention_with_lse`` vs ``backend.prefill_attention``) against
+  the FLOP bound of causal attention.
+
+Prints ms, bound and ratio per row and writes a JSON report (``--output``) with provenance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from sparsekv.attention import backend, torch_ref
+from sparsekv.attention.cpu import build, ops
+from sparsekv.attention.cpu.reference import window_scores_paged as ref_window_scores
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sparsekv bench kernels", description=__doc__)
+    parser.add_argument("--batch", type=int, default=16, help="requests per decode step")
+    parser.add_argument("--tokens", type=int, default=2000, help="cached tokens per request")
+    parser.add_argument("--layers", type=int, default=30, help="layers per step")
+    parser.add_argument("--num-heads", type=int, default=9)
+    parser.add_argument("--num-kv-heads", type=int, default=3)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--dtypes", default="bf16,fp32", help="comma list of bf16, fp32")
+    parser.add_argument("--window", type=int, default=32, help="observation window rows")
+    parser.add_argument("--prefill-tokens", type=int, default=4000, help="0 skips prefill")
+    parser.add_argument("--repeats", type=int, default=3, help="timed repeats (best is kept)")
+    parser.add_argument("--no-reference", action="store_true", help="skip the torch_ref rows")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--output", default="reports/kernels.json")
+    return parser
+
+
+def best_time(fn: Callable[[], object], repeats: int) -> float:
+    """Best wall time of ``fn`` in seconds over ``repeats`` runs, after one warm-up."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_machine(repeats: int) -> dict:
+    """Read bandwidth (bytes/s, fp32 sum of 512 MiB) and matmul FLOP/s per dtype."""
+    data = torch.ones(128 * 1024 * 1024)
+    read_bw = data.numel() * 4 / best_time(data.sum, repeats)
+    del data
+    flops = {}
+    for name, dtype in DTYPES.items():
+        n = 1024
+        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        flops[name] = 2 * n**3 / best_time(lambda a=a, b=b: a @ b, repeats)
+    return {"read_bandwidth": read_bw, "matmul_flops": flops}
+
+
+def decode_case(args: argparse.Namespace, dtype: torch.dtype) -> tuple[list, Callable]:
+    """Inputs of one decode step over all layers: per-layer (query, block table), the pool."""
+    num_blocks = -(-args.tokens // args.block_size)
+    num_pages = args.batch * num_blocks * args.layers
+    shape = (num_pages, 2, args.num_kv_heads, args.block_size, args.head_dim)
+    pool = torch.empty(shape, dtype=dtype).normal_()
+    perm = torch.randperm(num_pages)
+    per_layer = args.batch * num_blocks
+    layers = []
+    for layer in range(args.layers):
+        table = perm[layer * per_layer : (layer + 1) * per_layer].view(args.batch, num_blocks)
+        query = torch.randn(args.batch, args.num_heads, args.head_dim).to(dtype)
+        layers.append((query, table.contiguous()))
+    seq_lens = torch.full((args.batch,), args.tokens, dtype=torch.long)
+    scale = args.head_dim**-0.5
+
+    def step(attention: Callable) -> Callable[[], None]:
+        def run() -> None:
+            for query, table in layers:
+                attention(query, pool, table, seq_lens, scale)
+
+        return run
+
+    return layers, step
+
+
+def row(name: str, seconds: float, bound: float, unit_note: str) -> dict:
+    result = {"name": name, "ms": seconds * 1e3, "bound_ms": bound * 1e3, "ratio": seconds / bound}
+    print(
+        f"{name:<44} {seconds * 1e3:9.1f} ms  bound {bound * 1e3:8.1f} ms ({unit_note})  "
+        f"x{seconds / bound:5.2f}"
+    )
+    return result
+
+
+def bench_decode(args, dtype_name: str, machine: dict) -> list[dict]:
+    dtype = DTYPES[dtype_name]
+    layers, step = decode_case(args, dtype)
+    kv_bytes = 2 * args.batch * args.tokens * args.num_kv_heads * args.head_dim * args.layers
+    kv_bytes *= torch.finfo(dtype).bits // 8
+    bound = kv_bytes / machine["read_bandwidth"]
+    note = f"{kv_bytes / 1e6:.0f} MB of K/V"
+    rows = []
+    label = f"{args.batch}x{args.tokens} x{args.layers} layers {dtype_name}"
+    if build.load_extension() is not None:
+        rows.append(
+            row(
+                f"decode native {label}",
+                best_time(step(ops.paged_decode_attention), args.repeats),
+                bound,
+                note,
+            )
+        )
+    if not args.no_reference:
+        rows.append(
+            row(
+                f"decode torch_ref {label}",
+                best_time(step(torch_ref.paged_decode_attention), max(1, args.repeats // 2)),
+                bound,
+                note,
+            )
+        )
+    return rows
+
+
+def bench_window(args, dtype_name: str, machine: dict) -> list[dict]:
+    dtype = DTYPES[dtype_name]
+    num_slots = args.tokens
+    num_blocks = -(-num_slots // args.block_size)
+    pool = torch.randn(num_blocks, 2, args.num_kv_heads, args.block_size, args.head_dim).to(dtype)
+    table = torch.randperm(num_blocks)
+    queries = torch.randn(args.num_heads, args.window, args.head_dim).to(dtype)
+    lse = torch.full((args.num_heads, args.window), 8.0)
+    scale = args.head_dim**-0.5
+    flops = 2 * args.num_heads * args.window * num_slots * args.head_dim * args.layers
+    bound = flops / machine["matmul_flops"]["fp32"]
+    note = f"{flops / 1e9:.2f} GFLOP at fp32 matmul rate"
+    label = f"{args.num_heads}h x{args.window} rows x{num_slots} slots x{args.layers} {dtype_name}"
+
+    def run(fn: Callable) -> Callable[[], None]:
+        return lambda: [fn(queries, lse, pool, table, num_slots, scale) for _ in range(args.layers)]
+
+    rows = []
+    if build.load_extension() is not None:
+        rows.append(
+            row(
+                f"window native {label}",
+                best_time(run(ops.window_scores_paged), args.repeats),
+                bound,
+                note,
+            )
+        )
+    if not args.no_reference:
+        rows.append(
+            row(
+                f"window reference {label}",
+                best_time(run(ref_window_scores), args.repeats),
+                bound,
+                note,
+            )
+        )
+    return rows
+
+
+def bench_prefill(args, dtype_name: str, machine: dict) -> list[dict]:
+    dtype = DTYPES[dtype_name]
+    n, d = args.prefill_tokens, args.head_dim
+    query = torch.randn(args.num_heads, n, d).to(dtype)
+    key = torch.randn(args.num_kv_heads, n, d).to(dtype)
+    value = torch.randn(args.num_kv_heads, n, d).to(dtype)
+    flops = 4 * args.num_heads * n * n * d / 2  # QK^T and PV, causal half
+    # Without native bf16 units the flash kernel computes bf16 in fp32: take the faster rate.
+    rate = max(machine["matmul_flops"][dtype_name], machine["matmul_flops"]["fp32"])
+    bound = flops / rate
+    note = f"{flops / 1e9:.1f} GFLOP at {rate / 1e9:.0f} GFLOP/s"
+    scale = d**-0.5
+    repeats = max(1, args.repeats // 2)
+    return [
+        row(
+            f"prefill attention_with_lse (mask) {n} {dtype_name}",
+            best_time(lambda: torch_ref.attention_with_lse(query, key, value, scale), repeats),
+            bound,
+            note,
+        ),
+        row(
+            f"prefill backend (is_causal) {n} {dtype_name}",
+            best_time(lambda: backend.prefill_attention(query, key, value, scale), repeats),
+            bound,
+            note,
+        ),
+    ]
+
+
+def provenance() -> dict:
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False
+        ).stdout.strip()
+    except OSError:
+        sha = ""
+    flags: list[str] = []
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+                flags = [f for f in line.split(":", 1)[1].split() if f in wanted]
+                break
+    except OSError:
+        pass
+    return {
+        "git_sha": sha,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_flags": flags,
+        "kernel_variants": list(ops.available_isas()),
+        "kernel_variant_used": ops.pick_isa(64),
+    }
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Run every benchmark of ``args`` and write the JSON report; returns the report."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    native = backend.prepare_native_kernels()
+    print(
+        f"native kernels: {'ready' if native else 'unavailable'} "
+        f"({time.perf_counter() - start:.1f} s to build or load)"
+    )
+    machine = measure_machine(args.repeats)
+    print(
+        f"read bandwidth {machine['read_bandwidth'] / 1e9:.1f} GB/s, matmul "
+        + ", ".join(f"{k} {v / 1e9:.0f} GFLOP/s" for k, v in machine["matmul_flops"].items())
+    )
+    results = []
+    for dtype_name in args.dtypes.split(","):
+        results += bench_decode(args, dtype_name, machine)
+        results += bench_window(args, dtype_name, machine)
+        if args.prefill_tokens > 0:
+            results += bench_prefill(args, dtype_name, machine)
+    report = {
+        "provenance": provenance(),
+        "config": vars(args),
+        "machine": machine,
+        "results": results,
+    }
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(report, indent=2))
+    print(f"wrote {output}")
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``sparsekv bench kernels [options]``."""
+    run(build_parser().parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,256 @@
+"""Native paged CPU kernels against the PyTorch reference (``attention/torch_ref.py``).
+
+Every kernel variant this CPU runs is checked (``avx2_w16`` runs the 16-lane AVX-512 code on
+AVX2 machines). fp32 within 1e-5, bf16 against the fp32 reference of the same bf16 inputs
+within rtol 1.6e-2 + atol 1e-2 (CONTRACTS.md §4). The first test builds the extension (cached
+in ``~/.cache/sparsekv/ext`` afterwards).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparsekv.attention import backend, torch_ref
+from sparsekv.attention.cpu import build, ops
+from sparsekv.attention.cpu.reference import window_scores_paged as ref_window_scores
+
+FP32_TOL = {"atol": 1e-5, "rtol": 0.0}
+BF16_TOL = {"atol": 1e-2, "rtol": 1.6e-2}
+RAGGED_LENS = [1, 15, 16, 17, 100, 1999]
+
+
+@pytest.fixture(scope="module")
+def isas() -> tuple[str, ...]:
+    if build.native_disabled():
+        pytest.skip("SPARSEKV_DISABLE_NATIVE is set")
+    assert build.load_extension() is not None, "the native extension failed to build"
+    return ops.available_isas()
+
+
+def make_paged(lens, num_kv_heads, block_size, head_dim, dtype, first_slots=None, seed=0):
+    """Random pool with each request's held pages at shuffled, non-contiguous page ids."""
+    gen = torch.Generator().manual_seed(seed)
+    first = first_slots or [0] * len(lens)
+    blocks = [-(-(n - f) // block_size) for n, f in zip(lens, first)]
+    max_blocks = max(blocks, default=0) + 1  # one padding entry at least
+    num_pages = sum(blocks) + 7
+    pool = torch.randn(num_pages, 2, num_kv_heads, block_size, head_dim, generator=gen)
+    pool = pool.to(dtype)
+    perm = torch.randperm(num_pages, generator=gen)
+    tables = torch.zeros(len(lens), max_blocks, dtype=torch.long)
+    used = 0
+    for i, nb in enumerate(blocks):
+        tables[i, :nb] = perm[used : used + nb]
+        tables[i, nb:] = perm[-1]  # padding: any valid page id
+        used += nb
+    return pool, tables, torch.tensor(lens), torch.tensor(first)
+
+
+def check(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+    torch.testing.assert_close(actual.float(), expected.float(), **tol)
+
+
+def reference_decode(query, pool, tables, lens, scale, first=None, window=None, softcap=None):
+    """torch_ref on fp32 copies, one request at a time (its own table width: the batched
+    reference gathers every request's padded table, too slow for a test matrix)."""
+    first = torch.zeros_like(lens) if first is None else first
+    block_size = pool.shape[3]
+    outs, lses, masses = [], [], []
+    for i in range(len(lens)):
+        num_blocks = -(-(int(lens[i]) - int(first[i])) // block_size)
+        out, lse, mass = torch_ref.paged_decode_attention(
+            query[i : i + 1].float(),
+            pool.float(),
+            tables[i : i + 1, :num_blocks],
+            lens[i : i + 1],
+            scale,
+            first[i : i + 1],
+            window,
+            softcap,
+            True,
+        )
+        outs.append(out)
+        lses.append(lse)
+        masses.append(
+            torch.nn.functional.pad(mass, (0, tables.shape[1] * block_size - mass.shape[-1]))
+        )
+    return torch.cat(outs), torch.cat(lses), torch.cat(masses)
+
+
+def run_decode(isa, query, pool, tables, lens, first=None, window=None, softcap=None):
+    """Native result and the fp32 reference of the same (possibly bf16) inputs."""
+    scale = query.shape[-1] ** -0.5
+    got = ops.paged_decode_attention(
+        query, pool, tables, lens, scale, first, window, softcap, True, isa=isa
+    )
+    return got, reference_decode(query, pool, tables, lens, scale, first, window, softcap)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+def test_decode_matches_reference(isas, dtype, group, head_dim, block_size):
+    num_kv_heads = 2
+    pool, tables, lens, _ = make_paged(RAGGED_LENS, num_kv_heads, block_size, head_dim, dtype)
+    query = torch.randn(len(RAGGED_LENS), num_kv_heads * group, head_dim).to(dtype)
+    scale = head_dim**-0.5
+    ref_out, ref_lse, ref_mass = reference_decode(query, pool, tables, lens, scale)
+    for isa in isas:
+        out, lse, mass = ops.paged_decode_attention(
+            query, pool, tables, lens, scale, return_attn_mass=True, isa=isa
+        )
+        assert out.dtype == dtype and out.shape == ref_out.shape
+        check(out, ref_out, dtype)
+        torch.testing.assert_close(lse, ref_lse, **FP32_TOL)
+        torch.testing.assert_close(mass, ref_mass, **FP32_TOL)
+
+
+@pytest.mark.parametrize("group", [2, 5, 6, 7, 8, 16])
+def test_decode_any_group_size(isas, group):
+    pool, tables, lens, _ = make_paged([33, 200], 1, 16, 64, torch.float32, seed=group)
+    query = torch.randn(2, group, 64)
+    for isa in isas:
+        (out, lse, mass), (ref_out, ref_lse, ref_mass) = run_decode(isa, query, pool, tables, lens)
+        torch.testing.assert_close(out, ref_out, **FP32_TOL)
+        torch.testing.assert_close(lse, ref_lse, **FP32_TOL)
+        torch.testing.assert_close(mass, ref_mass, **FP32_TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_decode_sliding_window_first_slots(isas, dtype):
+    lens, first = [40, 100, 1000, 17, 64], [16, 48, 960, 0, 32]
+    pool, tables, lens_t, first_t = make_paged(lens, 2, 16, 64, dtype, first)
+    query = torch.randn(len(lens), 6, 64).to(dtype)
+    for window in (20, 37, 64):
+        for isa in isas:
+            (out, lse, mass), (ref_out, ref_lse, ref_mass) = run_decode(
+                isa, query, pool, tables, lens_t, first_t, window
+            )
+            check(out, ref_out, dtype)
+            torch.testing.assert_close(lse, ref_lse, **FP32_TOL)
+            torch.testing.assert_close(mass, ref_mass, **FP32_TOL)
+
+
+def test_decode_logit_softcap(isas):
+    pool, tables, lens, _ = make_paged([5, 300], 2, 32, 128, torch.float32)
+    query = torch.randn(2, 8, 128) * 4
+    for isa in isas:
+        (out, lse, mass), (ref_out, ref_lse, ref_mass) = run_decode(
+            isa, query, pool, tables, lens, softcap=3.0
+        )
+        torch.testing.assert_close(out, ref_out, **FP32_TOL)
+        torch.testing.assert_close(lse, ref_lse, **FP32_TOL)
+        torch.testing.assert_close(mass, ref_mass, **FP32_TOL)
+
+
+def test_decode_long_single_request_splits(isas):
+    # One (request, KV head) of 5000 slots is split across threads and merged by lse.
+    pool, tables, lens, _ = make_paged([5000], 1, 16, 64, torch.float32)
+    query = torch.randn(1, 4, 64)
+    for isa in isas:
+        (out, lse, _), (ref_out, ref_lse, _) = run_decode(isa, query, pool, tables, lens)
+        torch.testing.assert_close(out, ref_out, **FP32_TOL)
+        torch.testing.assert_close(lse, ref_lse, **FP32_TOL)
+
+
+def test_decode_ignores_garbage_in_unheld_slots(isas):
+    # Slots past seq_len in the last page and padding pages may hold anything (torch.empty).
+    pool, tables, lens, _ = make_paged([17, 40], 2, 16, 64, torch.float32)
+    clean = pool.clone()
+    dirty = pool.clone()
+    for i, n in enumerate([17, 40]):
+        last = tables[i, (n - 1) // 16]
+        clean[last, :, :, n % 16 :] = 0.0
+        dirty[last, :, :, n % 16 :] = float("nan")
+    query = torch.randn(2, 4, 64)
+    want = torch_ref.paged_decode_attention(query, clean, tables, lens, 0.125)
+    for isa in isas:
+        got = ops.paged_decode_attention(query, dirty, tables, lens, 0.125, isa=isa)
+        torch.testing.assert_close(got[0], want[0], **FP32_TOL)
+        torch.testing.assert_close(got[1], want[1], **FP32_TOL)
+
+
+def test_decode_empty_batch_and_no_mass(isas):
+    pool, tables, lens, _ = make_paged([3], 2, 16, 64, torch.float32)
+    out, lse, mass = backend.decode_attention(
+        torch.randn(0, 4, 64), pool, tables[:0], lens[:0], 0.125, return_attn_mass=True
+    )
+    assert out.shape == (0, 4, 64) and lse.shape == (0, 4) and mass.shape == (0, 2, 0)
+    out, lse, mass = backend.decode_attention(torch.randn(1, 4, 64), pool, tables, lens, 0.125)
+    assert mass is None and out.shape == (1, 4, 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+def test_window_scores_match_reference(isas, dtype, group, head_dim, block_size):
+    num_kv_heads = 2
+    for num_slots, window in ((1, 1), (17, 5), (300, 32)):
+        pool, tables, _, _ = make_paged([num_slots], num_kv_heads, block_size, head_dim, dtype)
+        queries = torch.randn(num_kv_heads * group, window, head_dim).to(dtype)
+        keys, _ = torch_ref.gather_kv(pool, tables[0], num_slots)
+        logits = queries.float() @ keys.float().repeat_interleave(group, 0).transpose(1, 2)
+        lse = torch.logsumexp(logits * head_dim**-0.5, dim=-1)  # [num_heads, window]
+        scale = head_dim**-0.5
+        want = ref_window_scores(queries.float(), lse, pool.float(), tables[0], num_slots, scale)
+        for isa in isas:
+            got = ops.window_scores_paged(queries, lse, pool, tables[0], num_slots, scale, isa=isa)
+            assert got.shape == (num_kv_heads * group, num_slots) and got.dtype == torch.float32
+            torch.testing.assert_close(got, want, **FP32_TOL)
+
+
+def test_backend_window_scores(isas):
+    pool, tables, _, _ = make_paged([100], 3, 16, 64, torch.float32)
+    queries, lse = torch.randn(9, 8, 64), torch.full((9, 8), 4.0)
+    got = backend.window_scores_paged(queries, lse, pool, tables[0], 100, 0.125)
+    want = ref_window_scores(queries, lse, pool, tables[0], 100, 0.125)
+    torch.testing.assert_close(got, want, **FP32_TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("num_queries", [1, 37, 300])
+def test_prefill_attention_equals_reference(dtype, num_queries):
+    query = torch.randn(9, num_queries, 64).to(dtype)
+    key, value = torch.randn(3, 300, 64).to(dtype), torch.randn(3, 300, 64).to(dtype)
+    out, lse = backend.prefill_attention(query, key, value, 0.125)
+    ref_out, ref_lse = torch_ref.attention_with_lse(query, key, value, 0.125)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    torch.testing.assert_close(out, ref_out, atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=0)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=0)
+
+
+def test_disable_env_falls_back_to_reference(monkeypatch):
+    monkeypatch.setenv("SPARSEKV_DISABLE_NATIVE", "1")
+    assert build.load_extension() is None and not backend.prepare_native_kernels()
+    pool, tables, lens, _ = make_paged([5, 40], 2, 16, 64, torch.float32)
+    query = torch.randn(2, 4, 64)
+    got = backend.decode_attention(query, pool, tables, lens, 0.125, return_attn_mass=True)
+    want = torch_ref.paged_decode_attention(
+        query, pool, tables, lens, 0.125, None, None, None, True
+    )
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    queries, lse = torch.randn(4, 3, 64), torch.zeros(4, 3)
+    got = backend.window_scores_paged(queries, lse, pool, tables[1], 40, 0.125)
+    assert torch.equal(got, ref_window_scores(queries, lse, pool, tables[1], 40, 0.125))
+
+
+def test_build_failure_warns_and_falls_back(monkeypatch):
+    def broken(verbose=False):
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(build, "compile_extension", broken)
+    with pytest.warns(RuntimeWarning, match="falling back"):
+        assert build._load_once.__wrapped__() is None
+    monkeypatch.setattr(build, "load_extension", lambda: None)
+    pool, tables, lens, _ = make_paged([9], 1, 16, 64, torch.bfloat16)
+    query = torch.randn(1, 2, 64).to(torch.bfloat16)
+    got = backend.decode_attention(query, pool, tables, lens, 0.125)
+    want = torch_ref.paged_decode_attention(query, pool, tables, lens, 0.125)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(RuntimeError, match="not available"):
+        ops.paged_decode_attention(query, pool, tables, lens, 0.125)
