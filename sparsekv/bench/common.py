@@ -223,6 +223,15 @@ def add_common_args(parser: argparse.ArgumentParser, default_output: str) -> Non
         help="torch intra-op threads (default: torch's own); on a loaded machine 1 thread can "
         "beat 2, whose barrier waits stall while the other core is busy",
     )
+    parser.add_argument("--no-progress", action="store_true", help="no tqdm bar (ETA)")
+
+
+def progress_bar(requests: Sequence[BenchRequest], desc: str, disable: bool):
+    """A tqdm bar over the tokens ``requests`` will compute (prompt + output), for an ETA."""
+    from tqdm import tqdm
+
+    total = sum(len(r.prompt_token_ids) + r.params.max_tokens for r in requests)
+    return tqdm(total=total, unit="tok", unit_scale=True, desc=desc, disable=disable)
 
 
 def apply_threads(threads: int | None) -> None:

@@ -116,7 +116,7 @@ def run_compression(args: argparse.Namespace, checkpoint=None) -> dict:
     rows = []
     for label, policy in runs:
         print(f"running {label}: {num_prompts} x {input_len} / {output_len}", flush=True)
-        rows.append(run_policy(engine, label, policy, prompts, params))
+        rows.append(run_policy(engine, label, policy, prompts, params, not args.no_progress))
     notes = _notes(rows)
     settings = {k: v for k, v in vars(args).items() if "__" not in k}
     settings |= {"num_prompts": num_prompts, "input_len": input_len, "output_len": output_len}
@@ -135,12 +135,16 @@ def run_compression(args: argparse.Namespace, checkpoint=None) -> dict:
     return {"rows": rows, "notes": notes, "provenance": prov}
 
 
-def run_policy(engine, label: str, policy: CompressionConfig, prompts, params) -> dict:
+def run_policy(
+    engine, label: str, policy: CompressionConfig, prompts, params, show_progress: bool = False
+) -> dict:
     """One policy's row: the whole batch submitted at once, run to the end."""
     requests = [
         common.BenchRequest(f"{label}-{i}", p, params, policy) for i, p in enumerate(prompts)
     ]
-    outputs, trace = common.run_requests(engine, requests)
+    bar = common.progress_bar(requests, label, disable=not show_progress)
+    outputs, trace = common.run_requests(engine, requests, progress=bar)
+    bar.close()
     ordered = [outputs[r.request_id] for r in requests]
     num_output = sum(len(o.outputs[0].token_ids) for o in ordered)
     num_prompt = sum(len(p) for p in prompts)

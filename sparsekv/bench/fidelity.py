@@ -43,7 +43,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--methods", default=None, help="comma list (default: all seven)")
     parser.add_argument("--ratios", default=None, help="comma list (default: 0.5,0.75,0.9)")
     parser.add_argument("--quick", action="store_true", help="a small grid for a first look")
-    parser.add_argument("--no-progress", action="store_true", help="no tqdm bar")
     common.add_common_args(parser, "reports/fidelity.json")
     add_engine_args(parser)
     return parser

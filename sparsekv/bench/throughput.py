@@ -87,7 +87,7 @@ def run_throughput(args: argparse.Namespace, checkpoint=None) -> dict:
     document: dict = {"rows": [], "notes": []}
     prompts = common.random_prompts(args.num_prompts, args.input_len, vocab_size, args.seed, avoid)
     if prompts:
-        batch = run_batch(engine, prompts, args.output_len)
+        batch = run_batch(engine, prompts, args.output_len, show_progress=not args.no_progress)
         document["batch"] = batch
         document["rows"].append(_summary_row("sparsekv", batch))
     if args.hf_baseline and prompts:
@@ -119,11 +119,15 @@ def run_throughput(args: argparse.Namespace, checkpoint=None) -> dict:
     return document
 
 
-def run_batch(engine, prompts: list[list[int]], output_len: int) -> dict:
+def run_batch(
+    engine, prompts: list[list[int]], output_len: int, show_progress: bool = False
+) -> dict:
     """All ``prompts`` at once through ``engine``; throughput, TTFTs and pool peaks."""
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     requests = [common.BenchRequest(f"tp-{i}", p, params) for i, p in enumerate(prompts)]
-    outputs, trace = common.run_requests(engine, requests)
+    bar = common.progress_bar(requests, "batch", disable=not show_progress)
+    outputs, trace = common.run_requests(engine, requests, progress=bar)
+    bar.close()
     ordered = [outputs[r.request_id] for r in requests]
     num_output = sum(len(o.outputs[0].token_ids) for o in ordered)
     num_prompt = sum(len(p) for p in prompts)

@@ -12,6 +12,7 @@ import argparse
 import logging
 import os
 import signal
+from collections.abc import Awaitable
 from contextlib import asynccontextmanager
 
 import uvicorn
@@ -104,11 +105,11 @@ def create_app(engine: LLMEngine, settings: ServerSettings | None = None) -> Fas
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await create_completion(ctx, body, request)
+        return await _guarded(create_completion(ctx, body, request))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await create_chat_completion(ctx, body, request)
+        return await _guarded(create_chat_completion(ctx, body, request))
 
     @app.api_route("/v1/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
     async def unknown(path: str) -> Response:
@@ -117,6 +118,18 @@ def create_app(engine: LLMEngine, settings: ServerSettings | None = None) -> Fas
     app.add_middleware(BodyLimitMiddleware, max_bytes=ctx.settings.max_body_bytes)
     app.add_middleware(APIKeyMiddleware, api_key=ctx.settings.api_key)  # outermost: auth first
     return app
+
+
+async def _guarded(handler: Awaitable[Response]) -> Response:
+    """Answer an unexpected error with a 500 body here: Starlette's catch-all handler would
+    re-raise it and uvicorn would then drop the keep-alive connection."""
+    try:
+        return await handler
+    except APIError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        logger.exception("request failed")
+        return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()
 
 
 def _model_card(ctx: ServerContext) -> dict:

@@ -33,7 +33,7 @@ def _message_dicts(messages: list[ChatMessage]) -> list[dict]:
         if isinstance(content, list):
             if any(part.type != "text" or part.text is None for part in content):
                 raise APIError(
-                    400, "only text content parts are supported", param=f"messages[{i}].content"
+                    400, "only text content parts are supported", param=f"messages.{i}.content"
                 )
             content = "".join(part.text for part in content)
         role = "system" if message.role == "developer" else message.role
@@ -152,6 +152,7 @@ async def create_chat_completion(
     """Serve one chat completion request (streamed or not)."""
     ctx.check_model(body.model)
     ctx.check_available()
+    timer = ctx.metrics.timer()  # observed only once the request is admitted
     messages = _message_dicts(body.messages)
     try:
         prompt_ids = await asyncio.to_thread(
@@ -164,12 +165,11 @@ async def create_chat_completion(
         max_tokens = body.max_tokens
     if max_tokens is None:  # OpenAI: up to the end of the context
         max_tokens = max(1, ctx.max_model_len - len(prompt_ids))
-    params = sampling_params(body, max_tokens, _num_top_logprobs(body))
+    params = sampling_params(ctx, body, max_tokens, _num_top_logprobs(body))
     request_id = new_id("chatcmpl")
     ctx.mark_fault(request_id, (m["content"] for m in messages))
     stream = await start_request(ctx, request_id, prompt_ids, params, body, RENAMES)
     formatter = ChatFormatter(ctx, request_id, body)
-    timer = ctx.metrics.timer()
     if body.stream:
         usage_chunk = formatter.usage_chunk if body.include_usage else None
         events = sse_stream(stream, timer, formatter.first_chunks(), formatter.chunks, usage_chunk)

@@ -128,18 +128,18 @@ async def create_completion(
     """Serve one completion request (streamed or not)."""
     ctx.check_model(body.model)
     ctx.check_available()
+    timer = ctx.metrics.timer()  # observed only once the request is admitted
     prompt = _single_prompt(body)
     try:
         prompt_ids = await asyncio.to_thread(encode_prompt, ctx.tokenizer, prompt)
     except ValueError as exc:
         raise invalid_request(exc) from None
     max_tokens = 16 if body.max_tokens is None else body.max_tokens
-    params = sampling_params(body, max_tokens, body.logprobs)
+    params = sampling_params(ctx, body, max_tokens, body.logprobs)
     request_id = new_id("cmpl")
     ctx.mark_fault(request_id, [prompt] if isinstance(prompt, str) else [])
     stream = await start_request(ctx, request_id, prompt_ids, params, body)
     formatter = CompletionFormatter(ctx, request_id, body)
-    timer = ctx.metrics.timer()
     if body.stream:
         usage_chunk = formatter.usage_chunk if body.include_usage else None
         events = sse_stream(stream, timer, [], formatter.chunks, usage_chunk)

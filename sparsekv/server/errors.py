@@ -96,8 +96,10 @@ def invalid_request(exc: ValueError, renames: dict[str, str] | None = None) -> A
 
 def _pydantic_param(loc: tuple) -> str | None:
     parts = [str(p) for p in loc if p != "body"]
-    # Drop union-branch labels such as "list[int]" or "str" that pydantic inserts.
-    parts = [p for p in parts if not re.fullmatch(r"[a-z]+\[.*\]|str|int|float|bool", p)]
+    # Drop the branch labels pydantic inserts for unions and validators ("list[int]", "str",
+    # "function-after[...]"): field names and list indices are plain words.
+    labels = {"str", "int", "float", "bool"}
+    parts = [p for p in parts if re.fullmatch(r"\w+", p) and p not in labels]
     return ".".join(parts) or None
 
 

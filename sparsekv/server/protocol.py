@@ -6,9 +6,26 @@ Types are checked here (pydantic, 400 on mismatch); value rules live in ``Sampli
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+
+def _encodable(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("text is not valid Unicode (it holds a lone surrogate)") from None
+    return text
+
+
+# A string the tokenizer can take: JSON's \uD800-style escapes can smuggle in lone surrogates.
+Text = Annotated[str, AfterValidator(_encodable)]
+
+# Bounds that only keep huge integers from overflowing torch's int64 (ranges are checked by
+# SamplingParams.validate, with its messages).
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+Seed = Annotated[int, Field(ge=-(2**62), le=2**62)]
 
 
 class KVCompressionBody(BaseModel):
@@ -51,21 +68,21 @@ class SamplingBody(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     max_tokens: int | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    seed: int | None = None
+    seed: Seed | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # extras (CONTRACTS.md §3)
     ignore_eos: bool = False
     min_tokens: int = 0
-    top_k: int = 0
+    top_k: Annotated[int, Field(lt=2**31)] = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     kv_compression: KVCompressionBody | None = None
@@ -78,7 +95,7 @@ class SamplingBody(BaseModel):
 class CompletionRequest(SamplingBody):
     """POST /v1/completions: text or token-id prompt; ``logprobs`` is the top-N count (0-20)."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Text | list[int] | list[Text] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -91,7 +108,7 @@ class TextPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     type: str
-    text: str | None = None
+    text: Text | None = None
 
 
 class ChatMessage(BaseModel):
@@ -100,7 +117,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: Text | list[TextPart] | None = None
     name: str | None = None
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -30,6 +31,8 @@ from sparsekv.server.errors import APIError, invalid_request
 from sparsekv.server.faults import StepFaultInjector
 from sparsekv.server.metrics import RequestTimer, ServerMetrics
 from sparsekv.server.protocol import SamplingBody
+
+logger = logging.getLogger(__name__)
 
 # How often a non-streaming request checks whether its client went away (seconds).
 DISCONNECT_POLL_S = 0.1
@@ -69,6 +72,7 @@ class ServerContext:
         self.model_name = engine.model_name
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
+        self.max_num_seqs = engine.config.scheduler.max_num_seqs
         self.created = int(time.time())
         self.is_ready = False
         self.is_draining = False
@@ -104,8 +108,12 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def sampling_params(body: SamplingBody, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def sampling_params(
+    ctx: ServerContext, body: SamplingBody, max_tokens: int, logprobs: int | None
+) -> SamplingParams:
     """``SamplingParams`` from the body's fields (validated later by the engine)."""
+    if body.n > ctx.max_num_seqs:
+        raise APIError(400, f"n must be <= max_num_seqs ({ctx.max_num_seqs})", param="n")
     if body.logit_bias:
         raise APIError(400, "logit_bias is not supported", param="logit_bias")
     return SamplingParams(
@@ -250,6 +258,9 @@ async def sse_stream(
         if usage_chunk is not None and final is not None:
             yield sse(usage_chunk(final))
     except _ENGINE_ERRORS as exc:
+        yield sse(as_api_error(exc).body())
+    except Exception as exc:  # noqa: BLE001 - a bug must end the stream cleanly, not cut it
+        logger.exception("stream failed")
         yield sse(as_api_error(exc).body())
     finally:
         stream.abort()
