@@ -124,6 +124,11 @@ def build_engine_parts(config: EngineConfig, checkpoint=None) -> EngineParts:
     """
     device = config.model.device
     dtype = resolve_dtype(config.model.dtype, device)
+    if device == "cpu":
+        # Compile (or load) the native kernels now, never on a request; falls back with a warning.
+        from sparsekv.attention.backend import prepare_native_kernels
+
+        prepare_native_kernels()
     if checkpoint is None:
         from sparsekv.loader import load_checkpoint
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from sparsekv.kv_cache.block_pool import BlockPool
+from sparsekv.kv_cache.budget import peak_layer_slots, peak_sliding_slots
 from sparsekv.kv_cache.request_kv import LayerKV, RequestKV
 from sparsekv.kv_cache.spec import LayerSpec, cdiv
 
@@ -125,21 +126,17 @@ class KVCacheManager:
     def _peak_layer_slots(
         self, spec: LayerSpec, budget: int | None, n_prompt: int, max_tokens: int, p: KVPolicy
     ) -> int:
-        total = n_prompt + max_tokens
         if spec.is_sliding:
-            bound = spec.sliding_window + self.max_num_batched_tokens + self.block_size
-            return min(total, bound)
-        if budget is None:
-            return total
+            bound = peak_sliding_slots(
+                spec.sliding_window, self.max_num_batched_tokens, self.block_size
+            )
+            return min(n_prompt + max_tokens, bound)
+        peak = peak_layer_slots(budget, n_prompt, max_tokens, self.block_size, p.decode_eviction)
         # An exact-mode chunked prefill holds the uncompressed earlier chunks until the last
         # one; a single-shot prefill never writes them (DESIGN.md §4).
-        chunked = n_prompt > self.max_num_batched_tokens
-        prefill_peak = n_prompt if chunked and not p.bounded_chunks else min(n_prompt, budget)
-        if p.decode_eviction:
-            decode_peak = min(total, max(min(n_prompt, budget), budget + self.block_size))
-        else:
-            decode_peak = min(n_prompt, budget) + max_tokens
-        return max(prefill_peak, decode_peak)
+        if budget is not None and n_prompt > self.max_num_batched_tokens and not p.bounded_chunks:
+            peak = max(peak, n_prompt)
+        return peak
 
     # ----------------------------------------------------------------- step planning
     def plan_layer(
