@@ -117,6 +117,7 @@ def run_compression(args: argparse.Namespace, checkpoint=None) -> dict:
     for label, policy in runs:
         print(f"running {label}: {num_prompts} x {input_len} / {output_len}", flush=True)
         rows.append(run_policy(engine, label, policy, prompts, params, not args.no_progress))
+        common.write_json(args.output, {"rows": rows, "partial": True})  # survives a crash
     notes = _notes(rows)
     settings = {k: v for k, v in vars(args).items() if "__" not in k}
     settings |= {"num_prompts": num_prompts, "input_len": input_len, "output_len": output_len}

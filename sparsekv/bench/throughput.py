@@ -85,11 +85,18 @@ def run_throughput(args: argparse.Namespace, checkpoint=None) -> dict:
     if not args.no_warmup:
         common.warm_up(engine, vocab_size)
     document: dict = {"rows": [], "notes": []}
+    settings = {k: v for k, v in vars(args).items() if "__" not in k}
+
+    def save() -> None:  # after every part, so a long run that dies keeps what it measured
+        document["provenance"] = common.bench_provenance(config, settings, load_start)
+        _write(args.output, document)
+
     prompts = common.random_prompts(args.num_prompts, args.input_len, vocab_size, args.seed, avoid)
     if prompts:
         batch = run_batch(engine, prompts, args.output_len, show_progress=not args.no_progress)
         document["batch"] = batch
         document["rows"].append(_summary_row("sparsekv", batch))
+        save()
     if args.hf_baseline and prompts:
         hf = hf_generate(checkpoint, common.resolved_dtype(config), prompts, args.output_len)
         document["hf"] = hf
@@ -97,11 +104,13 @@ def run_throughput(args: argparse.Namespace, checkpoint=None) -> dict:
         ratio = document["batch"]["output_tok_s"] / hf["output_tok_s"]
         document["hf_speed_ratio"] = ratio
         document["notes"].append(f"sparsekv / HF output tokens/s: {ratio:.2f}x")
+        save()
     if args.single_ttft:
         prompt = common.random_prompts(1, args.single_ttft, vocab_size, args.seed + 1, avoid)[0]
         document["single_ttft"] = run_single(engine, prompt, 1)
         ttft = document["single_ttft"]["ttft_s"]
         document["notes"].append(f"single TTFT, {args.single_ttft} tokens: {ttft:.3f} s")
+        save()
     if args.decode_batch1:
         length = args.decode_input_len
         prompt = common.random_prompts(1, length, vocab_size, args.seed + 2, avoid)[0]
@@ -110,13 +119,16 @@ def run_throughput(args: argparse.Namespace, checkpoint=None) -> dict:
         document["notes"].append(
             f"decode at batch 1 ({args.decode_input_len}-token prompt): {speed:.2f} tok/s"
         )
-    settings = {k: v for k, v in vars(args).items() if "__" not in k}
-    document["provenance"] = common.bench_provenance(config, settings, load_start)
-    common.write_json(args.output, document)
-    facts = {"notes": document["notes"], **document["provenance"]}
-    md_path = str(args.output).removesuffix(".json") + ".md"
-    common.write_markdown(md_path, "Offline throughput", document["rows"] or [{}], facts)
+    save()
     return document
+
+
+def _write(output: str, document: dict) -> None:
+    """The JSON report and a Markdown summary beside it."""
+    common.write_json(output, document)
+    facts = {"notes": document["notes"], **document["provenance"]}
+    md_path = str(output).removesuffix(".json") + ".md"
+    common.write_markdown(md_path, "Offline throughput", document["rows"] or [{}], facts)
 
 
 def run_batch(

@@ -279,7 +279,7 @@ class AsyncEngine:
             self._call_soon(self._dispatch, outputs)
 
     def _dispatch(self, outputs: list) -> None:
-        """Event-loop side: route outputs (or one exception for all) to request queues."""
+        """Event-loop side: route outputs to their requests' queues (unknown ids are dropped)."""
         for output in outputs:
             target = self._queues.get(output.request_id)
             if target is not None:

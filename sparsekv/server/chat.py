@@ -109,8 +109,8 @@ class ChatFormatter:
         """Content deltas, then exactly one terminal chunk per choice."""
         result = []
         for completion in output.outputs:
-            new = completion.logprobs[-completion.num_delta_tokens :] if completion.logprobs else []
-            new = new if completion.num_delta_tokens else []
+            num_new = completion.num_delta_tokens
+            new = completion.logprobs[-num_new:] if completion.logprobs and num_new else []
             if completion.delta_text or (self.want_logprobs and new):
                 delta = {"content": completion.delta_text}
                 logprobs = self._logprobs(completion, new)

@@ -307,7 +307,8 @@ def test_disconnect_mid_stream_frees_pages(server, http):
         for line in response.iter_lines():
             if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
                 break
-        assert read_metrics(server.url)["sparsekv_kv_pages_used"] > 0
+        during = read_metrics(server.url)
+        assert during["sparsekv_kv_pages_used"] > 0, (during, line)
     closed = time.monotonic()
     assert wait_for(lambda: _pool_at_baseline(server, baseline["sparsekv_kv_pages_used"]), 2.0)
     assert time.monotonic() - closed < 2.0

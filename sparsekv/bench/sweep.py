@@ -1,0 +1,310 @@
+"""``sparsekv bench sweep``: the same concurrency sweep against several servers, one report.
+
+Each ``--configs NAME:FLAGS`` entry starts a ``sparsekv serve`` subprocess on 127.0.0.1 (a free
+port; ``--model``, ``--kv-cache-memory`` and ``--server-args`` added to every one), waits for
+``/health`` to answer 200, runs one warm-up request and then every concurrency level, and stops
+the server with SIGTERM before the next one starts, so configurations never share the CPU.
+``--external NAME=URL`` adds servers already running (vLLM, llama.cpp...), measured the same way.
+
+Every level sends its own prompts (no prompt repeats across levels, so a prefix cache never
+turns the sweep into cache hits); every server gets the same prompts. Default preset
+(CONTRACTS.md §4): 4000 input / 500 output tokens at concurrency 1, 2, 5, 10, 20 with two
+requests per concurrency slot; ``--quick``: 1, 5, 10 with 2 requests per level.
+
+Writes ``<output>.json`` / ``.md`` / ``.png`` (output throughput vs concurrency, one line per
+configuration), ``<stem>_ttft.png`` (TTFT P50 vs concurrency), ``<stem>_levels.json`` (full
+summaries and per-request timelines) and the server logs beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from sparsekv.bench import metrics, serve
+from sparsekv.bench.datasets import BenchPrompt, build_prompts, load_tokenizer
+
+DEFAULT_CONFIGS = ("full:--kv-compression none", "snapkv1024:--kv-compression snapkv")
+FULL_LEVELS, QUICK_LEVELS = (1, 2, 5, 10, 20), (1, 5, 10)
+
+
+@dataclass(frozen=True)
+class Target:
+    """One configuration of the sweep: a server to start (``flags``) or a running one (``url``)."""
+
+    name: str
+    flags: tuple[str, ...] = ()
+    url: str | None = None
+
+
+def parse_targets(configs: list[str], externals: list[str]) -> list[Target]:
+    """``NAME:FLAGS`` and ``NAME=URL`` strings -> targets.
+
+    Raises:
+        ValueError: a malformed entry or a repeated name.
+    """
+    targets = []
+    for entry in configs:
+        name, sep, flags = entry.partition(":")
+        if not sep or not name.strip():
+            raise ValueError(f"configs: expected NAME:FLAGS, got {entry!r}")
+        targets.append(Target(name.strip(), tuple(shlex.split(flags))))
+    for entry in externals:
+        name, sep, url = entry.partition("=")
+        if not sep or not name.strip() or not url.startswith("http"):
+            raise ValueError(f"external: expected NAME=http://HOST:PORT, got {entry!r}")
+        targets.append(Target(name.strip(), url=url.strip()))
+    names = [t.name for t in targets]
+    if len(set(names)) != len(names):
+        raise ValueError(f"configs: names must be distinct, got {names}")
+    return targets
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_healthy(url: str, process: subprocess.Popen | None, timeout_s: float, log: Path) -> None:
+    """Poll ``url/health`` until it answers 200.
+
+    Raises:
+        RuntimeError: the process exited or ``timeout_s`` passed (with the log's tail).
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            break
+        try:
+            if httpx.get(f"{url}/health", timeout=5.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+    state = "exited" if process is not None and process.poll() is not None else "timed out"
+    raise RuntimeError(f"server at {url} {state} before /health answered 200:\n{tail}")
+
+
+@contextmanager
+def sparsekv_server(flags: list[str], log: Path, timeout_s: float) -> Iterator[str]:
+    """Run ``sparsekv serve FLAGS`` on a free local port; yield its URL; SIGTERM it at exit."""
+    port = free_port()
+    command = [sys.executable, "-m", "sparsekv.cli", "serve", "--host", "127.0.0.1"]
+    command += ["--port", str(port), *flags]
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as log_file:
+        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_healthy(url, process, timeout_s, log)
+            yield url
+        finally:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def level_sizes(args: argparse.Namespace, levels: list[int]) -> list[int]:
+    """Requests per level: ``--num-prompts-per-level`` or ``--prompts-per-slot`` x concurrency."""
+    if args.num_prompts_per_level is not None:
+        return [args.num_prompts_per_level] * len(levels)
+    if args.prompts_per_slot is not None:
+        return [args.prompts_per_slot * c for c in levels]
+    return [2] * len(levels) if args.quick else [2 * c for c in levels]
+
+
+def row_of(name: str, concurrency: int, summary: metrics.Summary) -> dict[str, Any]:
+    """The report row of one level (latencies in ms)."""
+    return {
+        "config": name,
+        "concurrency": concurrency,
+        "num_prompts": summary.num_completed + summary.num_failed,
+        "failed": summary.num_failed,
+        "peak_concurrency": summary.peak_concurrency,
+        "req_per_s": summary.request_throughput,
+        "output_tok_per_s": summary.output_throughput,
+        "total_tok_per_s": summary.total_token_throughput,
+        "goodput": summary.goodput,
+        "ttft_p50_ms": summary.ttft.p50,
+        "ttft_p99_ms": summary.ttft.p99,
+        "tpot_p50_ms": summary.tpot.p50,
+        "tpot_p99_ms": summary.tpot.p99,
+        "itl_p50_ms": summary.itl.p50,
+        "itl_p99_ms": summary.itl.p99,
+        "e2el_p50_ms": summary.e2el.p50,
+        "kv_ratio": summary.mean_kv_compression_ratio,
+    }
+
+
+def sweep_target(
+    url: str, target: Target, pools: list[list[BenchPrompt]], levels, args, slos
+) -> list[dict]:
+    """Warm up, then run every level against one server; ``[{row, summary, requests}]``."""
+    api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
+    settings = serve.ClientSettings(
+        base_url=url,
+        model=args.served_model or serve.served_model(url, api_key),
+        api_key=api_key,
+        timeout_s=args.timeout,
+        extra_body=serve.parse_extra_body(args.extra_body),
+    )
+    warm = [BenchPrompt(pools[0][0].prompt[:16], 16, 2)]
+    serve.measure(warm, settings, {}, f"{target.name} warm-up", quiet=True)
+    results = []
+    for concurrency, prompts in zip(levels, pools):
+        settings.max_concurrency = concurrency
+        summary, timelines = serve.measure(
+            prompts, settings, slos, f"{target.name} c={concurrency}", args.no_progress
+        )
+        row = row_of(target.name, concurrency, summary)
+        print(
+            f"[{target.name} c={concurrency}] {summary.output_throughput:.1f} output tok/s, "
+            f"TTFT P50 {summary.ttft.p50:.0f} ms, {summary.num_failed} failed"
+        )
+        results.append(
+            {"row": row, "summary": summary.to_dict(), "requests": [asdict(t) for t in timelines]}
+        )
+    return results
+
+
+def server_flags(target: Target, args: argparse.Namespace) -> list[str]:
+    """The flags of one sparsekv side: the shared ones first, the configuration's last."""
+    flags = ["--model", args.model, "--kv-cache-memory", str(args.kv_cache_memory)]
+    return flags + shlex.split(args.server_args or "") + list(target.flags)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sparsekv bench sweep", description=__doc__)
+    parser.add_argument(
+        "--configs", nargs="*", default=list(DEFAULT_CONFIGS), metavar="NAME:FLAGS",
+        help="sparsekv servers to start, e.g. 'snapkv512:--kv-compression snapkv --kv-budget 512'",
+    )  # fmt: skip
+    parser.add_argument("--external", nargs="+", default=[], metavar="NAME=URL")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=None)
+    sizes = parser.add_mutually_exclusive_group()
+    sizes.add_argument("--num-prompts-per-level", type=int, default=None, help="requests per level")
+    sizes.add_argument(
+        "--prompts-per-slot", type=int, default=None, help="requests per level = N x concurrency"
+    )
+    parser.add_argument("--quick", action="store_true", help="1, 5, 10 with 2 requests per level")
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="every sparsekv side")
+    parser.add_argument("--served-model", default=None, help="request model id (default: asked)")
+    parser.add_argument("--kv-cache-memory", type=float, default=2.0, help="GiB, every side")
+    parser.add_argument("--server-args", default="", help="more flags for every sparsekv side")
+    parser.add_argument("--startup-timeout", type=float, default=900.0, help="seconds")
+    parser.add_argument("--output", default="reports/sweep.json")
+    serve.add_workload_args(parser)
+    return parser
+
+
+def build_pools(args: argparse.Namespace, sizes: list[int], tokenizer) -> list[list[BenchPrompt]]:
+    """Distinct prompts for every level (one seeded set, cut in level order)."""
+    prompts = build_prompts(
+        tokenizer,
+        args.dataset,
+        sum(sizes),
+        args.input_len,
+        args.output_len,
+        seed=args.seed,
+        prefix_len=args.prefix_len,
+        prompt_format=args.prompt_format,
+    )
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [prompts[start : start + size] for start, size in zip(starts, sizes)]
+
+
+def run_sweep(args: argparse.Namespace, tokenizer=None) -> dict[str, Any]:
+    """Measure every target at every level; write and return the report document."""
+    args.input_len = args.input_len or 4000
+    args.output_len = args.output_len or 500
+    levels = args.concurrency or list(QUICK_LEVELS if args.quick else FULL_LEVELS)
+    sizes = level_sizes(args, levels)
+    targets = parse_targets(args.configs, args.external)
+    slos = metrics.parse_slos(args.goodput)
+    tokenizer = tokenizer or load_tokenizer(args.tokenizer or args.model)
+    pools = build_pools(args, sizes, tokenizer)
+    out = Path(args.output)
+    results: dict[str, list[dict]] = {}
+    errors: dict[str, str] = {}
+    for target in targets:
+        log = out.with_name(f"{out.stem}_{target.name}.log")
+        try:
+            if target.url is not None:
+                results[target.name] = sweep_target(target.url, target, pools, levels, args, slos)
+                continue
+            flags = server_flags(target, args)
+            with sparsekv_server(flags, log, args.startup_timeout) as url:
+                results[target.name] = sweep_target(url, target, pools, levels, args, slos)
+        except (RuntimeError, ValueError) as exc:
+            errors[target.name] = str(exc)
+            print(f"error: {target.name}: {exc}", file=sys.stderr)
+    settings = {k: v for k, v in vars(args).items() if k != "api_key"}
+    settings |= {"levels": levels, "num_prompts": sizes}
+    return write_sweep_report(out, results, errors, settings)
+
+
+def write_sweep_report(
+    out: Path, results: dict[str, list[dict]], errors: dict[str, str], settings: dict[str, Any]
+) -> dict[str, Any]:
+    """JSON + Markdown + throughput PNG (``evaluation.report``), the TTFT PNG, the levels file.
+
+    Raises:
+        RuntimeError: no configuration produced a level (the errors are in the message).
+    """
+    from sparsekv.evaluation.provenance import provenance
+    from sparsekv.evaluation.report import write_line_plot, write_report
+
+    rows = [level["row"] for levels in results.values() for level in levels]
+    if not rows:
+        raise RuntimeError(f"no configuration could be measured: {errors}")
+    prov = provenance(settings) | {"load_average": list(os.getloadavg()), "errors": errors}
+    shape = f"{settings['input_len']} in / {settings['output_len']} out"
+    files = write_report(
+        out.parent, out.stem, rows,
+        title=f"Serving sweep ({settings['dataset']}, {shape}): output tokens/s",
+        x="concurrency", y="output_tok_per_s", group="config", provenance=prov,
+    )  # fmt: skip
+    ttft = out.with_name(f"{out.stem}_ttft.png")
+    write_line_plot(
+        ttft, rows, title=f"TTFT P50 ({shape})", x="concurrency", y="ttft_p50_ms", group="config"
+    )
+    with open(files.markdown, "a") as md:
+        md.write(f"\n![TTFT P50]({ttft.name})\n")
+        for name, message in errors.items():
+            md.write(f"\n**{name} failed:** `{message.splitlines()[0]}`\n")
+    serve.write_document(
+        out.with_name(f"{out.stem}_levels.json"), {"levels": results, "errors": errors}, settings
+    )
+    return {"rows": rows, "errors": errors, "files": files}
+
+
+def main(argv: list[str] | None = None, *, tokenizer=None, **_: Any) -> int:
+    """Parse flags, run the sweep, print the table; 1 if a configuration failed."""
+    from sparsekv.bench.common import format_table
+
+    args = build_parser().parse_args(argv)
+    document = run_sweep(args, tokenizer)
+    columns = ("config", "concurrency", "num_prompts", "failed", "output_tok_per_s")
+    columns += ("ttft_p50_ms", "tpot_p50_ms", "itl_p50_ms", "kv_ratio")
+    print(format_table(document["rows"], columns))
+    print(f"wrote {document['files'].json} (+ .md, .png, _ttft.png, _levels.json)")
+    return 1 if document["errors"] else 0
