@@ -8,7 +8,8 @@ while its attention still masks with the window, so both runs compute the same o
 
 N requests of exactly ``--input-len`` random tokens and ``--output-len`` greedy tokens
 (``ignore_eos``, fixed seed) run in both modes, one after the other in one process, with the
-same pool and no compression (``--kv-compression none`` unless given). Reported per mode: peak
+same pool (``--num-pages``; by default just big enough for the all-full run, so neither mode
+preempts) and no compression (``--kv-compression none`` unless given). Reported per mode: peak
 KV pages in use (all layers, and split into local / global layers), wall time, output tokens/s
 over the run and over the decode-only steps, TTFTs, and whether the greedy outputs are
 identical. JSON and Markdown reports go to ``--output`` (default ``reports/gemma_paging.json``).
@@ -54,10 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-warmup", action="store_true", help="skip the warm-up request")
     common.add_common_args(parser, "reports/gemma_paging.json")
     add_engine_args(parser)
-    # All-full paging at 8 x 8320 tokens holds ~75k pages (2.3 GiB in fp32): fit it unpreempted.
-    parser.set_defaults(
-        model__model="gemma3-270m", compression__method="none", cache__kv_cache_memory=3.0
-    )
+    parser.set_defaults(model__model="gemma3-270m", compression__method="none")
     return parser
 
 
@@ -91,6 +89,8 @@ def run_gemma_paging(args: argparse.Namespace, checkpoint=None) -> dict:
     hf_config = getattr(checkpoint.hf_config, "text_config", None) or checkpoint.hf_config
     if SLIDING not in (getattr(hf_config, "layer_types", None) or ()):
         raise ValueError("model: gemma-paging needs a model with sliding-window layers (Gemma 3)")
+    if config.cache.num_pages is None:
+        config.cache.num_pages = all_full_pages(args, hf_config.num_hidden_layers)
     vocab_size = hf_config.vocab_size
     avoid = common.special_token_ids(checkpoint.tokenizer)
     prompts = common.random_prompts(args.num_requests, args.input_len, vocab_size, args.seed, avoid)
@@ -109,6 +109,15 @@ def run_gemma_paging(args: argparse.Namespace, checkpoint=None) -> dict:
     md_path = str(args.output).removesuffix(".json") + ".md"
     common.write_markdown(md_path, "Gemma 3 sliding-window paging", document["rows"], facts)
     return document
+
+
+def all_full_pages(args: argparse.Namespace, num_layers: int) -> int:
+    """A pool that holds the whole workload with every layer paged as full (no preemption in
+    either mode, so both do the same work), plus one request's worth of slack for the warm-up.
+    """
+    block_size = args.cache__block_size
+    per_layer = -(-(args.input_len + args.output_len) // block_size)
+    return (args.num_requests + 1) * num_layers * per_layer
 
 
 def _with_paging(checkpoint, sliding_aware: bool):

@@ -271,3 +271,25 @@ def summarize(
         slos=dict(slos or {}),
         errors=errors,
     )
+
+
+def format_summary(summary: Summary) -> str:
+    """A vLLM-style text summary of one run."""
+    lines = [
+        f"{'completed / failed':<32}{summary.num_completed} / {summary.num_failed}",
+        f"{'duration (s)':<32}{summary.duration_s:.2f}",
+        f"{'peak concurrency':<32}{summary.peak_concurrency}",
+        f"{'request throughput (req/s)':<32}{summary.request_throughput:.3f}",
+        f"{'output throughput (tok/s)':<32}{summary.output_throughput:.2f}",
+        f"{'total token throughput (tok/s)':<32}{summary.total_token_throughput:.2f}",
+    ]
+    if summary.goodput is not None:
+        lines.append(f"{'goodput (req/s)':<32}{summary.goodput:.3f}  {summary.slos}")
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        s = getattr(summary, name)
+        lines.append(
+            f"{name.upper() + ' (ms)':<32}mean {s.mean:.1f}  p50 {s.p50:.1f}  "
+            f"p90 {s.p90:.1f}  p99 {s.p99:.1f}"
+        )
+    lines += [f"error: {e}" for e in summary.errors]
+    return "\n".join(lines)

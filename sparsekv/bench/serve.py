@@ -283,28 +283,6 @@ def write_document(path: str | Path, document: dict[str, Any], config: dict[str,
     return path
 
 
-def format_summary(summary: metrics.Summary) -> str:
-    """A vLLM-style text summary of one run."""
-    lines = [
-        f"{'completed / failed':<32}{summary.num_completed} / {summary.num_failed}",
-        f"{'duration (s)':<32}{summary.duration_s:.2f}",
-        f"{'peak concurrency':<32}{summary.peak_concurrency}",
-        f"{'request throughput (req/s)':<32}{summary.request_throughput:.3f}",
-        f"{'output throughput (tok/s)':<32}{summary.output_throughput:.2f}",
-        f"{'total token throughput (tok/s)':<32}{summary.total_token_throughput:.2f}",
-    ]
-    if summary.goodput is not None:
-        lines.append(f"{'goodput (req/s)':<32}{summary.goodput:.3f}  {summary.slos}")
-    for name in ("ttft", "tpot", "itl", "e2el"):
-        s = getattr(summary, name)
-        lines.append(
-            f"{name.upper() + ' (ms)':<32}mean {s.mean:.1f}  p50 {s.p50:.1f}  "
-            f"p90 {s.p90:.1f}  p99 {s.p99:.1f}"
-        )
-    lines += [f"error: {e}" for e in summary.errors]
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None, *, tokenizer: Any = None, **_: Any) -> int:
     """Parse flags, build the prompts, run the benchmark, print and write the report.
 
@@ -342,7 +320,7 @@ def main(argv: list[str] | None = None, *, tokenizer: Any = None, **_: Any) -> i
     )
     slos = metrics.parse_slos(args.goodput)
     summary, timelines = measure(prompts, settings, slos, "bench serve", args.no_progress)
-    print(format_summary(summary))
+    print(metrics.format_summary(summary))
     config = {k: v for k, v in vars(args).items() if k != "api_key"}
     config |= {"model": model, "input_len": input_len, "output_len": output_len}
     document = {"summary": summary.to_dict(), "requests": [asdict(t) for t in timelines]}

@@ -234,6 +234,7 @@ def build_pools(args: argparse.Namespace, sizes: list[int], tokenizer) -> list[l
 
 def run_sweep(args: argparse.Namespace, tokenizer=None) -> dict[str, Any]:
     """Measure every target at every level; write and return the report document."""
+    load_start = list(os.getloadavg())
     args.input_len = args.input_len or 4000
     args.output_len = args.output_len or 500
     levels = args.concurrency or list(QUICK_LEVELS if args.quick else FULL_LEVELS)
@@ -258,7 +259,7 @@ def run_sweep(args: argparse.Namespace, tokenizer=None) -> dict[str, Any]:
             errors[target.name] = str(exc)
             print(f"error: {target.name}: {exc}", file=sys.stderr)
     settings = {k: v for k, v in vars(args).items() if k != "api_key"}
-    settings |= {"levels": levels, "num_prompts": sizes}
+    settings |= {"levels": levels, "num_prompts": sizes, "load_average_start": load_start}
     return write_sweep_report(out, results, errors, settings)
 
 

@@ -247,7 +247,9 @@ class LLMEngine:
             state.kv_stats = KVStats(
                 kept_per_layer=request_kv.kept_per_layer(),
                 evicted_per_layer=request_kv.evicted_per_layer(),
-                num_tokens=request.num_tokens,
+                # Tokens whose K/V were computed: the last sampled token never enters the
+                # cache, so an uncompressed request reports a ratio of exactly 0.
+                num_tokens=request.num_computed_tokens,
             )
             self.stats.num_evicted_tokens += sum(request_kv.evicted_per_layer())
         self.scheduler.finish(request, reason)

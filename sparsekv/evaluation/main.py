@@ -44,7 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--samples", type=int, default=None, help="per task, length, depth (5)")
     parser.add_argument("--depths", default=None, help="needle grid, comma list in [0, 1]")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--answer-margin", type=int, default=16, help="tokens beyond the answer")
+    parser.add_argument(
+        "--answer-margin", type=int, default=32,
+        help="max_tokens = answer tokens + this; room for the preamble models write first "
+        "(\"The special magic numbers for X are: ...\" is ~20 tokens)",
+    )  # fmt: skip
     parser.add_argument("--output-dir", default="reports/eval")
     parser.add_argument("--quick", action="store_true", help="a couple of minutes on SmolLM2")
     parser.add_argument("--fidelity", action="store_true", help="also run bench fidelity")

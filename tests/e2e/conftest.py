@@ -24,6 +24,7 @@ STARTUP_TIMEOUT_S = 600  # a first start may compile the native kernels
 
 
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

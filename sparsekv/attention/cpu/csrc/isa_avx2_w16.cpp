@@ -1,4 +1,5 @@
-// AVX2 + FMA with 16-lane vectors (tests the AVX-512 code on AVX2 machines; GCC splits each vector in two) kernels: kernel_impl.h compiled with 16 fp32 lanes per vector.
+// AVX2 + FMA build of the 16-lane code: GCC splits each vector in two, so
+// the code the AVX-512 variant runs is tested on AVX2 machines too (slower than avx2).
 #include <stdint.h>
 
 #include "kernels.h"
@@ -12,18 +13,20 @@ namespace isa_avx2_w16 {
 #undef SKV_W
 }  // namespace isa_avx2_w16
 
-const KernelTable kTableAvx2W16 = {"avx2_w16",
-                        16,
-                        isa_avx2_w16::kWinSlots,
-                        isa_avx2_w16::kWinRows,
-                        &isa_avx2_w16::decode_scratch,
-                        &isa_avx2_w16::window_scratch,
-                        &isa_avx2_w16::decode_item,
-                        &isa_avx2_w16::decode_combine,
-                        &isa_avx2_w16::window_page};
+const KernelTable kTableAvx2W16 = {
+    "avx2_w16",
+    16,
+    isa_avx2_w16::kWinSlots,
+    isa_avx2_w16::kWinRows,
+    &isa_avx2_w16::decode_scratch,
+    &isa_avx2_w16::window_scratch,
+    &isa_avx2_w16::decode_item,
+    &isa_avx2_w16::decode_combine,
+    &isa_avx2_w16::window_page,
+};
 }  // namespace sparsekv_cpu
 #else
 namespace sparsekv_cpu {
 const KernelTable kTableAvx2W16 = {"avx2_w16", 0, 0, 0, nullptr, nullptr, nullptr, nullptr, nullptr};
-}
+}  // namespace sparsekv_cpu
 #endif

@@ -1,4 +1,4 @@
-// AVX-512F kernels: kernel_impl.h compiled with 16 fp32 lanes per vector.
+// AVX-512F kernels (16 fp32 lanes).
 #include <stdint.h>
 
 #include "kernels.h"
@@ -12,18 +12,20 @@ namespace isa_avx512 {
 #undef SKV_W
 }  // namespace isa_avx512
 
-const KernelTable kTableAvx512 = {"avx512",
-                        16,
-                        isa_avx512::kWinSlots,
-                        isa_avx512::kWinRows,
-                        &isa_avx512::decode_scratch,
-                        &isa_avx512::window_scratch,
-                        &isa_avx512::decode_item,
-                        &isa_avx512::decode_combine,
-                        &isa_avx512::window_page};
+const KernelTable kTableAvx512 = {
+    "avx512",
+    16,
+    isa_avx512::kWinSlots,
+    isa_avx512::kWinRows,
+    &isa_avx512::decode_scratch,
+    &isa_avx512::window_scratch,
+    &isa_avx512::decode_item,
+    &isa_avx512::decode_combine,
+    &isa_avx512::window_page,
+};
 }  // namespace sparsekv_cpu
 #else
 namespace sparsekv_cpu {
 const KernelTable kTableAvx512 = {"avx512", 0, 0, 0, nullptr, nullptr, nullptr, nullptr, nullptr};
-}
+}  // namespace sparsekv_cpu
 #endif

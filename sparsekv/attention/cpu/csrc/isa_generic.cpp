@@ -1,8 +1,7 @@
-// Portable (baseline ISA, 4-lane vectors) kernels: kernel_impl.h compiled with 4 fp32 lanes per vector.
+// Portable kernels (4 fp32 lanes, baseline ISA of the compiler).
 #include <stdint.h>
 
 #include "kernels.h"
-
 
 namespace sparsekv_cpu {
 namespace isa_generic {
@@ -11,14 +10,15 @@ namespace isa_generic {
 #undef SKV_W
 }  // namespace isa_generic
 
-const KernelTable kTableGeneric = {"generic",
-                        4,
-                        isa_generic::kWinSlots,
-                        isa_generic::kWinRows,
-                        &isa_generic::decode_scratch,
-                        &isa_generic::window_scratch,
-                        &isa_generic::decode_item,
-                        &isa_generic::decode_combine,
-                        &isa_generic::window_page};
+const KernelTable kTableGeneric = {
+    "generic",
+    4,
+    isa_generic::kWinSlots,
+    isa_generic::kWinRows,
+    &isa_generic::decode_scratch,
+    &isa_generic::window_scratch,
+    &isa_generic::decode_item,
+    &isa_generic::decode_combine,
+    &isa_generic::window_page,
+};
 }  // namespace sparsekv_cpu
-

@@ -37,7 +37,8 @@ struct DecodeItem {
   int64_t b, kvh, page_begin, page_end, slot_lo, slot_hi, first_slot;
 };
 
-// Per-split partial state: for each query head of the group, [max, sum, acc[head_dim]].
+// Per-split partial state: for each query head of the group, [max, sum, acc[head_dim]] with
+// logits in base 2 (log2(e) folded into the query scale).
 // (static: an inline function with external linkage could be merged across ISA units.)
 static inline int64_t decode_state_floats(int64_t group, int64_t head_dim) {
   return group * (head_dim + 2);

@@ -1,0 +1,324 @@
+// Decode attention (part of kernel_impl.h).
+//
+// An item walks its pages in tiles of up to kTileSlots slots (one online-softmax update per
+// tile, not per page). Logits are kept in base 2 (q is pre-scaled by scale * log2(e)). While a
+// tile is processed, the next tile's key rows are prefetched during the logits and its value
+// rows during the value pass, so memory stays busy in both phases (block tables are not
+// sequential, so the hardware prefetcher cannot find the next page).
+
+constexpr int64_t kTileSlots = 32;
+constexpr int kMaxTilePages = 8;
+
+template <typename T>
+struct PageSpan {  // slots [j0, j0 + n) of one page of one KV head
+  const T* k;      // the head's key rows of the page (values follow at + kv_stride)
+  int64_t j0, n;
+  int64_t held;  // held index of slot j0
+};
+
+template <typename T>
+static inline void prefetch_rows(const PageSpan<T>* p, int64_t offset, int64_t d, int64_t r0,
+                                 int64_t r1) {
+  if (p == nullptr) return;
+  r1 = r1 < p->n ? r1 : p->n;
+  if (r1 <= r0) return;
+  const char* base = reinterpret_cast<const char*>(p->k + offset + (p->j0 + r0) * d);
+  const int64_t bytes = (r1 - r0) * d * (int64_t)sizeof(T);
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(base + o, 0, 3);
+}
+
+// Dot products of two key rows with the g query rows of q (stride d, chunk order).
+template <typename T, int g>
+static inline void dot2(const T* k0, const T* k1, const float* q, int64_t d, vf* a0, vf* a1) {
+  for (int h = 0; h < g; ++h) a0[h] = a1[h] = splat(0.0f);
+  for (int64_t c = 0; c < d; c += 2 * W) {
+    vf k0e, k0o, k1e, k1o;
+    load2(k0 + c, k0e, k0o);
+    load2(k1 + c, k1e, k1o);
+    for (int h = 0; h < g; ++h) {
+      const vf qe = loadu(q + h * d + c), qo = loadu(q + h * d + c + W);
+      a0[h] += qe * k0e;
+      a1[h] += qe * k1e;
+      a0[h] += qo * k0o;
+      a1[h] += qo * k1o;
+    }
+  }
+}
+
+template <typename T, int g>
+static inline void dot1(const T* k, const float* q, int64_t d, vf* a) {
+  for (int h = 0; h < g; ++h) a[h] = splat(0.0f);
+  for (int64_t c = 0; c < d; c += 2 * W) {
+    vf ke, ko;
+    load2(k + c, ke, ko);
+    for (int h = 0; h < g; ++h) a[h] += loadu(q + h * d + c) * ke + loadu(q + h * d + c + W) * ko;
+  }
+}
+
+// Logits of the span's slots for g heads into sc[h * ss + t], t < span.n (a W-slot group may
+// write up to W - 1 values past n; the caller's buffer has room and overwrites them).
+template <typename T, int g>
+static inline void span_logits(const PageSpan<T>& sp, const PageSpan<T>* next, int64_t bs,
+                               int64_t d, const float* q, float* sc, int64_t ss) {
+  const T* K = sp.k;
+  int64_t j = sp.j0;
+  const int64_t j1 = sp.j0 + sp.n;
+  for (; j < j1 && j + W <= bs; j += W) {  // W slots at once; rows past j1 are ignored
+    vf part[g][W];
+    for (int jj = 0; jj < W; jj += 2) {
+      prefetch_rows(next, 0, d, j - sp.j0 + jj, j - sp.j0 + jj + 2);
+      vf a0[g], a1[g];
+      dot2<T, g>(K + (j + jj) * d, K + (j + jj + 1) * d, q, d, a0, a1);
+      for (int h = 0; h < g; ++h) {
+        part[h][jj] = a0[h];
+        part[h][jj + 1] = a1[h];
+      }
+    }
+    for (int h = 0; h < g; ++h) storeu(sc + h * ss + (j - sp.j0), reduce_lanes(part[h]));
+  }
+  for (; j < j1; ++j) {
+    prefetch_rows(next, 0, d, j - sp.j0, j - sp.j0 + 1);
+    vf a[g];
+    dot1<T, g>(K + j * d, q, d, a);
+    for (int h = 0; h < g; ++h) sc[h * ss + (j - sp.j0)] = hsum(a[h]);
+  }
+  prefetch_rows(next, 0, d, sp.n, bs);  // rows the next span has beyond this one's
+}
+
+// acc[h] = acc[h] * alpha[h] + sum_t p[h][t] * v[t] over chunk ci of head_dim (2W elements).
+template <typename T, int g>
+static inline void value_pass(const DecodeArgs& a, const PageSpan<T>* cur, int nc,
+                              const PageSpan<T>* nxt, int nn, const float* sc,
+                              const int64_t* offs, int64_t ss, const float* alpha, float* state,
+                              int64_t ci, int64_t chunks) {
+  const int64_t d = a.head_dim, st = d + 2, c = ci * 2 * W;
+  const int64_t kv_stride = a.num_kv_heads * a.block_size * d;
+  vf ae[g], ao[g];
+  for (int h = 0; h < g; ++h) {
+    ae[h] = loadu(state + h * st + 2 + c) * splat(alpha[h]);
+    ao[h] = loadu(state + h * st + 2 + c + W) * splat(alpha[h]);
+  }
+  for (int k = 0; k < nc; ++k) {
+    if (k < nn) {  // this chunk's share of the next tile's value rows
+      const int64_t rows = nxt[k].n;
+      prefetch_rows(nxt + k, kv_stride, d, ci * rows / chunks, (ci + 1) * rows / chunks);
+    }
+    const T* V = cur[k].k + kv_stride + cur[k].j0 * d + c;
+    const float* p = sc + offs[k];
+    for (int64_t t = 0; t < cur[k].n; ++t) {
+      vf ve, vo;
+      load2(V + t * d, ve, vo);
+      for (int h = 0; h < g; ++h) {
+        const vf pt = splat(p[h * ss + t]);
+        ae[h] += pt * ve;
+        ao[h] += pt * vo;
+      }
+    }
+  }
+  for (int h = 0; h < g; ++h) {
+    storeu(state + h * st + 2 + c, ae[h]);
+    storeu(state + h * st + 2 + c + W, ao[h]);
+  }
+}
+
+// Online-softmax update of g heads with one tile. state: per head [max, sum, acc[d]] (base 2).
+template <typename T, int g>
+static void tile_update(const DecodeArgs& a, const PageSpan<T>* cur, int nc,
+                        const PageSpan<T>* nxt, int nn, const float* q, float* sc,
+                        float* state, float* scores) {
+  const int64_t d = a.head_dim, bs = a.block_size, st = d + 2;
+  const int64_t cap = kTileSlots > bs ? kTileSlots : bs, ss = cap + 2 * W;
+  int64_t offs[kMaxTilePages + 1];
+  offs[0] = 0;
+  for (int k = 0; k < nc; ++k) {
+    span_logits<T, g>(cur[k], k < nn ? nxt + k : nullptr, bs, d, q, sc + offs[k], ss);
+    offs[k + 1] = offs[k] + cur[k].n;
+  }
+  const int64_t n = offs[nc], nv = (n + W - 1) / W * W;
+  float alpha[g];
+  for (int h = 0; h < g; ++h) {
+    float* s = sc + h * ss;
+    if (a.softcap > 0.0f) {  // cap * tanh(x / cap) on natural-log logits
+      const float cap2 = a.softcap * kLog2e;
+      for (int64_t t = 0; t < n; ++t) s[t] = cap2 * __builtin_tanhf(s[t] / cap2);
+    }
+    if (scores != nullptr)
+      for (int k = 0; k < nc; ++k)
+        __builtin_memcpy(scores + h * a.held_cap + cur[k].held, s + offs[k],
+                         cur[k].n * sizeof(float));
+    for (int64_t t = n; t < nv; ++t) s[t] = kNegInf;
+    vf mx = splat(kNegInf);
+    for (int64_t t = 0; t < nv; t += W) mx = vmax(mx, loadu(s + t));
+    float* m = state + h * st;  // m[0] = running max, m[1] = running sum
+    const float tile_max = hmax(mx);
+    const float m_new = tile_max > m[0] ? tile_max : m[0];
+    alpha[h] = vexp2(splat(m[0] - m_new))[0];
+    vf sum = splat(0.0f);
+    for (int64_t t = 0; t < nv; t += W) {
+      const vf p = vexp2(loadu(s + t) - splat(m_new));
+      storeu(s + t, p);
+      sum += p;
+    }
+    m[0] = m_new;
+    m[1] = m[1] * alpha[h] + hsum(sum);
+  }
+  const int64_t chunks = d / (2 * W);
+  for (int64_t ci = 0; ci < chunks; ++ci)
+    value_pass<T, g>(a, cur, nc, nxt, nn, sc, offs, ss, alpha, state, ci, chunks);
+}
+
+// Query heads per pass: the largest instantiated block that fits (7 = 4 + 3, 6 = 4 + 2, ...).
+static inline int head_block(int64_t remaining) {
+  return remaining >= 8 ? 8 : remaining >= 4 ? 4 : (int)remaining;
+}
+
+template <typename T>
+static void tile_update_heads(const DecodeArgs& a, int g, const PageSpan<T>* cur, int nc,
+                              const PageSpan<T>* nxt, int nn, const float* q, float* sc,
+                              float* state, float* scores) {
+  switch (g) {
+#define SKV_CASE(G)                                               \
+  case G:                                                         \
+    tile_update<T, G>(a, cur, nc, nxt, nn, q, sc, state, scores); \
+    break;
+    SKV_CASE(1)
+    SKV_CASE(2)
+    SKV_CASE(3)
+    SKV_CASE(4)
+    SKV_CASE(8)
+#undef SKV_CASE
+  }
+}
+
+// Fill up to one tile of spans starting at block-table entry *pi; returns the span count.
+template <typename T>
+static int next_tile(const DecodeArgs& a, const DecodeItem& it, int64_t* pi, PageSpan<T>* out) {
+  const int64_t bs = a.block_size, d = a.head_dim;
+  const int64_t cap = kTileSlots > bs ? kTileSlots : bs;
+  const int64_t page_stride = 2 * a.num_kv_heads * bs * d;
+  const T* pool = static_cast<const T*>(a.pool);
+  const int64_t* table = a.block_tables + it.b * a.max_blocks;
+  int count = 0;
+  int64_t slots = 0;
+  while (*pi < it.page_end && count < kMaxTilePages) {
+    const int64_t base = it.first_slot + *pi * bs;
+    const int64_t j0 = it.slot_lo > base ? it.slot_lo - base : 0;
+    const int64_t j1 = it.slot_hi - base < bs ? it.slot_hi - base : bs;
+    if (count > 0 && slots + (j1 - j0) > cap) break;
+    out[count].k = pool + table[*pi] * page_stride + it.kvh * bs * d;
+    out[count].j0 = j0;
+    out[count].n = j1 - j0;
+    out[count].held = *pi * bs + j0;
+    slots += j1 - j0;
+    ++count;
+    ++*pi;
+  }
+  return count;
+}
+
+static int64_t decode_scratch(const DecodeArgs& a) {
+  const int64_t group = a.num_heads / a.num_kv_heads;
+  const int64_t cap = kTileSlots > a.block_size ? kTileSlots : a.block_size;
+  return group * a.head_dim + kMaxGroupBlock * (cap + 2 * W) + a.head_dim + group + 2 * W;
+}
+
+template <typename T>
+static void decode_item_t(const DecodeArgs& a, const DecodeItem& it, float* scratch,
+                          float* state) {
+  const int64_t G = a.num_heads / a.num_kv_heads, d = a.head_dim, st = d + 2;
+  float* q = scratch;  // [G][d], scaled to base-2 logits, chunk order
+  float* sc = q + G * d;
+  const T* qsrc = static_cast<const T*>(a.query) + (it.b * a.num_heads + it.kvh * G) * d;
+  const float qscale = a.scale * kLog2e;
+  for (int64_t h = 0; h < G; ++h)
+    for (int64_t e = 0; e < d; ++e) q[h * d + chunk_pos<T>(e)] = to_float(qsrc[h * d + e]) * qscale;
+  for (int64_t h = 0; h < G; ++h) {
+    state[h * st] = kNegInf;
+    for (int64_t e = 1; e < st; ++e) state[h * st + e] = 0.0f;
+  }
+  PageSpan<T> tiles[2][kMaxTilePages];
+  int64_t pi = it.page_begin;
+  int cur = 0, nc = next_tile<T>(a, it, &pi, tiles[0]);
+  while (nc > 0) {
+    const int nn = next_tile<T>(a, it, &pi, tiles[1 - cur]);
+    for (int64_t h0 = 0, g = 0; h0 < G; h0 += g) {
+      g = head_block(G - h0);
+      float* scores = nullptr;
+      if (a.scores != nullptr)
+        scores = a.scores + ((it.b * a.num_kv_heads + it.kvh) * G + h0) * a.held_cap;
+      // Later head blocks find the pages in cache: only the first one prefetches.
+      tile_update_heads<T>(a, (int)g, tiles[cur], nc, tiles[1 - cur], h0 == 0 ? nn : 0, q + h0 * d,
+                           sc, state + h0 * st, scores);
+    }
+    cur = 1 - cur;
+    nc = nn;
+  }
+}
+
+static void decode_item(const DecodeArgs& a, const DecodeItem& it, float* scratch,
+                        float* state) {
+  if (a.is_bf16)
+    decode_item_t<uint16_t>(a, it, scratch, state);
+  else
+    decode_item_t<float>(a, it, scratch, state);
+}
+
+// Merge split states (base 2), write out, lse (natural log) and the attention mass.
+template <typename T>
+static void decode_combine_t(const DecodeArgs& a, int64_t b, int64_t kvh, const float* states,
+                             int64_t num_splits, int64_t held_lo, int64_t held_hi,
+                             float* scratch) {
+  const int64_t G = a.num_heads / a.num_kv_heads, d = a.head_dim, st = d + 2;
+  const int64_t sstride = G * st;
+  T* out = static_cast<T*>(a.out) + (b * a.num_heads + kvh * G) * d;
+  float* lse = a.lse + b * a.num_heads + kvh * G;
+  float* acc = scratch;     // [d]
+  float* lse2 = acc + d;    // [G] base-2 lse
+  for (int64_t h = 0; h < G; ++h) {
+    float M = kNegInf;
+    for (int64_t s = 0; s < num_splits; ++s) {
+      const float m = states[s * sstride + h * st];
+      M = m > M ? m : M;
+    }
+    float L = 0.0f;
+    for (int64_t e = 0; e < d; ++e) acc[e] = 0.0f;
+    if (M != kNegInf) {
+      for (int64_t s = 0; s < num_splits; ++s) {
+        const float* sp = states + s * sstride + h * st;
+        if (sp[0] == kNegInf) continue;
+        const float w = __builtin_exp2f(sp[0] - M);
+        L += sp[1] * w;
+        for (int64_t e = 0; e < d; ++e) acc[e] += sp[2 + e] * w;
+      }
+    }
+    // A request that sees no slot (nothing held) gets a zero output and lse = -inf.
+    const float inv = L > 0.0f ? 1.0f / L : 0.0f;
+    for (int64_t e = 0; e < d; ++e) from_float(acc[chunk_pos<T>(e)] * inv, out + h * d + e);
+    lse2[h] = L > 0.0f ? M + __builtin_log2f(L) : kNegInf;
+    lse[h] = lse2[h] * kLn2;
+  }
+  if (a.mass == nullptr || held_hi <= held_lo) return;
+  float* mass = a.mass + (b * a.num_kv_heads + kvh) * a.held_cap;
+  const float* scores = a.scores + (b * a.num_kv_heads + kvh) * G * a.held_cap;
+  int64_t t = held_lo;
+  for (; t + W <= held_hi; t += W) {
+    vf m = splat(0.0f);
+    for (int64_t h = 0; h < G; ++h)
+      m += vexp2(loadu(scores + h * a.held_cap + t) - splat(lse2[h]));
+    storeu(mass + t, m);
+  }
+  for (; t < held_hi; ++t) {
+    float m = 0.0f;
+    for (int64_t h = 0; h < G; ++h) m += __builtin_exp2f(scores[h * a.held_cap + t] - lse2[h]);
+    mass[t] = m;
+  }
+}
+
+static void decode_combine(const DecodeArgs& a, int64_t b, int64_t kvh, const float* states,
+                           int64_t num_splits, int64_t held_lo, int64_t held_hi,
+                           float* scratch) {
+  if (a.is_bf16)
+    decode_combine_t<uint16_t>(a, b, kvh, states, num_splits, held_lo, held_hi, scratch);
+  else
+    decode_combine_t<float>(a, b, kvh, states, num_splits, held_lo, held_hi, scratch);
+}
