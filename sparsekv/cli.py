@@ -133,6 +133,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # bench and eval parse their own flags (argparse's REMAINDER rejects a leading flag).
+    if argv and argv[0] in ("bench", "eval"):
+        args = argparse.Namespace(bench_args=argv[1:], eval_args=argv[1:])
+        handler = cmd_bench if argv[0] == "bench" else cmd_eval
+        try:
+            return handler(args)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

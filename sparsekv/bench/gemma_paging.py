@@ -34,6 +34,7 @@ SUMMARY_COLUMNS = (
     "peak_pages_used",
     "peak_pages_local",
     "peak_pages_global",
+    "peak_pages_between_steps",
     "peak_kv_gib",
     "wall_s",
     "output_tok_s",
@@ -131,38 +132,49 @@ def _with_paging(checkpoint, sliding_aware: bool):
 
 
 def run_batch(engine, prompts: list[list[int]], output_len: int) -> dict:
-    """Submit every prompt at once and step to the end, sampling the pool after each step.
+    """Submit every prompt at once and step to the end, sampling the pool in every step.
 
-    A step counts as decode-only when, before it runs, nothing waits and every running
-    request has its prompt computed.
+    Pages are sampled inside each step, after its allocation and before the window trim (the
+    true peak, CONTRACTS.md §2), and again after it. A step counts as decode-only when, before
+    it runs, nothing waits and every running request has its prompt computed.
     """
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     ids = [f"gp-{i}" for i in range(len(prompts))]
     local = [kind == SLIDING for kind in engine.parts.model.layer_types]
     page_bytes = engine.kv.kv_pool[0].numel() * engine.kv.kv_pool.element_size()
     peak = {"all": 0, "local": 0, "global": 0}
+    peak_between = 0
     decode_s = decode_tokens = 0.0
+    execute = engine.runner.execute
+
+    def execute_sampling_pages(scheduled):
+        _update_peaks(engine, local, peak)
+        return execute(scheduled)
+
+    engine.runner.execute = execute_sampling_pages  # this engine only; dropped below
     start = time.perf_counter()
     for request_id, prompt in zip(ids, prompts):
         engine.add_request(request_id, prompt, params)
     finished = {}
-    while engine.has_unfinished_requests():
-        decode_only = not engine.scheduler.waiting and all(
-            r.num_computed_tokens >= r.num_prompt_tokens for r in engine.scheduler.running
-        )
-        step_start = time.perf_counter()
-        outputs = engine.step()
-        step_s = time.perf_counter() - step_start
-        _update_peaks(engine, local, peak)
-        new_tokens = sum(o.outputs[0].num_delta_tokens for o in outputs)
-        if decode_only:
-            decode_s += step_s
-            decode_tokens += new_tokens
-        for output in outputs:
-            if output.error is not None:
-                raise RuntimeError(f"request {output.request_id} failed: {output.error}")
-            if output.finished:
-                finished[output.request_id] = output
+    try:
+        while engine.has_unfinished_requests():
+            decode_only = not engine.scheduler.waiting and all(
+                r.num_computed_tokens >= r.num_prompt_tokens for r in engine.scheduler.running
+            )
+            step_start = time.perf_counter()
+            outputs = engine.step()
+            step_s = time.perf_counter() - step_start
+            peak_between = max(peak_between, int(engine.kv_usage()["pages_used"]))
+            if decode_only:
+                decode_s += step_s
+                decode_tokens += sum(o.outputs[0].num_delta_tokens for o in outputs)
+            for output in outputs:
+                if output.error is not None:
+                    raise RuntimeError(f"request {output.request_id} failed: {output.error}")
+                if output.finished:
+                    finished[output.request_id] = output
+    finally:
+        del engine.runner.execute
     wall = time.perf_counter() - start
     ordered = [finished[i] for i in ids]
     ttfts = [common.ttft_s(o) for o in ordered]
@@ -181,6 +193,7 @@ def run_batch(engine, prompts: list[list[int]], output_len: int) -> dict:
         "peak_pages_used": peak["all"],
         "peak_pages_local": peak["local"],
         "peak_pages_global": peak["global"],
+        "peak_pages_between_steps": peak_between,
         "peak_kv_gib": peak["all"] * page_bytes / GIB,
         "pages_total": engine.kv.num_total_pages,
         "num_preemptions": engine.stats.num_preemptions,

@@ -25,7 +25,8 @@ def test_roofline_rows_and_bounds(tmp_path, smollm2_tokenizer, monkeypatch):
     checkpoint, _ = tiny_checkpoint(tiny_llama_config(), smollm2_tokenizer, seed=5)
     out = tmp_path / "roofline.json"
     argv = ["--batch", "1", "2", "--context", "40", "--steps", "3", "--kv-compression", "none"]
-    argv += ["--dtype", "float32", "--threads", "1", "--output", str(out)]
+    argv += ["--dtype", "float32", "--threads", "1", "--kv-cache-memory", "0.05"]
+    argv += ["--output", str(out)]
     assert roofline.main(argv, checkpoint=checkpoint) == 0
     document = json.loads(out.read_text())
     # hidden 64, 4 heads x 16, 2 KV heads, MLP 128, 3 layers, untied head over 49152 tokens.

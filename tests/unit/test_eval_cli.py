@@ -29,7 +29,8 @@ def tiny(smollm2_tokenizer):
 def _argv(tmp_path, *extra) -> list[str]:
     argv = ["--lengths", "256", "--methods", "none,snapkv,streaming_llm", "--ratios", "0.5"]
     argv += ["--kv-window", "8", "--kv-full-layers", "1", "--dtype", "float32", "--threads", "1"]
-    argv += ["--answer-margin", "4", "--no-progress", "--output-dir", str(tmp_path), *extra]
+    argv += ["--answer-margin", "4", "--kv-cache-memory", "0.05", "--no-progress"]
+    argv += ["--output-dir", str(tmp_path), *extra]
     return argv
 
 
