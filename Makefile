@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # Pinned for CPU machines only: the package itself accepts any recent torch.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install serve generate lint test test-fast
+.PHONY: install serve generate lint test test-long test-fast
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,7 +27,10 @@ lint: install
 	$(VENV)/bin/ruff format --check sparsekv tests
 
 test: lint
-	$(VENV)/bin/python -m pytest -q -x --timeout=900 tests
+	$(VENV)/bin/python -m pytest -q -x --timeout=900 -m "not long" tests
+
+test-long: install
+	$(VENV)/bin/python -m pytest -q --timeout=3600 -m long tests
 
 test-fast: install
 	$(VENV)/bin/python -m pytest -q -m "not slow" tests

@@ -12,22 +12,36 @@ same pool (``--num-pages``; by default just big enough for the all-full run, so 
 preempts) and no compression (``--kv-compression none`` unless given). Reported per mode: peak
 KV pages in use (all layers, and split into local / global layers), wall time, output tokens/s
 over the run and over the decode-only steps, TTFTs, and whether the greedy outputs are
-identical. JSON and Markdown reports go to ``--output`` (default ``reports/gemma_paging.json``).
+identical. ``--passkey-length 8192`` adds passkey retrieval at 5 depths, full cache vs SnapKV
+at 75% removed on the global layers. JSON and Markdown reports go to ``--output`` (default
+``reports/gemma_paging.json``).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import time
 
 from sparsekv.bench import common
 from sparsekv.cli_args import add_engine_args, engine_config_from_args
-from sparsekv.models.gemma3 import SLIDING
+from sparsekv.config import CompressionConfig
+from sparsekv.evaluation.scoring import score_passkey
+from sparsekv.evaluation.tasks import passkey
+from sparsekv.models.gemma3 import SLIDING, text_config
 from sparsekv.sampling_params import SamplingParams
 
 MODES = {"sliding-aware": True, "all-full": False}
 GIB = 1 << 30
+PASSKEY_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+PASSKEY_ANSWER_PREFIX = "\nI remember it. The pass key is"
+PASSKEY_POLICIES = {
+    "full": CompressionConfig(method="none"),
+    "snapkv-75%-removed": CompressionConfig(
+        method="snapkv", compression_ratio=0.75, budget=None, full_layers=0
+    ),
+}
 
 SUMMARY_COLUMNS = (
     "paging",
@@ -54,6 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     parser.add_argument("--no-warmup", action="store_true", help="skip the warm-up request")
+    parser.add_argument(
+        "--passkey-length",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also run passkey retrieval at N tokens, 5 depths: full cache vs SnapKV at 75%% "
+        "removed on the global layers (sliding-aware paging); 0 skips it",
+    )
     common.add_common_args(parser, "reports/gemma_paging.json")
     add_engine_args(parser)
     parser.set_defaults(model__model="gemma3-270m", compression__method="none")
@@ -87,7 +109,7 @@ def run_gemma_paging(args: argparse.Namespace, checkpoint=None) -> dict:
     load_start = common.load_average()
     config = engine_config_from_args(args)
     checkpoint = common.load_checkpoint(config, checkpoint)
-    hf_config = getattr(checkpoint.hf_config, "text_config", None) or checkpoint.hf_config
+    hf_config = text_config(checkpoint.hf_config)
     if SLIDING not in (getattr(hf_config, "layer_types", None) or ()):
         raise ValueError("model: gemma-paging needs a model with sliding-window layers (Gemma 3)")
     if config.cache.num_pages is None:
@@ -103,6 +125,12 @@ def run_gemma_paging(args: argparse.Namespace, checkpoint=None) -> dict:
         runs[mode] = run_batch(engine, prompts, args.output_len)
         del engine  # free this mode's pool before the next one allocates its own
     document = _document(runs)
+    if args.passkey_length:
+        document["passkey"] = run_passkey(config, checkpoint, args.passkey_length)
+        for row in document["passkey"]:
+            document["notes"].append(
+                f"passkey {row['length']} tokens, {row['policy']}: found {row['found']}/5"
+            )
     settings = {k: v for k, v in vars(args).items() if "__" not in k}
     document["provenance"] = common.bench_provenance(config, settings, load_start)
     common.write_json(args.output, document)
@@ -110,6 +138,44 @@ def run_gemma_paging(args: argparse.Namespace, checkpoint=None) -> dict:
     md_path = str(args.output).removesuffix(".json") + ".md"
     common.write_markdown(md_path, "Gemma 3 sliding-window paging", document["rows"], facts)
     return document
+
+
+def run_passkey(config, checkpoint, length: int) -> list[dict]:
+    """Passkey at ``length`` tokens and 5 depths, per policy in ``PASSKEY_POLICIES``.
+
+    The prompt is a completion ending in ``PASSKEY_ANSWER_PREFIX``: Gemma 3 270M is a base
+    model and repeats the instruction when given the chat template.
+    """
+    tokenizer = checkpoint.tokenizer
+    samples = [passkey(tokenizer, length, d, seed=i) for i, d in enumerate(PASSKEY_DEPTHS)]
+    prompts = [tokenizer(s.prompt_text + PASSKEY_ANSWER_PREFIX).input_ids for s in samples]
+    num_layers = text_config(checkpoint.hf_config).num_hidden_layers
+    per_request = num_layers * -(-(max(map(len, prompts)) + 8) // config.cache.block_size)
+    cache = dataclasses.replace(config.cache, num_pages=(len(prompts) + 1) * per_request)
+    engine = common.build_engine(dataclasses.replace(config, cache=cache), checkpoint)
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    rows = []
+    for name, policy in PASSKEY_POLICIES.items():
+        requests = [
+            common.BenchRequest(f"pk-{name}-{i}", ids, params, policy)
+            for i, ids in enumerate(prompts)
+        ]
+        outputs, trace = common.run_requests(engine, requests)
+        texts = [outputs[r.request_id].outputs[0].text for r in requests]
+        found = [score_passkey(t, s.answers) == 100.0 for t, s in zip(texts, samples)]
+        rows.append(
+            {
+                "policy": name,
+                "length": len(prompts[0]),
+                "found": sum(found),
+                "found_per_depth": dict(zip(PASSKEY_DEPTHS, found)),
+                "answers": texts,
+                "kept_per_layer": outputs[requests[0].request_id].kv_stats.kept_per_layer,
+                "peak_pages_used": trace.peak_pages_used,
+                "wall_s": trace.wall_s,
+            }
+        )
+    return rows
 
 
 def all_full_pages(args: argparse.Namespace, num_layers: int) -> int:
@@ -124,8 +190,7 @@ def all_full_pages(args: argparse.Namespace, num_layers: int) -> int:
 def _with_paging(checkpoint, sliding_aware: bool):
     """A shallow copy of ``checkpoint`` whose config sets ``sliding_aware_paging``."""
     hf_config = copy.deepcopy(checkpoint.hf_config)
-    text = getattr(hf_config, "text_config", None) or hf_config
-    text.sliding_aware_paging = sliding_aware
+    text_config(hf_config).sliding_aware_paging = sliding_aware
     result = copy.copy(checkpoint)
     result.hf_config = hf_config
     return result

@@ -16,6 +16,7 @@ def test_gemma_paging_bench_reports_both_modes(tmp_path, capsys):
     output = tmp_path / "gemma_paging.json"
     argv = ["--num-requests", "3", "--input-len", "60", "--output-len", "12"]
     argv += ["--block-size", "4", "--max-num-batched-tokens", "32", "--dtype", "float32"]
+    argv += ["--passkey-length", "200"]  # mechanics only: a random model finds nothing
     threads = torch.get_num_threads()
     try:
         status = gemma_paging.main(
@@ -32,5 +33,10 @@ def test_gemma_paging_bench_reports_both_modes(tmp_path, capsys):
     # 3 local layers x 3 requests: at most window + one step's tokens + one page each.
     assert aware["peak_pages_local"] <= 3 * 3 * -(-(WINDOW + 32 + 4) // 4)
     assert full["peak_pages_local"] > aware["peak_pages_local"]
+    full_pk, snapkv_pk = report["passkey"]
+    assert (full_pk["policy"], snapkv_pk["policy"]) == ("full", "snapkv-75%-removed")
+    # SnapKV compresses the global layers (2 and 4) only; local layers keep their window.
+    assert snapkv_pk["kept_per_layer"][2] < full_pk["kept_per_layer"][2] / 3
+    assert snapkv_pk["kept_per_layer"][0] == full_pk["kept_per_layer"][0] <= WINDOW + 4
     assert (tmp_path / "gemma_paging.md").exists()
     assert "sliding-aware" in capsys.readouterr().out

