@@ -60,7 +60,13 @@ class CacheConfig:
             H2O accumulators).
         block_size: slots per page.
         kv_cache_dtype: storage dtype of K/V (``auto`` = the model dtype).
-        enable_prefix_caching: share full pages of identical prompt prefixes.
+        enable_prefix_caching: share full pages of identical prefixes between requests
+            (chained hashes of token-id pages, ref-counted pages, LRU eviction of unreferenced
+            cached pages only when the pool needs them). Off for models with sliding-window
+            layers.
+        prefix_cache_uncompressed: at a compressing prefill, also keep the budgeted layers'
+            uncompressed prompt pages as evictable cached pages while the pool has room, so a
+            later request with the same prefix skips its compute (then compresses its own copy).
         num_pages: pool size in pages, overriding the size derived from ``kv_cache_memory``
             (tests and benchmarks that need an exact pool).
     """
@@ -69,6 +75,7 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
+    prefix_cache_uncompressed: bool = False
     num_pages: int | None = None
 
     def validate(self) -> None:

@@ -69,10 +69,19 @@ class EngineRegistry:
 
     def __init__(self) -> None:
         self.engines: list = []
+        self._checked_at: dict[int, int] = {}
 
     def add(self, engine):
         self.engines.append(engine)
         return engine
+
+    def needs_check(self, engine) -> bool:
+        """True once per batch of new work (the full ref-count check walks every page)."""
+        mark = engine.stats.num_prompt_tokens
+        if self._checked_at.get(id(engine)) == mark:
+            return False
+        self._checked_at[id(engine)] = mark
+        return True
 
 
 _REGISTRY = EngineRegistry()
@@ -96,11 +105,26 @@ def make_engine(smollm2_tokenizer):
     from sparsekv.engine.engine_setup import build_engine_parts
     from sparsekv.engine.llm_engine import LLMEngine
 
-    def factory(checkpoint, compression=None, num_pages=None, block_size=16, **sched):
+    def factory(
+        checkpoint,
+        compression=None,
+        num_pages=None,
+        block_size=16,
+        prefix_caching=True,
+        prefix_cache_uncompressed=False,
+        **sched,
+    ):
         sched.setdefault("watermark_pages", 0)
+        cache = CacheConfig(
+            kv_cache_memory=0.05,
+            block_size=block_size,
+            num_pages=num_pages,
+            enable_prefix_caching=prefix_caching,
+            prefix_cache_uncompressed=prefix_cache_uncompressed,
+        )
         config = EngineConfig(
             model=ModelConfig(dtype="float32"),
-            cache=CacheConfig(kv_cache_memory=0.05, block_size=block_size, num_pages=num_pages),
+            cache=cache,
             compression=compression or CompressionConfig(method="none"),
             scheduler=SchedulerConfig(**sched),
         )
@@ -112,13 +136,19 @@ def make_engine(smollm2_tokenizer):
 
 @pytest.fixture(autouse=True)
 def no_page_leaks():
-    """After every test, every engine's pool is back to its baseline (all pages free)."""
+    """After every test, every engine's pool is back to its baseline and its ref counts hold.
+
+    Baseline: with no live request every page is free or reclaimable (held by the prefix cache
+    alone: cached pages stay cached across requests, which is not a leak).
+    """
     yield
     for engine in _REGISTRY.engines:
         leftover = engine.num_unfinished_requests
         free, total = engine.kv.num_free_pages, engine.kv.num_total_pages
         for request_id in list(engine._groups):
             engine.abort_request(request_id)
+        if _REGISTRY.needs_check(engine):
+            engine.kv.check_invariants()
         assert leftover == 0, f"{leftover} requests left unfinished"
         assert free == total, f"page leak: {total - free} of {total} pages still held"
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from sparsekv.compression.base import Compressor
@@ -94,37 +95,62 @@ def physical_slots(block_table: list[int], offsets: range, block_size: int) -> l
 def build_metadata(
     slices: list[RequestSlice], num_layers: int, block_size: int, device: torch.device
 ) -> AttentionMetadata:
-    """Split each layer's requests between the decode and general paths and build tensors."""
-    decode: list[DecodeBatch | None] = []
+    """Split each layer's requests between the decode and general paths and build tensors.
+
+    Layers whose decode path holds the same requests (all of them, in a step without
+    compaction) share one build: their tensors are stacked ``[num_layers, ...]`` and each
+    layer's ``DecodeBatch`` views its row, so a step costs a handful of tensor creations,
+    not five per layer.
+    """
+    decode: list[DecodeBatch | None] = [None] * num_layers
     general: list[list[RequestSlice]] = []
     num_tokens = sum(s.num_new for s in slices)
+    groups: dict[tuple[int, ...], list[int]] = {}
     for layer in range(num_layers):
-        on_decode = [s for s in slices if s.num_new == 1 and s.layers[layer].compress_to is None]
-        on_decode_ids = {id(s) for s in on_decode}
-        general.append([s for s in slices if id(s) not in on_decode_ids])
-        decode.append(_decode_batch(on_decode, layer, block_size, device) if on_decode else None)
+        members = tuple(
+            i
+            for i, s in enumerate(slices)
+            if s.num_new == 1
+            and (s.layers[layer].compress_to is None or s.layers[layer].decode_compaction)
+        )
+        chosen = set(members)
+        general.append([s for i, s in enumerate(slices) if i not in chosen])
+        if members:
+            groups.setdefault(members, []).append(layer)
+    for members, layers in groups.items():
+        on_decode = [slices[i] for i in members]
+        for layer, batch in zip(layers, _decode_batches(on_decode, layers, block_size, device)):
+            decode[layer] = batch
     return AttentionMetadata(slices, decode, general, num_tokens)
 
 
-def _decode_batch(
-    slices: list[RequestSlice], layer: int, block_size: int, device: torch.device
-) -> DecodeBatch:
-    steps = [s.layers[layer] for s in slices]
-    max_blocks = max(len(step.block_table) for step in steps)
-    tables = [step.block_table + [0] * (max_blocks - len(step.block_table)) for step in steps]
-    slots = [
-        physical_slots(step.block_table, range(step.num_held, step.num_held + 1), block_size)[0]
-        for step in steps
+def _decode_batches(
+    slices: list[RequestSlice], layers: list[int], block_size: int, device: torch.device
+) -> list[DecodeBatch]:
+    """One ``DecodeBatch`` per layer of ``layers``, all over the same ``slices``."""
+    steps = [[s.layers[layer] for s in slices] for layer in layers]
+    max_blocks = max(len(step.block_table) for row in steps for step in row)
+    tables = np.zeros((len(layers), len(slices), max_blocks), dtype=np.int64)
+    counts = np.empty((3, len(layers), len(slices)), dtype=np.int64)  # slot, seq_len, first
+    for i, row in enumerate(steps):
+        for b, step in enumerate(row):
+            table = step.block_table
+            tables[i, b, : len(table)] = table
+            held = step.num_held
+            counts[0, i, b] = table[held // block_size] * block_size + held % block_size
+            counts[1, i, b] = step.first_slot + held + 1
+            counts[2, i, b] = step.first_slot
+    tables_t = torch.from_numpy(tables).to(device)
+    slot_t, seq_t, first_t = torch.from_numpy(counts).to(device)
+    rows = torch.tensor([s.start for s in slices], dtype=torch.long, device=device)
+    return [
+        DecodeBatch(
+            slices=slices,
+            rows=rows,
+            slot_mapping=slot_t[i],
+            block_tables=tables_t[i],
+            seq_lens=seq_t[i],
+            first_slots=first_t[i],
+        )
+        for i in range(len(layers))
     ]
-
-    def as_tensor(values: list) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=device)
-
-    return DecodeBatch(
-        slices=slices,
-        rows=as_tensor([s.start for s in slices]),
-        slot_mapping=as_tensor(slots),
-        block_tables=as_tensor(tables),
-        seq_lens=as_tensor([step.first_slot + step.num_held + 1 for step in steps]),
-        first_slots=as_tensor([step.first_slot for step in steps]),
-    )

@@ -8,7 +8,9 @@
   appended as activations, attention returns each row's log-sum-exp, and a compressing layer
   scores the slots with the observation window (reusing that LSE), keeps the top ``budget``
   per KV head and writes only the kept K/V into its pages. A single-shot prefill therefore never
-  writes a budgeted layer's uncompressed prompt into the pool (DESIGN.md §4).
+  writes a budgeted layer's uncompressed prompt into the pool (DESIGN.md §4), unless the step
+  keeps it for the prefix cache (``LayerStep.keep_uncompressed``). A layer whose pages are
+  shared compacts into the fresh pages of ``LayerStep.compact_table`` (copy-on-write).
 
 Side state kept per (request, layer) outside the pool: the last ``window`` queries of budgeted
 layers (decode-time re-scoring) and H2O's accumulated attention mass.
@@ -20,7 +22,7 @@ import torch
 
 from sparsekv.attention import backend
 from sparsekv.attention.metadata import AttentionMetadata, RequestSlice, physical_slots
-from sparsekv.attention.torch_ref import gather_kv, write_kv
+from sparsekv.attention.torch_ref import gather_kv, write_kv, write_leading_slots
 from sparsekv.compression.base import LayerView
 from sparsekv.compression.scoring import prefill_attention_mass
 from sparsekv.kv_cache.request_kv import LayerKV
@@ -102,6 +104,8 @@ class PagedAttention:
                 if request.needs_attention_mass and state.budget is not None:
                     held = request.layers[layer].num_held + 1
                     _accumulate(state, mass[i, :, :held])
+                if request.layers[layer].decode_compaction:
+                    self._compact_decode(request, layer, scale)
         for request in self.metadata.general[layer]:
             rows = slice(request.start, request.start + request.num_new)
             out[rows] = self._general(request, layer, q[rows], k[rows], v[rows], scale, window)
@@ -135,27 +139,52 @@ class PagedAttention:
         _remember_queries(state, q, request.window)
         if request.needs_attention_mass and state.budget is not None:
             _accumulate(state, prefill_attention_mass(keys, queries, lse, scale))
-        if step.compress_to is None:
+        if step.compress_to is None or step.keep_uncompressed:
             slots = physical_slots(step.block_table, range(held, held + num_new), self.block_size)
             self._write(slots, keys[:, held:], values[:, held:])
-        else:
-            self._compress(request, step.compress_to, state, keys, values, lse, scale)
+        if step.compress_to is not None:
+            # Shared pages are never written: a compaction then goes to fresh pages.
+            target = step.compact_table if step.compact_table is not None else step.block_table
+            self._compress(request, step.compress_to, state, target, keys, values, lse, scale)
         return out.transpose(0, 1)
+
+    def _compact_decode(self, request: RequestSlice, layer: int, scale: float) -> None:
+        """Decode-time eviction after the decode path wrote and attended the new token.
+
+        The layer's ``num_held + 1`` slots are gathered from the pages once and re-scored with
+        the stored window queries (the compressor computes their log-sum-exps over exactly
+        the slots each row sees: ``w x n`` logits, no attention re-run over a gathered copy);
+        the kept K/V go to the first slots of the layer's table (or its copy-on-write table).
+        """
+        step = request.layers[layer]
+        state = request.kv.layers[layer]
+        num_slots = step.num_held + 1
+        table = torch.tensor(
+            step.block_table[: cdiv(num_slots, self.block_size)],
+            dtype=torch.long,
+            device=self.kv_pool.device,
+        )
+        keys, values = gather_kv(self.kv_pool, table, num_slots)
+        target = step.compact_table if step.compact_table is not None else step.block_table
+        self._compress(request, step.compress_to, state, target, keys, values, None, scale)
 
     def _compress(
         self,
         request: RequestSlice,
         budget: int,
         state: LayerKV,
+        table: list[int],
         keys: torch.Tensor,
         values: torch.Tensor,
-        lse: torch.Tensor,
+        lse: torch.Tensor | None,
         scale: float,
     ) -> None:
         window_queries = state.recent_queries
         num_window = window_queries.shape[1]
         # The chunk's own LSE serves when the whole window lies in this chunk.
-        window_lse = lse[:, -num_window:] if lse.shape[1] >= num_window else None
+        window_lse = None
+        if lse is not None and lse.shape[1] >= num_window:
+            window_lse = lse[:, -num_window:]
         view = LayerView(
             keys=keys,
             values=values,
@@ -166,9 +195,8 @@ class PagedAttention:
             generator=request.generator,
         )
         kept = request.compressor.select(view, budget, request.window)  # [KVH, k]
-        index = kept[..., None].expand(-1, -1, keys.shape[-1])
-        slots = physical_slots(state.block_table, range(kept.shape[1]), self.block_size)
-        self._write(slots, keys.gather(1, index), values.gather(1, index))
+        heads = torch.arange(kept.shape[0], device=kept.device)[:, None]
+        write_leading_slots(self.kv_pool, table, keys[heads, kept], values[heads, kept])
         if state.accumulated is not None:
             state.accumulated = state.accumulated.gather(1, kept)
 

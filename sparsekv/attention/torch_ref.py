@@ -32,6 +32,33 @@ def write_kv(
     kv_pool[pages, 1, :, offsets] = value.to(kv_pool.dtype)
 
 
+def write_leading_slots(
+    kv_pool: torch.Tensor, block_table: list[int], key: torch.Tensor, value: torch.Tensor
+) -> None:
+    """Write ``m`` slots' keys and values to logical slots ``0 .. m - 1`` of a block table
+    (a compacted layer: ``first_slot`` 0). Whole pages go in one page-wise copy, the partial
+    last page slot-wise; slots past ``m`` in that page are left as they were.
+
+    Args:
+        kv_pool: ``[num_pages, 2, num_kv_heads, block_size, head_dim]``.
+        block_table: page ids, at least ``ceil(m / block_size)`` of them.
+        key, value: ``[num_kv_heads, m, head_dim]``.
+    """
+    block_size = kv_pool.shape[3]
+    num_kv_heads, m, head_dim = key.shape
+    full = m // block_size
+    if full:
+        pages = torch.tensor(block_table[:full], dtype=torch.long, device=kv_pool.device)
+        both = torch.stack((key[:, : full * block_size], value[:, : full * block_size]))
+        both = both.reshape(2, num_kv_heads, full, block_size, head_dim).permute(2, 0, 1, 3, 4)
+        kv_pool.index_copy_(0, pages, both.to(kv_pool.dtype))
+    rest = m - full * block_size
+    if rest:
+        page = block_table[full]
+        kv_pool[page, 0, :, :rest] = key[:, full * block_size :].to(kv_pool.dtype)
+        kv_pool[page, 1, :, :rest] = value[:, full * block_size :].to(kv_pool.dtype)
+
+
 def gather_kv(
     kv_pool: torch.Tensor, block_table: torch.Tensor, num_held: int
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,6 +26,7 @@ from typing import Any
 
 from sparsekv.bench import common
 from sparsekv.cli_args import add_engine_args, engine_config_from_args
+from sparsekv.models.prepack import PackedLinear
 from sparsekv.sampling_params import SamplingParams
 
 
@@ -58,8 +59,14 @@ class ModelShape:
             for name, p in model.named_parameters()
             if not name.startswith(("embed_tokens", "lm_head"))
         )
-        head = model.lm_head.weight.numel()
-        element = model.lm_head.weight.element_size()
+        # Pre-packed linears (sparsekv.models.prepack) hold their weights as buffers.
+        body += sum(
+            m.in_features * m.out_features
+            for name, m in model.named_modules()
+            if isinstance(m, PackedLinear) and not name.startswith("lm_head")
+        )
+        head = model.lm_head.in_features * model.lm_head.out_features
+        element = model.embed_tokens.weight.element_size()
         return cls(
             body_params=body,
             head_params=head,

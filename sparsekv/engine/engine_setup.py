@@ -16,6 +16,7 @@ import torch
 from sparsekv.config import EngineConfig
 from sparsekv.engine.scheduler import Scheduler
 from sparsekv.kv_cache.manager import KVCacheManager
+from sparsekv.models.prepack import can_prepack, prepack_linears
 from sparsekv.models.registry import build_model
 from sparsekv.runner.model_runner import ModelRunner
 
@@ -135,10 +136,17 @@ def build_engine_parts(config: EngineConfig, checkpoint=None) -> EngineParts:
         checkpoint = load_checkpoint(config.model.model, dtype)
     hf_config = checkpoint.hf_config
     model = build_model(hf_config, checkpoint.state_dict, dtype, device)
+    if can_prepack(dtype, device, _cpu_flags()):
+        prepack_linears(model)
     specs = model.layer_specs()
     num_pages = num_pool_pages(
         config, len(specs), model.num_heads, model.num_kv_heads, model.head_dim, dtype
     )
+    prefix_caching = config.cache.enable_prefix_caching
+    if prefix_caching and any(spec.is_sliding for spec in specs):
+        # A hit would need the pages sliding-window layers already freed.
+        logger.info("prefix caching is off: the model has sliding-window layers")
+        prefix_caching = False
     kv = KVCacheManager(
         specs,
         num_pages,
@@ -148,6 +156,8 @@ def build_engine_parts(config: EngineConfig, checkpoint=None) -> EngineParts:
         dtype,
         device,
         config.scheduler.max_num_batched_tokens,
+        enable_prefix_caching=prefix_caching,
+        prefix_cache_uncompressed=config.cache.prefix_cache_uncompressed,
     )
     context = getattr(hf_config, "max_position_embeddings", None) or 2048
     max_model_len = min(config.model.max_model_len or context, context)

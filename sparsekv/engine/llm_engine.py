@@ -203,6 +203,7 @@ class LLMEngine:
         """Run one engine step and return outputs of requests that progressed or finished."""
         scheduled = self.scheduler.schedule()
         self.stats.num_preemptions += len(scheduled.preempted_ids)
+        self.stats.count_prefix_lookups(scheduled.prefix_hits)
         if scheduled.is_empty:
             return []
         try:
@@ -252,6 +253,10 @@ class LLMEngine:
                 num_tokens=request.num_computed_tokens,
             )
             self.stats.num_evicted_tokens += sum(request_kv.evicted_per_layer())
+            # Never after an abort or a failed step.
+            if reason in ("stop", "length") and self.kv.prefix_cache is not None:
+                tokens = op.cacheable_token_ids(state, self.tokenizer, self.kv.block_size)
+                self.kv.cache_computed(request.request_id, tokens)
         self.scheduler.finish(request, reason)
 
     def _emit(self, touched: dict[str, op.RequestGroup]) -> list[RequestOutput]:

@@ -74,6 +74,31 @@ def flush(state: SampleState) -> None:
     state.pending_text += state.detokenizer.flush()
 
 
+def cacheable_token_ids(state: SampleState, tokenizer, block_size: int) -> list[int]:
+    """Tokens of a normally finished sample whose K/V may enter the prefix cache.
+
+    Those whose K/V were computed (the last sampled token never was). After a stop string,
+    only up to the last page boundary whose output text is a prefix of the returned text, so
+    no cached page holds tokens past the stop.
+
+    Args:
+        state: the finished sample.
+        tokenizer: decodes candidate outputs (as the detokenizer does).
+        block_size: tokens per page (only page-aligned ends are tried).
+    """
+    request = state.request
+    tokens = request.token_slice(0, request.num_computed_tokens)
+    if not isinstance(request.stop_reason, str):
+        return tokens
+    n_prompt = request.num_prompt_tokens
+    text = state.detokenizer.text
+    skip = request.sampling_params.skip_special_tokens
+    for end in range(len(tokens) // block_size * block_size, n_prompt, -block_size):
+        if text.startswith(tokenizer.decode(tokens[n_prompt:end], skip_special_tokens=skip)):
+            return tokens[:end]
+    return tokens[:n_prompt]
+
+
 def build_output(group: RequestGroup) -> RequestOutput:
     """Snapshot of a group, with deltas since the previous snapshot."""
     outputs = []

@@ -73,6 +73,27 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def needs_attention_mass(self) -> bool:
+        """The compressor scores with every query's accumulated attention (H2O)."""
+        return self.compressor is not None and self.compressor.name == "h2o"
+
+    def max_prefix_hit_tokens(self, may_compact: bool) -> int:
+        """Most prompt tokens a prefix-cache hit may cover; the rest is recomputed.
+
+        The last prompt token is always recomputed (it samples the first output). A request
+        whose budgeted layers may compact (``may_compact``) recomputes its observation window
+        too (its stored window queries and scores come only from computed rows); then H2O
+        (attention mass of every query) and bounded chunked compression (compacts after every
+        chunk) get no hit.
+        """
+        policy = self.compression
+        if policy is None or not may_compact:
+            return self.num_prompt_tokens - 1
+        if self.needs_attention_mass or policy.chunked_mode == "bounded":
+            return 0
+        return self.num_prompt_tokens - policy.window
+
+    @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
 

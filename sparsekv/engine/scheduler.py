@@ -5,6 +5,8 @@ under a step token budget: decodes and prefill chunks share one batch. Running r
 first, oldest first; when the pool runs out of pages the newest running request is preempted
 (swapped, or recomputed for full-cache requests when configured; CONTRACTS.md §2). Waiting
 requests are admitted only when nothing was preempted and their next step fits with a watermark.
+A request admitted with nothing computed first takes its longest cached prefix (the prefix
+cache's pages count as free until attached, so they are evicted before anyone is preempted).
 """
 
 from __future__ import annotations
@@ -150,25 +152,68 @@ class Scheduler:
                     return
                 self.kv.swap_in(request.request_id)
                 swapped_in, watermark = True, 0
-            num_new = min(request.num_tokens - request.num_computed_tokens, token_budget)
-            flags = self._step_flags(request, num_new)
-            fits = self.kv.can_allocate(request.request_id, num_new, *flags, watermark=watermark)
+            num_hit = None if swapped_in else self._attach_prefix(request)
+            num_new, fits = self._fits(request, token_budget, watermark)
+            if not fits and num_hit:
+                # A hit whose compaction must copy shared pages may not fit where a cold
+                # start does.
+                self._detach_prefix(request)
+                num_hit = 0
+                num_new, fits = self._fits(request, token_budget, watermark)
             if not fits and not swapped_in:
+                if num_hit:
+                    self._detach_prefix(request)
                 return
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if num_hit is not None:
+                out.prefix_hits.append(num_hit)
             if fits:
                 out.scheduled.append(self._allocate(request, num_new))
                 token_budget -= num_new
+
+    def _fits(self, request: Request, token_budget: int, watermark: int) -> tuple[int, bool]:
+        num_new = min(request.num_tokens - request.num_computed_tokens, token_budget)
+        flags = self._step_flags(request, num_new)
+        return num_new, self.kv.can_allocate(
+            request.request_id, num_new, *flags, watermark=watermark
+        )
+
+    def _attach_prefix(self, request: Request) -> int | None:
+        """Look a request with nothing computed up in the prefix cache and attach the hit.
+
+        Returns:
+            Tokens hit, or ``None`` when no lookup happens (cache off, or K/V already held).
+        """
+        kv = self.kv.get(request.request_id)
+        if self.kv.prefix_cache is None or request.num_computed_tokens or kv.is_swapped:
+            return None
+        max_tokens = request.sampling_params.max_tokens
+        may_compact = self.kv.may_compact(request.request_id, request.num_prompt_tokens, max_tokens)
+        limit = request.max_prefix_hit_tokens(may_compact)
+        request.num_computed_tokens = self.kv.attach_prefix(
+            request.request_id, request.prompt_token_ids, limit
+        )
+        return request.num_computed_tokens
+
+    def _detach_prefix(self, request: Request) -> None:
+        self.kv.reset(request.request_id)
+        request.num_computed_tokens = 0
 
     # ----------------------------------------------------------------- after a step
     def update(self, out: SchedulerOutput) -> None:
         """Commit a finished step: counters and page trimming (tokens are appended by the engine)."""
         for item in out.scheduled:
-            self.kv.commit(item.request.request_id, item.layers)
-            item.request.num_computed_tokens += item.num_new_tokens
-            item.request.num_preemptions = 0
+            request = item.request
+            before = request.num_computed_tokens
+            after = before + item.num_new_tokens
+            # The step that completes the prompt offers its full pages to the prefix cache.
+            completes = before < request.num_prompt_tokens <= after
+            cache_ids = request.prompt_token_ids if completes else None
+            self.kv.commit(request.request_id, item.layers, cache_ids)
+            request.num_computed_tokens = after
+            request.num_preemptions = 0
 
     def fail(self, out: SchedulerOutput) -> list[Request]:
         """A step raised: finish its requests with ``error`` and free their pages."""

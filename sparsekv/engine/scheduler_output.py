@@ -32,10 +32,13 @@ class SchedulerOutput:
     Attributes:
         scheduled: requests of this step; their tokens are flattened in this order.
         preempted_ids: requests preempted while scheduling this step.
+        prefix_hits: prompt tokens hit in the prefix cache, one entry per request admitted
+            with a lookup this step (engine statistics; the runner ignores it).
     """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
+    prefix_hits: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

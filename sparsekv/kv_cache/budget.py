@@ -11,6 +11,7 @@ import math
 from collections.abc import Callable
 
 from sparsekv.config import CompressionConfig
+from sparsekv.kv_cache.spec import LayerSpec
 
 PYRAMID_BETA = 20
 
@@ -156,6 +157,55 @@ def peak_layer_slots(
 def peak_sliding_slots(sliding_window: int, max_num_batched_tokens: int, block_size: int) -> int:
     """Most slots a sliding-window layer holds: ``window + max_num_batched_tokens + block_size``."""
     return sliding_window + max_num_batched_tokens + block_size
+
+
+def may_compact(
+    budgets: list[int | None],
+    num_prompt_tokens: int,
+    max_tokens: int,
+    block_size: int,
+    decode_eviction: bool,
+) -> bool:
+    """Whether any budgeted layer can ever compact: the prompt exceeds its budget, or decode
+    eviction reaches ``budget + block_size`` slots within ``max_tokens`` (CONTRACTS.md §1)."""
+    for budget in budgets:
+        if budget is None:
+            continue
+        if num_prompt_tokens > budget:
+            return True
+        if decode_eviction and num_prompt_tokens + max_tokens >= budget + block_size:
+            return True
+    return False
+
+
+def peak_request_pages(
+    specs: list[LayerSpec],
+    budgets: list[int | None],
+    num_prompt_tokens: int,
+    max_tokens: int,
+    block_size: int,
+    max_num_batched_tokens: int,
+    decode_eviction: bool,
+    bounded_chunks: bool,
+) -> int:
+    """Peak pages of a request over all layers (CONTRACTS.md §2), for the never-fits check.
+
+    Sliding layers hold at most their window plus one step and a page; an exact-mode chunked
+    prefill (prompt over the step token budget) holds a budgeted layer's uncompressed earlier
+    chunks until the last one, while a single-shot prefill never writes them (DESIGN.md §4).
+    """
+    n = num_prompt_tokens
+    total = 0
+    for spec, budget in zip(specs, budgets):
+        if spec.is_sliding:
+            bound = peak_sliding_slots(spec.sliding_window, max_num_batched_tokens, block_size)
+            peak = min(n + max_tokens, bound)
+        else:
+            peak = peak_layer_slots(budget, n, max_tokens, block_size, decode_eviction)
+            if budget is not None and n > max_num_batched_tokens and not bounded_chunks:
+                peak = max(peak, n)
+        total += num_pages(peak, block_size)
+    return total
 
 
 def num_pages(num_slots: int, block_size: int) -> int:

@@ -8,47 +8,19 @@ that plan needs, and after the step trims what compression or a sliding window r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
 
+from sparsekv.kv_cache import prefix_sharing as sharing
 from sparsekv.kv_cache.block_pool import BlockPool
-from sparsekv.kv_cache.budget import peak_layer_slots, peak_sliding_slots
+from sparsekv.kv_cache.budget import may_compact, peak_request_pages
+from sparsekv.kv_cache.plan import KVPolicy, LayerPlan, LayerStep, plan_layer
+from sparsekv.kv_cache.prefix_cache import PrefixCache
 from sparsekv.kv_cache.request_kv import LayerKV, RequestKV
 from sparsekv.kv_cache.spec import LayerSpec, cdiv
 
-
-@dataclass
-class LayerStep:
-    """What one layer of one request does in a step (part of ``SchedulerOutput``).
-
-    Attributes:
-        block_table: page ids after this step's allocation.
-        first_slot: logical slot of ``block_table[0]``.
-        num_held: slots held before the step (``num_slots - first_slot``).
-        num_new: new tokens whose K/V this layer receives.
-        compress_to: if set, after attention the layer keeps exactly this many slots, chosen by
-            the request's compressor over held + new slots.
-    """
-
-    block_table: list[int]
-    first_slot: int
-    num_held: int
-    num_new: int
-    compress_to: int | None = None
-
-    @property
-    def num_held_after(self) -> int:
-        total = self.num_held + self.num_new
-        return total if self.compress_to is None else min(self.compress_to, total)
-
-
-@dataclass
-class KVPolicy:
-    """How a request's budgeted layers behave (resolved from its compression config)."""
-
-    decode_eviction: bool = True
-    bounded_chunks: bool = False
+__all__ = ["KVCacheManager", "KVPolicy", "LayerStep"]
 
 
 class KVCacheManager:
@@ -62,6 +34,10 @@ class KVCacheManager:
         dtype: page storage dtype.
         device: where pages live.
         max_num_batched_tokens: step token budget (bounds a sliding layer's transient growth).
+        enable_prefix_caching: share full pages of identical prefixes through a
+            ``PrefixCache`` (the caller keeps it off for models with sliding-window layers).
+        prefix_cache_uncompressed: at a compressing prefill, also keep the budgeted layers'
+            uncompressed prompt pages in the prefix cache while the pool has room.
     """
 
     def __init__(
@@ -74,6 +50,8 @@ class KVCacheManager:
         dtype: torch.dtype,
         device: str | torch.device = "cpu",
         max_num_batched_tokens: int = 4096,
+        enable_prefix_caching: bool = False,
+        prefix_cache_uncompressed: bool = False,
     ) -> None:
         self.layer_specs = layer_specs
         self.block_size = block_size
@@ -84,6 +62,8 @@ class KVCacheManager:
         self.max_num_batched_tokens = max_num_batched_tokens
         self._requests: dict[str, RequestKV] = {}
         self._policies: dict[str, KVPolicy] = {}
+        self.prefix_cache = PrefixCache(self.pool, block_size) if enable_prefix_caching else None
+        self.prefix_cache_uncompressed = prefix_cache_uncompressed
 
     # ----------------------------------------------------------------- registration
     @property
@@ -92,7 +72,8 @@ class KVCacheManager:
 
     @property
     def num_free_pages(self) -> int:
-        return self.pool.num_free_pages
+        """Pages an allocation can get: free ones plus cached pages nobody holds (evictable)."""
+        return self.pool.num_free_pages + self.pool.num_reclaimable_pages
 
     @property
     def num_total_pages(self) -> int:
@@ -115,61 +96,76 @@ class KVCacheManager:
         self, budgets: list[int | None], num_prompt_tokens: int, max_tokens: int, policy: KVPolicy
     ) -> int:
         """Peak pages a request can hold (CONTRACTS.md §2), for the never-fits check."""
-        total = 0
-        for spec, budget in zip(self.layer_specs, budgets):
-            total += cdiv(
-                self._peak_layer_slots(spec, budget, num_prompt_tokens, max_tokens, policy),
-                self.block_size,
-            )
-        return total
+        return peak_request_pages(
+            self.layer_specs,
+            budgets,
+            num_prompt_tokens,
+            max_tokens,
+            self.block_size,
+            self.max_num_batched_tokens,
+            decode_eviction=policy.decode_eviction,
+            bounded_chunks=policy.bounded_chunks,
+        )
 
-    def _peak_layer_slots(
-        self, spec: LayerSpec, budget: int | None, n_prompt: int, max_tokens: int, p: KVPolicy
-    ) -> int:
-        if spec.is_sliding:
-            bound = peak_sliding_slots(
-                spec.sliding_window, self.max_num_batched_tokens, self.block_size
-            )
-            return min(n_prompt + max_tokens, bound)
-        peak = peak_layer_slots(budget, n_prompt, max_tokens, self.block_size, p.decode_eviction)
-        # An exact-mode chunked prefill holds the uncompressed earlier chunks until the last
-        # one; a single-shot prefill never writes them (DESIGN.md §4).
-        if budget is not None and n_prompt > self.max_num_batched_tokens and not p.bounded_chunks:
-            peak = max(peak, n_prompt)
-        return peak
+    def may_compact(self, request_id: str, num_prompt_tokens: int, max_tokens: int) -> bool:
+        """Whether any budgeted layer of the request can ever compact (``budget.may_compact``)."""
+        budgets = [state.budget for state in self._requests[request_id].layers]
+        decode_eviction = self._policies[request_id].decode_eviction
+        return may_compact(budgets, num_prompt_tokens, max_tokens, self.block_size, decode_eviction)
 
     # ----------------------------------------------------------------- step planning
-    def plan_layer(
-        self, request_id: str, layer: int, num_new: int, completes_prompt: bool, in_prefill: bool
-    ) -> tuple[int, int | None]:
-        """Return ``(capacity_slots, compress_to)`` for one layer in the coming step."""
-        kv = self._requests[request_id].layers[layer]
+    def _plans(
+        self,
+        request_id: str,
+        num_new: int,
+        completes_prompt: bool,
+        in_prefill: bool,
+        widen: bool = False,
+    ) -> list[LayerPlan]:
+        """Per-layer plans of the coming step.
+
+        A compacting layer whose table shares a page (with another request or the cache)
+        compacts into fresh pages (copy-on-write). With ``widen`` (the act half only) and
+        ``prefix_cache_uncompressed``, a compressing last prefill chunk also keeps its
+        uncompressed prompt for the cache, but only when those extra pages leave a reserve of
+        one page per layer and live request: the check half counts the plain plan, so the act
+        half never needs more than the check allowed, and a short pool falls back silently.
+        """
+        kv = self._requests[request_id]
         policy = self._policies[request_id]
-        total = kv.num_held + num_new
-        budget = kv.budget
-        compress_to = None
-        if budget is not None and total > budget:
-            if in_prefill:
-                if completes_prompt or policy.bounded_chunks:
-                    compress_to = budget
-            elif policy.decode_eviction and total >= budget + self.block_size:
-                compress_to = budget
-        if compress_to is None:
-            return total, None
-        # Compressed K/V are gathered before being written back, so the layer only needs
-        # room for the larger of what it holds now and what it keeps.
-        return max(kv.num_held, compress_to), compress_to
+        plans = []
+        for state in kv.layers:
+            plan = plan_layer(state, policy, num_new, completes_prompt, in_prefill, self.block_size)
+            if plan.compress_to is not None and self._is_shared(state):
+                plan = plan.copy_on_write(state.num_held)
+            plans.append(plan)
+        widen = widen and self.prefix_cache is not None and self.prefix_cache_uncompressed
+        widen = widen and in_prefill and completes_prompt and not policy.bounded_chunks
+        if widen and sharing.may_keep_uncompressed(self.pool, kv, plans, num_new, self.block_size):
+            wide = [
+                p if p.compress_to is None else p.keeping_uncompressed(s.num_held + num_new)
+                for p, s in zip(plans, kv.layers)
+            ]
+            reserve = self.num_layers * len(self._requests)
+            if self._pages_needed(kv, wide) + reserve <= self.num_free_pages:
+                return wide
+        return plans
+
+    def _is_shared(self, state: LayerKV) -> bool:
+        return any(self.pool.ref_count(page) > 1 for page in state.block_table)
+
+    def _pages_needed(self, kv: RequestKV, plans: list[LayerPlan]) -> int:
+        return sum(
+            plan.pages_needed(len(state.block_table), self.block_size)
+            for plan, state in zip(plans, kv.layers)
+        )
 
     def num_pages_needed(
         self, request_id: str, num_new: int, completes_prompt: bool, in_prefill: bool
     ) -> int:
         """Pages the step would add for this request (check half of ``allocate``)."""
-        kv = self._requests[request_id]
-        needed = 0
-        for layer, state in enumerate(kv.layers):
-            capacity, _ = self.plan_layer(request_id, layer, num_new, completes_prompt, in_prefill)
-            needed += max(0, cdiv(capacity, self.block_size) - len(state.block_table))
-        return needed
+        plans = self._plans(request_id, num_new, completes_prompt, in_prefill)
+        return self._pages_needed(self._requests[request_id], plans)
 
     def can_allocate(
         self,
@@ -180,44 +176,63 @@ class KVCacheManager:
         watermark: int = 0,
     ) -> bool:
         needed = self.num_pages_needed(request_id, num_new, completes_prompt, in_prefill)
-        return needed + watermark <= self.pool.num_free_pages
+        return needed + watermark <= self.num_free_pages
 
     def allocate(
         self, request_id: str, num_new: int, completes_prompt: bool, in_prefill: bool
     ) -> list[LayerStep]:
         """Allocate this step's pages and return the per-layer plan (act half).
 
+        Evicts unreferenced prefix-cache groups (LRU) when the free list runs short.
+
         Raises:
             RuntimeError: the pool lacks pages (the scheduler checks ``can_allocate`` first).
         """
         kv = self._requests[request_id]
+        plans = self._plans(request_id, num_new, completes_prompt, in_prefill, widen=True)
         steps = []
-        for layer, state in enumerate(kv.layers):
-            capacity, compress_to = self.plan_layer(
-                request_id, layer, num_new, completes_prompt, in_prefill
-            )
-            extra = cdiv(capacity, self.block_size) - len(state.block_table)
+        for state, plan in zip(kv.layers, plans):
+            extra = cdiv(plan.capacity, self.block_size) - len(state.block_table)
             if extra > 0:
                 state.block_table.extend(self.pool.allocate(extra))
+            if plan.fresh_compact:
+                state.compact_table = self.pool.allocate(cdiv(plan.compress_to, self.block_size))
             steps.append(
                 LayerStep(
                     block_table=state.block_table,
                     first_slot=state.first_slot,
                     num_held=state.num_held,
                     num_new=num_new,
-                    compress_to=compress_to,
+                    compress_to=plan.compress_to,
+                    compact_table=state.compact_table,
+                    keep_uncompressed=plan.keep_uncompressed,
+                    decode_compaction=plan.decode_compaction,
                 )
             )
         return steps
 
-    def commit(self, request_id: str, steps: list[LayerStep]) -> None:
-        """Apply a finished step: new slot counts, evictions, and pages to release."""
+    def commit(
+        self, request_id: str, steps: list[LayerStep], cache_token_ids: Sequence[int] | None = None
+    ) -> None:
+        """Apply a finished step: new slot counts, evictions, and pages to release.
+
+        Args:
+            request_id: the request.
+            steps: the plans the step ran with.
+            cache_token_ids: when given (the step completed the prompt), these tokens' full
+                pages enter the prefix cache if every layer holds them uncompressed.
+        """
         kv = self._requests[request_id]
+        if cache_token_ids is not None and self.prefix_cache is not None:
+            sharing.offer_step(self.prefix_cache, kv.layers, steps, cache_token_ids)
         for spec, state, step in zip(self.layer_specs, kv.layers, steps):
             total = step.num_held + step.num_new
             held = step.num_held_after
             state.num_evicted += total - held
             state.num_slots = state.first_slot + held
+            if step.compact_table is not None:
+                self._release([state.block_table])
+                state.block_table, state.compact_table = step.compact_table, None
             if spec.is_sliding:
                 self._release_outside_window(state, spec.sliding_window)
             keep = cdiv(state.num_held, self.block_size)
@@ -234,35 +249,74 @@ class KVCacheManager:
             del state.block_table[:num_free]
             state.first_slot += num_free * self.block_size
 
+    # ----------------------------------------------------------------- prefix cache
+    def attach_prefix(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> int:
+        """Share the longest cached prefix (page-aligned, at most ``max_tokens`` tokens) with a
+        request that holds nothing yet (``prefix_sharing.attach_hit``).
+
+        Returns:
+            Tokens hit (0 when the cache is off or misses); undo with ``reset``.
+        """
+        if self.prefix_cache is None or max_tokens < self.block_size:
+            return 0
+        layers = self._requests[request_id].layers
+        return sharing.attach_hit(self.prefix_cache, self.pool, layers, token_ids, max_tokens)
+
+    def cache_computed(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """Offer a finishing request's computed tokens (full pages) to the prefix cache; nothing
+        is cached unless every layer still holds every token uncompressed."""
+        kv = self._requests.get(request_id)
+        if self.prefix_cache is not None and kv is not None and not kv.is_swapped:
+            sharing.offer_computed(self.prefix_cache, kv.layers, token_ids)
+
+    def _release(self, tables: list[list[int]]) -> None:
+        """Drop a request's reference on each page of ``tables`` (cached groups: tail first)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.release(tables)
+        for table in tables:
+            self.pool.free(table)
+
+    def check_invariants(self) -> None:
+        """Refcount of every page = block tables holding it (+1 if cached); held pages are not
+        free; the free list has no duplicates; the cache's page map matches its groups.
+
+        Raises:
+            AssertionError: an invariant is broken.
+        """
+        self.pool.check_invariants(sharing.table_holders(self._requests.values()))
+        if self.prefix_cache is not None:
+            self.prefix_cache.check_invariants()
+
     # ----------------------------------------------------------------- free / swap
+    def _drop_tables(self, kv: RequestKV) -> None:
+        tables = [state.block_table for state in kv.layers]
+        tables += [state.compact_table for state in kv.layers if state.compact_table]
+        self._release(tables)
+        for state in kv.layers:
+            state.block_table, state.compact_table = [], None
+
     def free(self, request_id: str) -> None:
         """Return every page of the request to the pool and forget its state."""
         kv = self._requests.pop(request_id, None)
         self._policies.pop(request_id, None)
-        if kv is None:
-            return
-        for state in kv.layers:
-            self.pool.free(state.block_table)
-            state.block_table = []
+        if kv is not None:
+            self._drop_tables(kv)
 
     def reset(self, request_id: str) -> None:
-        """Drop all cached K/V but keep the registration (recompute preemption)."""
+        """Drop all cached K/V but keep the registration (recompute preemption, or undoing
+        ``attach_prefix``)."""
         kv = self._requests[request_id]
+        self._drop_tables(kv)
         for state in kv.layers:
-            self.pool.free(state.block_table)
-            state.block_table = []
             state.num_slots = state.first_slot = state.num_evicted = 0
             state.recent_queries = state.accumulated = None
 
     def swap_out(self, request_id: str) -> None:
-        """Copy the request's pages to host memory and free them (bit-exact round trip)."""
+        """Copy the request's pages to host memory and drop its references (bit-exact round
+        trip; shared pages are copied like any other and stay with their other holders)."""
         kv = self._requests[request_id]
-        copies = []
-        for state in kv.layers:
-            index = torch.tensor(state.block_table, dtype=torch.long, device=self.kv_pool.device)
-            copies.append(self.kv_pool.index_select(0, index).to("cpu", copy=True))
-            self.pool.free(state.block_table)
-            state.block_table = []
+        copies = [self._read_pages(state.block_table).to("cpu", copy=True) for state in kv.layers]
+        self._drop_tables(kv)
         kv.swapped_pages = copies
 
     def num_swap_in_pages(self, request_id: str) -> int:
@@ -270,12 +324,18 @@ class KVCacheManager:
         return sum(copy.shape[0] for copy in kv.swapped_pages or [])
 
     def swap_in(self, request_id: str) -> None:
-        """Restore a swapped request's pages into freshly allocated pages."""
+        """Restore a swapped request's pages into freshly allocated (private) pages."""
         kv = self._requests[request_id]
         for state, copy in zip(kv.layers, kv.swapped_pages):
-            pages = self.pool.allocate(copy.shape[0])
-            state.block_table = pages
-            if pages:
-                index = torch.tensor(pages, dtype=torch.long, device=self.kv_pool.device)
+            state.block_table = self.pool.allocate(copy.shape[0])
+            if state.block_table:
+                index = self._index(state.block_table)
                 self.kv_pool.index_copy_(0, index, copy.to(self.kv_pool.device))
         kv.swapped_pages = None
+
+    def _index(self, pages: list[int]) -> torch.Tensor:
+        return torch.tensor(pages, dtype=torch.long, device=self.kv_pool.device)
+
+    def _read_pages(self, pages: list[int]) -> torch.Tensor:
+        """``[len(pages), 2, num_kv_heads, block_size, head_dim]`` copy of the pages."""
+        return self.kv_pool.index_select(0, self._index(pages))

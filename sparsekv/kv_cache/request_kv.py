@@ -25,6 +25,8 @@ class LayerKV:
         recent_queries: ``[num_heads, <= window, head_dim]`` queries of the latest tokens
             (post-RoPE), used to re-score at decode time; ``None`` for uncompressed layers.
         accumulated: ``[num_kv_heads, num_held]`` fp32 attention mass per slot (H2O).
+        compact_table: fresh pages allocated for a compaction in flight (copy-on-write); they
+            replace ``block_table`` when the step commits.
     """
 
     block_table: list[int] = field(default_factory=list)
@@ -34,6 +36,7 @@ class LayerKV:
     budget: int | None = None
     recent_queries: torch.Tensor | None = None
     accumulated: torch.Tensor | None = None
+    compact_table: list[int] | None = None
 
     @property
     def num_held(self) -> int:

@@ -73,19 +73,26 @@ class RotaryEmbedding(nn.Module):
         self.attention_scaling = float(scaling)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """``positions``: ``[num_tokens]`` int64 -> cos, sin ``[num_tokens, 1, head_dim]``."""
+        """``positions``: ``[num_tokens]`` int64 -> ``(cos, signed_sin)``, each
+        ``[num_tokens, 1, head_dim]`` in ``dtype``, as :func:`apply_rotary` takes them.
+
+        ``signed_sin`` is ``sin`` with its first half negated, which folds rotate-half's sign
+        into the table once per step instead of once per layer.
+        """
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.attention_scaling).to(dtype)
-        sin = (emb.sin() * self.attention_scaling).to(dtype)
-        return cos[:, None, :], sin[:, None, :]
+        cos = (freqs.cos() * self.attention_scaling).repeat(1, 2)
+        sin = freqs.sin() * self.attention_scaling
+        signed_sin = torch.cat((-sin, sin), dim=-1)
+        return cos.to(dtype)[:, None, :], signed_sin.to(dtype)[:, None, :]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[num_tokens, num_heads, head_dim]`` by per-token cos/sin."""
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[num_tokens, num_heads, head_dim]`` by per-token ``cos`` / ``signed_sin``
+    (from :meth:`RotaryEmbedding.cos_sin`): HF's ``x * cos + rotate_half(x) * sin``, where
+    ``rotate_half(x) = cat(-x2, x1)``, computed as ``x * cos + cat(x2, x1) * signed_sin``."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return torch.addcmul(x * cos, swapped, signed_sin)
 
 
 class GatedMLP(nn.Module):

@@ -35,12 +35,10 @@ class LlamaAttention(nn.Module):
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, d]
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, d]
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        cos, sin = cos_sin
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        # Queries and keys are adjacent in the fused projection: rotate them in one pass.
+        qk = qkv[:, : q_size + kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, -1)
+        q, k = apply_rotary(qk, *cos_sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, q_size + kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = ctx.attend(self.layer_idx, q, k, v, self.scale)  # [T, H, d]
         return self.o_proj(out.reshape(num_tokens, q_size))
 

@@ -43,10 +43,14 @@ _COUNTERS = (
     ("aborted_requests", "Requests aborted (client disconnect, timeout, shutdown).", "num_aborted"),
     (
         "prefix_cache_queries",
-        "Prompt tokens looked up in the prefix cache.",
+        "Prefix cache lookups (one per request admitted with nothing computed).",
         "num_prefix_cache_queries",
     ),
-    ("prefix_cache_hits", "Prefix cache lookups that hit.", "num_prefix_cache_hits"),
+    (
+        "prefix_cache_hits",
+        "Prefix cache lookups that hit at least one page.",
+        "num_prefix_cache_hits",
+    ),
     (
         "prefix_cache_hit_tokens",
         "Prompt tokens served from the prefix cache.",
@@ -66,7 +70,7 @@ class _EngineCollector:
         for name, doc, attr in _GAUGES:
             yield GaugeMetricFamily(PREFIX + name, doc, value=float(getattr(snapshot, attr)))
         for name, doc, attr in _COUNTERS:
-            # Counters the engine does not keep yet (e.g. before the prefix cache) read 0.
+            # A counter a stats object lacks reads 0.
             value = float(getattr(snapshot.stats, attr, 0))
             yield CounterMetricFamily(PREFIX + name, doc, value=value)
 

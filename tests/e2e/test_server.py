@@ -381,6 +381,11 @@ def test_metrics_parse_and_count(server, client):
     assert 0 < delta("kv_tokens_evicted_total") <= evicted
     assert delta("aborted_requests_total") == 0
     assert after["sparsekv_kv_pages_used"] == before["sparsekv_kv_pages_used"]
+    # Prefix cache (on by default): one lookup per request. ID_PROMPT * 3 starts with the page
+    # ID_PROMPT cached (16 tokens); ID_PROMPT * 4 starts with the 4 pages ID_PROMPT * 3 cached.
+    assert delta("prefix_cache_queries_total") == 4
+    assert delta("prefix_cache_hits_total") >= 2
+    assert delta("prefix_cache_hit_tokens_total") >= 16 + 64
 
 
 # ----------------------------------------------------------------- failures

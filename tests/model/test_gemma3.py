@@ -102,10 +102,16 @@ def checkpoint_of(model: HFGemma3, config=None):
     )
 
 
-def make_engine(checkpoint, block_size: int = 4, max_num_batched_tokens: int = 4096, **kw):
+def make_engine(
+    checkpoint,
+    block_size: int = 4,
+    max_num_batched_tokens: int = 4096,
+    num_pages: int | None = None,
+    **kw,
+):
     config = EngineConfig(
         model=ModelConfig(dtype="float32"),
-        cache=CacheConfig(kv_cache_memory=0.01, block_size=block_size),
+        cache=CacheConfig(kv_cache_memory=0.01, block_size=block_size, num_pages=num_pages),
         compression=kw.pop("compression", CompressionConfig(method="none")),
         scheduler=SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens, watermark_pages=0, **kw
@@ -278,6 +284,21 @@ def test_ragged_batch_equals_solo_runs(tiny):
         [(solo_tokens, solo_logits)] = generate(make_engine(checkpoint), [prompt], 20)
         assert tokens == solo_tokens
         torch.testing.assert_close(logits, solo_logits, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_preemption_keeps_outputs(tiny, reference_run, mode):
+    """A pool too small for all four requests: sliding layers' first_slot and freed leading
+    pages survive swap-out/in, and recompute rebuilds them from scratch."""
+    _, _, checkpoint = tiny
+    prompts, reference, _ = reference_run
+    # One request peaks at 2 x 26 (global) + 3 x 13 (local, bound 16 + 32 + 4) = 91 pages.
+    engine = make_engine(checkpoint, max_num_batched_tokens=32, num_pages=150, preemption_mode=mode)
+    results = generate(engine, prompts, 56)
+    assert engine.stats.num_preemptions > 0
+    assert [t for t, _ in results] == [t for t, _ in reference]
+    for (_, logits), (_, ref_logits) in zip(results, reference):
+        torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
 
 
 def test_full_paging_baseline_same_outputs_more_pages(tiny, reference_run):

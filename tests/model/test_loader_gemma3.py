@@ -15,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3ForCausalLM
 
 from sparsekv.loader import convert_gguf, load_checkpoint
+from tests.model.llama_cpp_scores import llama_cpp_scores
 
 pytestmark = [
     pytest.mark.slow,
@@ -95,17 +96,12 @@ def test_greedy_continuation_is_coherent(ours, our_model, prompt_ids):
     assert ours.tokenizer.decode(continuation) == GREEDY_TEXT
 
 
-def test_agrees_with_llama_cpp(ours, our_model, prompt_ids):
+def test_agrees_with_llama_cpp(ours, our_model, prompt_ids, tmp_path):
     # An independent engine on the same file: checks the (1 + w) norm convention end to end.
-    llama_cpp = pytest.importorskip("llama_cpp")
-    llm = llama_cpp.Llama(
-        model_path=str(ours.path), n_ctx=128, logits_all=True, verbose=False, n_threads=1
-    )
     # Teacher-forced on our greedy continuation. llama.cpp's own greedy decoding gives the same
     # 12 tokens, but its batched evaluation flips the near-tie at the 12th ("largest" vs
     # "capital"), so: the first 8 argmaxes agree exactly, every token is in its top 3.
-    llm.eval(PROMPT_IDS + GREEDY_IDS)
-    cpp_logits = np.array(llm.scores[: len(PROMPT_IDS) + len(GREEDY_IDS)])
+    cpp_logits = llama_cpp_scores(ours.path, PROMPT_IDS + GREEDY_IDS, tmp_path)
     continuation = cpp_logits[len(PROMPT_IDS) - 1 : len(PROMPT_IDS) + len(GREEDY_IDS) - 1]
     assert continuation[:8].argmax(-1).tolist() == GREEDY_IDS[:8]
     top3 = np.argsort(-continuation, axis=-1)[:, :3]

