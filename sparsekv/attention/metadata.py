@@ -2,9 +2,9 @@
 
 The model never sees requests; it calls ``PagedAttention.attend(layer, q, k, v)`` on a flattened
 ragged batch. This module precomputes, per layer, which token rows take the batched decode path
-(one new token, no compression this step) and the tensors that path needs (block tables, slot
-counts, slot mapping), and which requests take the general path (prefill chunks and steps that
-compress).
+(one new token: plain decodes, and decodes whose layer then compacts by decode-time eviction)
+and the tensors that path needs (block tables, slot counts, slot mapping), and which requests
+take the general path (prefill chunks, including prefill chunks that compress).
 """
 
 from __future__ import annotations

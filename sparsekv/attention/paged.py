@@ -2,8 +2,10 @@
 
 ``PagedAttention.attend`` is what every model layer calls. Per layer it runs two paths:
 
-- decode path: requests with one new token and no compression this step; their K/V are written
-  into their pages and one batched paged-attention call reads the pages in place;
+- decode path: requests with one new token; their K/V are written into their pages and one
+  batched paged-attention call reads the pages in place. A layer that reaches
+  ``budget + block_size`` slots (decode-time eviction) is then re-scored from its pages and
+  compacted back to its budget;
 - general path (prefill chunks, steps that compress): earlier K/V are gathered, the new K/V
   appended as activations, attention returns each row's log-sum-exp, and a compressing layer
   scores the slots with the observation window (reusing that LSE), keeps the top ``budget``

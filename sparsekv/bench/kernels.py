@@ -15,6 +15,7 @@ Prints ms, bound and ratio per row and writes a JSON report (``--output``) with 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import subprocess
@@ -47,6 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats (best is kept)")
     parser.add_argument("--no-reference", action="store_true", help="skip the torch_ref rows")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument(
+        "--isa",
+        default=None,
+        help="native kernel variant (default: the fastest this CPU runs; see ops.available_isas)",
+    )
     parser.add_argument("--output", default="reports/kernels.json")
     return parser
 
@@ -114,6 +120,15 @@ def decode_case(args: argparse.Namespace, dtype: torch.dtype) -> tuple[list, Cal
     return layers, step
 
 
+def native_isa(args: argparse.Namespace) -> str | None:
+    """The kernel variant to time: ``--isa`` (checked against this CPU) or the default pick."""
+    if args.isa is not None and args.isa not in ops.available_isas():
+        raise ValueError(
+            f"--isa {args.isa!r} is not a kernel variant this CPU runs: {ops.available_isas()}"
+        )
+    return args.isa or ops.pick_isa(args.head_dim)
+
+
 def row(name: str, times: tuple[float, float], bound: float, note: str) -> dict:
     seconds, cpu = times
     print(
@@ -139,10 +154,11 @@ def bench_decode(args, dtype_name: str, machine: dict) -> list[dict]:
     rows = []
     label = f"{args.batch}x{args.tokens} x{args.layers} layers {dtype_name}"
     if build.load_extension() is not None:
+        native = functools.partial(ops.paged_decode_attention, isa=native_isa(args))
         rows.append(
             row(
                 f"decode native {label}",
-                timed(step(ops.paged_decode_attention), args.repeats),
+                timed(step(native), args.repeats),
                 bound,
                 note,
             )
@@ -178,10 +194,11 @@ def bench_window(args, dtype_name: str, machine: dict) -> list[dict]:
 
     rows = []
     if build.load_extension() is not None:
+        native = functools.partial(ops.window_scores_paged, isa=native_isa(args))
         rows.append(
             row(
                 f"window native {label}",
-                timed(run(ops.window_scores_paged), args.repeats),
+                timed(run(native), args.repeats),
                 bound,
                 note,
             )
@@ -227,7 +244,7 @@ def bench_prefill(args, dtype_name: str, machine: dict) -> list[dict]:
     ]
 
 
-def provenance() -> dict:
+def provenance(args: argparse.Namespace) -> dict:
     try:
         sha = subprocess.run(
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False
@@ -250,7 +267,7 @@ def provenance() -> dict:
         "cpu": platform.processor() or platform.machine(),
         "cpu_flags": flags,
         "kernel_variants": list(ops.available_isas()),
-        "kernel_variant_used": ops.pick_isa(64),
+        "kernel_variant_used": native_isa(args) if build.load_extension() else None,
     }
 
 
@@ -261,7 +278,7 @@ def run(args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     native = backend.prepare_native_kernels()
     print(
-        f"native kernels: {'ready' if native else 'unavailable'} "
+        f"native kernels: {'ready, variant ' + str(native_isa(args)) if native else 'unavailable'} "
         f"({time.perf_counter() - start:.1f} s to build or load)"
     )
     machine = measure_machine(args.repeats)
@@ -276,7 +293,7 @@ def run(args: argparse.Namespace) -> dict:
         if args.prefill_tokens > 0:
             results += bench_prefill(args, dtype_name, machine)
     report = {
-        "provenance": provenance(),
+        "provenance": provenance(args),
         "config": vars(args),
         "machine": machine,
         "results": results,

@@ -1,12 +1,16 @@
 """Native paged CPU kernels against the PyTorch reference (``attention/torch_ref.py``).
 
 Every kernel variant this CPU runs is checked (``avx2_w16`` runs the 16-lane AVX-512 code on
-AVX2 machines). fp32 within 1e-5, bf16 against the fp32 reference of the same bf16 inputs
-within rtol 1.6e-2 + atol 1e-2 (CONTRACTS.md §4). The first test builds the extension (cached
-in ``~/.cache/sparsekv/ext`` afterwards).
+AVX2 machines; ``avx512_amx``, bf16 on AMX tiles, runs where the CPU has AMX). fp32 within
+1e-5, bf16 against the fp32 reference of the same bf16 inputs within rtol 1.6e-2 + atol 1e-2
+(CONTRACTS.md §4). The first test builds the extension (cached in ``~/.cache/sparsekv/ext``
+afterwards, one folder per version of the sources).
 """
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,12 +25,32 @@ BF16_TOL = {"atol": 1e-2, "rtol": 1.6e-2}
 RAGGED_LENS = [1, 15, 16, 17, 100, 1999]
 
 
+AMX_FLAGS = ("amx_tile", "amx_bf16", "avx512_bf16")
+
+
 @pytest.fixture(scope="module")
 def isas() -> tuple[str, ...]:
     if build.native_disabled():
         pytest.skip("SPARSEKV_DISABLE_NATIVE is set")
     assert build.load_extension() is not None, "the native extension failed to build"
     return ops.available_isas()
+
+
+@pytest.fixture(scope="module")
+def amx(isas) -> str:
+    if "avx512_amx" not in isas:
+        pytest.skip(f"no AMX variant: {build.load_extension().amx_status()}")
+    return "avx512_amx"
+
+
+def cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
 
 
 def make_paged(lens, num_kv_heads, block_size, head_dim, dtype, first_slots=None, seed=0):
@@ -109,15 +133,41 @@ def test_decode_matches_reference(isas, dtype, group, head_dim, block_size):
         torch.testing.assert_close(mass, ref_mass, **FP32_TOL)
 
 
-@pytest.mark.parametrize("group", [2, 5, 6, 7, 8, 16])
-def test_decode_any_group_size(isas, group):
-    pool, tables, lens, _ = make_paged([33, 200], 1, 16, 64, torch.float32, seed=group)
-    query = torch.randn(2, group, 64)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("group", [2, 5, 6, 7, 8, 16, 17, 24])
+def test_decode_any_group_size(isas, group, dtype):
+    # 17 and 24 take two head blocks on AMX (16 heads per tile pass).
+    pool, tables, lens, _ = make_paged([33, 200], 1, 16, 64, dtype, seed=group)
+    query = torch.randn(2, group, 64).to(dtype)
     for isa in isas:
         (out, lse, mass), (ref_out, ref_lse, ref_mass) = run_decode(isa, query, pool, tables, lens)
-        torch.testing.assert_close(out, ref_out, **FP32_TOL)
+        check(out, ref_out, dtype)
         torch.testing.assert_close(lse, ref_lse, **FP32_TOL)
         torch.testing.assert_close(mass, ref_mass, **FP32_TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("block_size", [8, 24, 48])
+def test_decode_and_window_block_sizes_off_16(isas, dtype, block_size):
+    # AMX tiles take 16 key rows: a page tail of fewer rows is staged and zero-padded.
+    lens, first = [1, 23, 100, 333], [0, 0, (100 // block_size - 1) * block_size, 0]
+    pool, tables, lens_t, first_t = make_paged(lens, 2, block_size, 128, dtype, first)
+    query = torch.randn(len(lens), 6, 128).to(dtype)
+    window_queries = torch.randn(6, 7, 128).to(dtype)
+    keys, _ = torch_ref.gather_kv(pool, tables[3], 333)
+    logits = window_queries.float() @ keys.float().repeat_interleave(3, 0).transpose(1, 2)
+    lse = torch.logsumexp(logits * 128**-0.5, dim=-1)
+    want = ref_window_scores(window_queries.float(), lse, pool.float(), tables[3], 333, 128**-0.5)
+    for isa in isas:
+        for window in (None, 37):
+            (out, lse_got, mass), (ref_out, ref_lse, ref_mass) = run_decode(
+                isa, query, pool, tables, lens_t, first_t, window
+            )
+            check(out, ref_out, dtype)
+            torch.testing.assert_close(lse_got, ref_lse, **FP32_TOL)
+            torch.testing.assert_close(mass, ref_mass, **FP32_TOL)
+        got = ops.window_scores_paged(window_queries, lse, pool, tables[3], 333, 128**-0.5, isa=isa)
+        torch.testing.assert_close(got, want, **FP32_TOL)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -224,6 +274,58 @@ def test_prefill_attention_equals_reference(dtype, num_queries):
     torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=0)
 
 
+def test_kernel_variants_match_cpu_flags(isas):
+    assert isas[-1] == "generic"
+    status = build.load_extension().amx_status()
+    assert ("avx512_amx" in isas) == (status == "ok"), status
+    if "avx512_amx" in isas:  # listed only where CPUID shows AMX (and Linux granted the tiles)
+        assert set(AMX_FLAGS) <= cpu_flags() and "avx512" in isas
+        assert ops.pick_isa(64) == "avx512_amx" or ops.ISA_ENV in os.environ
+
+
+def test_amx_bf16_decode_softcap_window_and_mass(amx):
+    # The AMX path against the reference where its tiles meet ragged edges: unaligned first
+    # slots and sliding windows (masked row groups), odd tile lengths (value pairs padded with
+    # zero rows), soft-cap, and head_dim 256 (eight tile chunks).
+    lens, first = [1, 17, 49, 1000, 777], [0, 0, 16, 496, 0]
+    for head_dim in (64, 256):
+        pool, tables, lens_t, first_t = make_paged(lens, 2, 16, head_dim, torch.bfloat16, first)
+        query = (torch.randn(len(lens), 6, head_dim) * 2).to(torch.bfloat16)
+        for window, softcap in ((None, None), (45, None), (None, 5.0), (301, 2.0)):
+            (out, lse, mass), (ref_out, ref_lse, ref_mass) = run_decode(
+                amx, query, pool, tables, lens_t, first_t, window, softcap
+            )
+            check(out, ref_out, torch.bfloat16)
+            torch.testing.assert_close(lse, ref_lse, **FP32_TOL)
+            torch.testing.assert_close(mass, ref_mass, **FP32_TOL)
+
+
+def test_amx_fp32_and_mixed_dtypes_use_vector_kernels(amx):
+    # fp32 pools never go through bf16 tiles; fp32 window queries over a bf16 pool neither.
+    pool, tables, lens, _ = make_paged([300], 2, 16, 64, torch.float32)
+    query = torch.randn(1, 6, 64)
+    (out, lse, _), (ref_out, ref_lse, _) = run_decode(amx, query, pool, tables, lens)
+    torch.testing.assert_close(out, ref_out, **FP32_TOL)
+    queries, lse = torch.randn(6, 4, 64), torch.full((6, 4), 6.0)
+    pool16 = pool.to(torch.bfloat16)
+    got = ops.window_scores_paged(queries, lse, pool16, tables[0], 300, 0.125, isa=amx)
+    want = ref_window_scores(queries, lse, pool16.float(), tables[0], 300, 0.125)
+    torch.testing.assert_close(got, want, **FP32_TOL)
+
+
+def test_isa_env_forces_each_variant(isas, monkeypatch):
+    pool, tables, lens, _ = make_paged([70], 2, 16, 64, torch.bfloat16)
+    query = torch.randn(1, 6, 64).to(torch.bfloat16)
+    want = reference_decode(query, pool, tables, lens, 0.125)[0]
+    for isa in isas:
+        monkeypatch.setenv(ops.ISA_ENV, isa)
+        assert ops.pick_isa(64) == isa
+        check(backend.decode_attention(query, pool, tables, lens, 0.125)[0], want, torch.bfloat16)
+    monkeypatch.setenv(ops.ISA_ENV, "no_such_isa")
+    with pytest.warns(RuntimeWarning, match="SPARSEKV_KERNEL_ISA"):
+        assert ops.pick_isa(64) == next(i for i in isas if i != "avx2_w16")
+
+
 def test_disable_env_falls_back_to_reference(monkeypatch):
     monkeypatch.setenv("SPARSEKV_DISABLE_NATIVE", "1")
     assert build.load_extension() is None and not backend.prepare_native_kernels()
@@ -238,6 +340,21 @@ def test_disable_env_falls_back_to_reference(monkeypatch):
     queries, lse = torch.randn(4, 3, 64), torch.zeros(4, 3)
     got = backend.window_scores_paged(queries, lse, pool, tables[1], 40, 0.125)
     assert torch.equal(got, ref_window_scores(queries, lse, pool, tables[1], 40, 0.125))
+
+
+def test_build_directory_follows_the_sources(tmp_path, monkeypatch):
+    # Another version of csrc/ (a checkout, a snapshot) must never share a build folder.
+    monkeypatch.setenv("SPARSEKV_EXT_DIR", str(tmp_path / "ext"))
+    first = build.build_directory()
+    assert first.parent == tmp_path / "ext"
+    copy = tmp_path / "csrc"
+    copy.mkdir()
+    for path in build.CSRC_DIR.iterdir():
+        (copy / path.name).write_bytes(path.read_bytes())
+    monkeypatch.setattr(build, "CSRC_DIR", copy)
+    assert build.build_directory() == first  # same sources, same folder
+    (copy / "kernels.h").write_text((copy / "kernels.h").read_text() + "\n// edited\n")
+    assert build.build_directory() != first
 
 
 def test_build_failure_warns_and_falls_back(monkeypatch):

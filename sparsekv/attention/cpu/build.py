@@ -1,9 +1,12 @@
 """Build and load the native CPU kernels (C++ through ``torch.utils.cpp_extension``).
 
 The extension is compiled once per machine into a cache folder (``SPARSEKV_EXT_DIR``, default
-``~/.cache/sparsekv/ext/<torch>-<python>``) and reloaded from there afterwards; the engine calls
-:func:`load_extension` at start so a request never waits for a compiler. Run
-``python -m sparsekv.attention.cpu.build`` to build at install time.
+``~/.cache/sparsekv/ext``, then ``<torch>-<python>-<digest of csrc/ and the flags>``) and
+reloaded from there afterwards; the engine calls :func:`load_extension` at start so a request
+never waits for a compiler. Run ``python -m sparsekv.attention.cpu.build`` to build at install
+time. The digest gives every version of the sources its own folder: checkouts or snapshots of
+different versions on one machine would otherwise rebuild over each other's library, and a
+process could load a library built from other sources.
 
 ``SPARSEKV_DISABLE_NATIVE=1`` turns the kernels off; a failed build warns once and the callers
 fall back to the plain-PyTorch reference (``attention/torch_ref.py``).
@@ -12,6 +15,7 @@ fall back to the plain-PyTorch reference (``attention/torch_ref.py``).
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import sys
 import threading
@@ -24,8 +28,10 @@ import torch
 
 EXTENSION_NAME = "sparsekv_cpu_kernels"
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
-SOURCES = (  # headers (kernel_impl.h and its parts) are tracked by ninja
+SOURCES = (  # headers: tracked by ninja, and part of the build folder's digest
     "binding.cpp",
+    "isa_select.cpp",
+    "isa_avx512_amx.cpp",
     "isa_avx512.cpp",
     "isa_avx2.cpp",
     "isa_avx2_w16.cpp",
@@ -48,15 +54,26 @@ def native_disabled() -> bool:
     )
 
 
+def source_digest() -> str:
+    """Hex digest of every file in ``csrc/`` (sources and headers) and the compiler flags."""
+    digest = hashlib.sha256()
+    for path in sorted(CSRC_DIR.iterdir()):
+        if path.is_file():
+            digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    digest.update(" ".join(EXTRA_CFLAGS + EXTRA_LDFLAGS).encode())
+    return digest.hexdigest()[:16]
+
+
 def build_directory() -> Path:
-    """Cache folder of the compiled extension, one per torch and Python version."""
+    """Cache folder of the compiled extension, one per torch and Python version and version of
+    the sources (:func:`source_digest`)."""
     root = os.environ.get("SPARSEKV_EXT_DIR")
     if root:
         base = Path(root)
     else:
         base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "sparsekv" / "ext"
     tag = f"torch{torch.__version__.replace('+', '_')}-py{sys.version_info[0]}{sys.version_info[1]}"
-    return base / tag
+    return base / f"{tag}-{source_digest()}"
 
 
 def compile_extension(verbose: bool = False) -> ModuleType:
@@ -114,6 +131,7 @@ def main() -> None:
     elapsed = time.perf_counter() - start
     print(f"{EXTENSION_NAME}: built or loaded from {build_directory()} in {elapsed:.1f} s")
     print("kernel variants on this CPU:", ops.available_isas())
+    print("AMX:", ops.amx_status())
 
 
 if __name__ == "__main__":

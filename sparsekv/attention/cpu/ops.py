@@ -1,20 +1,25 @@
 """Native paged CPU kernels: the Python face of ``csrc/`` (same contracts as ``torch_ref``).
 
 Each function raises ``RuntimeError`` when the extension is unavailable; callers that want the
-silent fallback use ``sparsekv.attention.backend``. ``isa`` picks a kernel variant (``"avx512"``,
-``"avx2"``, ``"avx2_w16"``, ``"generic"``); by default the fastest one this CPU runs whose vector
-width divides ``head_dim``.
+silent fallback use ``sparsekv.attention.backend``. ``isa`` picks a kernel variant
+(``"avx512_amx"``: bf16 on AMX tiles, ``"avx512"``, ``"avx2"``, ``"avx2_w16"``, ``"generic"``); by
+default the fastest one this CPU runs whose vector width divides ``head_dim``, or the one named
+by ``SPARSEKV_KERNEL_ISA`` (to compare variants or rule one out; ignored with a warning where
+this CPU does not run it).
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import warnings
 
 import torch
 
 from sparsekv.attention.cpu import build
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+ISA_ENV = "SPARSEKV_KERNEL_ISA"
 
 
 def _extension():
@@ -36,16 +41,30 @@ def available_isas() -> tuple[str, ...]:
     return tuple(name for name, _ in _variants(ext)) if ext is not None else ()
 
 
+@functools.cache
+def _warn_unusable_isa(name: str, head_dim: int) -> None:
+    warnings.warn(
+        f"{ISA_ENV}={name!r} is not a kernel variant this CPU runs for head_dim {head_dim} "
+        "(see ops.available_isas()); using the default",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
 def pick_isa(head_dim: int) -> str | None:
-    """Fastest variant whose vectors fit ``head_dim`` (a multiple of twice the fp32 lane count)."""
+    """Variant for ``head_dim`` (a multiple of twice the variant's fp32 lane count): the one
+    ``SPARSEKV_KERNEL_ISA`` names if this CPU runs it, else the fastest that fits."""
     ext = build.load_extension()
     if ext is None:
         return None
-    for isa, width in _variants(ext):
-        # avx2_w16 is a test vehicle for the AVX-512 code on AVX2 CPUs, slower than avx2.
-        if isa != "avx2_w16" and head_dim % (2 * width) == 0:
-            return isa
-    return None
+    fits = [isa for isa, width in _variants(ext) if head_dim % (2 * width) == 0]
+    forced = os.environ.get(ISA_ENV, "").strip()
+    if forced:
+        if forced in fits:
+            return forced
+        _warn_unusable_isa(forced, head_dim)
+    # avx2_w16 is a test vehicle for the AVX-512 code on AVX2 CPUs, slower than avx2.
+    return next((isa for isa in fits if isa != "avx2_w16"), None)
 
 
 def supports(query: torch.Tensor, kv_pool: torch.Tensor) -> bool:

@@ -19,55 +19,31 @@
 #include <string>
 #include <vector>
 
+#include "isa_select.h"
 #include "kernels.h"
 
 namespace skv = sparsekv_cpu;
 
 namespace {
 
-bool cpu_has(const char* feature) {
-#if defined(__x86_64__)
-  __builtin_cpu_init();
-  if (std::string(feature) == "avx512f") return __builtin_cpu_supports("avx512f");
-  if (std::string(feature) == "avx2") return __builtin_cpu_supports("avx2");
-  if (std::string(feature) == "fma") return __builtin_cpu_supports("fma");
-#endif
-  (void)feature;
-  return false;
-}
-
-// Kernel variants this CPU runs, fastest first.
-std::vector<std::string> isa_list() {
-  std::vector<std::string> isas;
-  if (cpu_has("avx512f")) isas.push_back("avx512");
-  if (cpu_has("avx2") && cpu_has("fma")) {
-    isas.push_back("avx2");
-    isas.push_back("avx2_w16");
-  }
-  isas.push_back("generic");
-  return isas;
-}
-
-std::string available_isas() {  // comma-separated
+std::string available_isas() {  // comma-separated, fastest first
   std::string out;
-  for (const auto& isa : isa_list()) out += (out.empty() ? "" : ",") + isa;
+  for (const auto& isa : skv::supported_isas()) out += (out.empty() ? "" : ",") + isa;
   return out;
 }
 
 const skv::KernelTable& table_for(c10::string_view isa_name) {
   const std::string isa(isa_name);
-  const auto isas = isa_list();
-  TORCH_CHECK(std::find(isas.begin(), isas.end(), isa) != isas.end(), "kernel variant '", isa,
-              "' is not supported on this CPU");
-  if (isa == "avx512") return skv::kTableAvx512;
-  if (isa == "avx2") return skv::kTableAvx2;
-  if (isa == "avx2_w16") return skv::kTableAvx2W16;
-  return skv::kTableGeneric;
+  const skv::KernelTable* table = skv::find_table(isa);
+  TORCH_CHECK(table != nullptr, "kernel variant '", isa, "' is not supported on this CPU");
+  return *table;
 }
 
 // Below this many multiply-adds (~0.1 ms) a call runs on the calling thread: waking the pool
 // costs more, and far more when other processes keep the cores busy.
 constexpr int64_t kParallelMinWork = 1 << 21;
+
+constexpr int64_t kWindowMaxPages = 8;  // block-table entries per window-score work item
 
 // Runs fn(item, scratch) for item in [0, num_items) on the intra-op threads; items are taken
 // from a shared counter so uneven items balance.
@@ -246,6 +222,17 @@ at::Tensor window_scores(const at::Tensor& window_queries, const at::Tensor& lse
     thr.narrow(0, g * wp, w).copy_(steps);
   }
   auto qt = q.transpose(1, 2).contiguous();  // [kvh, d, rows]
+  at::Tensor qpairs;
+  if (table.window_bf16_pairs && pool.scalar_type() == at::kBFloat16 &&
+      window_queries.scalar_type() == at::kBFloat16) {
+    // Unscaled bf16 rows laid out as qt, read as words of two elements and cut into AMX
+    // tiles: [kvh, rows / 16, d / 32, 16 pairs, 16 rows].
+    auto qb = at::zeros({kvh, rows, d}, window_queries.options());
+    auto src = window_queries.contiguous().view({kvh, group, w, d});
+    for (int64_t g = 0; g < group; ++g) qb.narrow(1, g * wp, w).copy_(src.select(1, g));
+    qpairs = qb.view(at::kInt).view({kvh, rows / 16, 16, d / 32, 16}).permute({0, 1, 3, 4, 2});
+    qpairs = qpairs.contiguous();
+  }
 
   skv::WindowArgs args{};
   args.qt = qt.data_ptr<float>();
@@ -262,9 +249,17 @@ at::Tensor window_scores(const at::Tensor& window_queries, const at::Tensor& lse
   args.rows = rows;
   args.is_bf16 = pool.scalar_type() == at::kBFloat16;
   args.out = out.data_ptr<float>();
+  args.qpairs = qpairs.defined() ? reinterpret_cast<const uint32_t*>(qpairs.data_ptr()) : nullptr;
+  args.scale = (float)scale;
+  // Items of a few pages of one KV head: fewer calls (the AMX kernel configures its tiles
+  // once per call), still ~8 items per thread to balance.
   const int64_t work = num_slots * kvh * rows * d;
-  run_dynamic(kvh * num_blocks, work, table.window_scratch(args), [&](int64_t i, float* buf) {
-    table.window_page(args, i % kvh, i / kvh, buf);
+  const int64_t per_item =
+      std::clamp<int64_t>(num_blocks * kvh / (8 * at::get_num_threads()), 1, kWindowMaxPages);
+  const int64_t items_per_head = (num_blocks + per_item - 1) / per_item;
+  run_dynamic(kvh * items_per_head, work, table.window_scratch(args), [&](int64_t i, float* buf) {
+    const int64_t p0 = i / kvh * per_item;
+    table.window_pages(args, i % kvh, p0, std::min(p0 + per_item, num_blocks), buf);
   });
   return out;
 }
@@ -273,6 +268,7 @@ at::Tensor window_scores(const at::Tensor& window_queries, const at::Tensor& lse
 
 TORCH_LIBRARY(sparsekv_cpu, m) {
   m.def("available_isas", &available_isas);
+  m.def("amx_status", &skv::amx_status);
   m.def("vector_width", &vector_width);
   m.def("paged_decode", &paged_decode);
   m.def("window_scores", &window_scores);

@@ -27,6 +27,17 @@ static inline void prefetch_rows(const PageSpan<T>* p, int64_t offset, int64_t d
   for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(base + o, 0, 3);
 }
 
+// Touch the first line of every key and value run of a tile: the L2 streamer then fetches the
+// rest of each run by itself, more lines in flight than software prefetches can keep (they
+// hold one of ~16 line fill buffers each). Done two tiles ahead; see decode_item_t.
+template <typename T>
+static inline void touch_runs(const PageSpan<T>* spans, int n, int64_t kv_stride, int64_t d) {
+  for (int k = 0; k < n; ++k) {
+    __builtin_prefetch(spans[k].k + spans[k].j0 * d, 0, 3);
+    __builtin_prefetch(spans[k].k + kv_stride + spans[k].j0 * d, 0, 3);
+  }
+}
+
 // Dot products of two key rows with the g query rows of q (stride d, chunk order).
 template <typename T, int g>
 static inline void dot2(const T* k0, const T* k1, const float* q, int64_t d, vf* a0, vf* a1) {
@@ -121,21 +132,15 @@ static inline void value_pass(const DecodeArgs& a, const PageSpan<T>* cur, int n
   }
 }
 
-// Online-softmax update of g heads with one tile. state: per head [max, sum, acc[d]] (base 2).
-template <typename T, int g>
-static void tile_update(const DecodeArgs& a, const PageSpan<T>* cur, int nc,
-                        const PageSpan<T>* nxt, int nn, const float* q, float* sc,
-                        float* state, float* scores) {
-  const int64_t d = a.head_dim, bs = a.block_size, st = d + 2;
-  const int64_t cap = kTileSlots > bs ? kTileSlots : bs, ss = cap + 2 * W;
-  int64_t offs[kMaxTilePages + 1];
-  offs[0] = 0;
-  for (int k = 0; k < nc; ++k) {
-    span_logits<T, g>(cur[k], k < nn ? nxt + k : nullptr, bs, d, q, sc + offs[k], ss);
-    offs[k + 1] = offs[k] + cur[k].n;
-  }
-  const int64_t n = offs[nc], nv = (n + W - 1) / W * W;
-  float alpha[g];
+// Online-softmax step of a tile for g heads: turns the base-2 logits sc[h * ss + t], t < n, into
+// probabilities 2^(logit - new max) (zero up to the next multiple of W), updates each head's
+// [max, sum] in `state` and returns the factor alpha[h] its accumulator must be scaled by.
+// Raw logits (after the soft-cap) are copied to `scores` when asked.
+template <typename T>
+static inline void tile_softmax(const DecodeArgs& a, int g, const PageSpan<T>* cur, int nc,
+                                const int64_t* offs, float* sc, int64_t ss, float* state,
+                                float* scores, float* alpha) {
+  const int64_t st = a.head_dim + 2, n = offs[nc], nv = (n + W - 1) / W * W;
   for (int h = 0; h < g; ++h) {
     float* s = sc + h * ss;
     if (a.softcap > 0.0f) {  // cap * tanh(x / cap) on natural-log logits
@@ -162,6 +167,23 @@ static void tile_update(const DecodeArgs& a, const PageSpan<T>* cur, int nc,
     m[0] = m_new;
     m[1] = m[1] * alpha[h] + hsum(sum);
   }
+}
+
+// Online-softmax update of g heads with one tile. state: per head [max, sum, acc[d]] (base 2).
+template <typename T, int g>
+static void tile_update(const DecodeArgs& a, const PageSpan<T>* cur, int nc,
+                        const PageSpan<T>* nxt, int nn, const float* q, float* sc,
+                        float* state, float* scores) {
+  const int64_t d = a.head_dim, bs = a.block_size;
+  const int64_t cap = kTileSlots > bs ? kTileSlots : bs, ss = cap + 2 * W;
+  int64_t offs[kMaxTilePages + 1];
+  offs[0] = 0;
+  for (int k = 0; k < nc; ++k) {
+    span_logits<T, g>(cur[k], k < nn ? nxt + k : nullptr, bs, d, q, sc + offs[k], ss);
+    offs[k + 1] = offs[k] + cur[k].n;
+  }
+  float alpha[g];
+  tile_softmax<T>(a, g, cur, nc, offs, sc, ss, state, scores, alpha);
   const int64_t chunks = d / (2 * W);
   for (int64_t ci = 0; ci < chunks; ++ci)
     value_pass<T, g>(a, cur, nc, nxt, nn, sc, offs, ss, alpha, state, ci, chunks);
@@ -236,22 +258,29 @@ static void decode_item_t(const DecodeArgs& a, const DecodeItem& it, float* scra
     state[h * st] = kNegInf;
     for (int64_t e = 1; e < st; ++e) state[h * st + e] = 0.0f;
   }
-  PageSpan<T> tiles[2][kMaxTilePages];
+  // A ring of three tiles: the current one, the next (prefetched row by row during the
+  // current one's logit and value passes) and the one after (runs touched, see touch_runs).
+  const int64_t kv_stride = a.num_kv_heads * a.block_size * d;
+  PageSpan<T> tiles[3][kMaxTilePages];
+  int count[3];
   int64_t pi = it.page_begin;
-  int cur = 0, nc = next_tile<T>(a, it, &pi, tiles[0]);
-  while (nc > 0) {
-    const int nn = next_tile<T>(a, it, &pi, tiles[1 - cur]);
+  for (int i = 0; i < 2; ++i) {
+    count[i] = next_tile<T>(a, it, &pi, tiles[i]);
+    touch_runs(tiles[i], count[i], kv_stride, d);
+  }
+  for (int cur = 0; count[cur] > 0; cur = (cur + 1) % 3) {
+    const int next = (cur + 1) % 3, after = (cur + 2) % 3;
+    count[after] = next_tile<T>(a, it, &pi, tiles[after]);
+    touch_runs(tiles[after], count[after], kv_stride, d);
     for (int64_t h0 = 0, g = 0; h0 < G; h0 += g) {
       g = head_block(G - h0);
       float* scores = nullptr;
       if (a.scores != nullptr)
         scores = a.scores + ((it.b * a.num_kv_heads + it.kvh) * G + h0) * a.held_cap;
       // Later head blocks find the pages in cache: only the first one prefetches.
-      tile_update_heads<T>(a, (int)g, tiles[cur], nc, tiles[1 - cur], h0 == 0 ? nn : 0, q + h0 * d,
-                           sc, state + h0 * st, scores);
+      tile_update_heads<T>(a, (int)g, tiles[cur], count[cur], tiles[next],
+                           h0 == 0 ? count[next] : 0, q + h0 * d, sc, state + h0 * st, scores);
     }
-    cur = 1 - cur;
-    nc = nn;
   }
 }
 
@@ -261,64 +290,4 @@ static void decode_item(const DecodeArgs& a, const DecodeItem& it, float* scratc
     decode_item_t<uint16_t>(a, it, scratch, state);
   else
     decode_item_t<float>(a, it, scratch, state);
-}
-
-// Merge split states (base 2), write out, lse (natural log) and the attention mass.
-template <typename T>
-static void decode_combine_t(const DecodeArgs& a, int64_t b, int64_t kvh, const float* states,
-                             int64_t num_splits, int64_t held_lo, int64_t held_hi,
-                             float* scratch) {
-  const int64_t G = a.num_heads / a.num_kv_heads, d = a.head_dim, st = d + 2;
-  const int64_t sstride = G * st;
-  T* out = static_cast<T*>(a.out) + (b * a.num_heads + kvh * G) * d;
-  float* lse = a.lse + b * a.num_heads + kvh * G;
-  float* acc = scratch;     // [d]
-  float* lse2 = acc + d;    // [G] base-2 lse
-  for (int64_t h = 0; h < G; ++h) {
-    float M = kNegInf;
-    for (int64_t s = 0; s < num_splits; ++s) {
-      const float m = states[s * sstride + h * st];
-      M = m > M ? m : M;
-    }
-    float L = 0.0f;
-    for (int64_t e = 0; e < d; ++e) acc[e] = 0.0f;
-    if (M != kNegInf) {
-      for (int64_t s = 0; s < num_splits; ++s) {
-        const float* sp = states + s * sstride + h * st;
-        if (sp[0] == kNegInf) continue;
-        const float w = __builtin_exp2f(sp[0] - M);
-        L += sp[1] * w;
-        for (int64_t e = 0; e < d; ++e) acc[e] += sp[2 + e] * w;
-      }
-    }
-    // A request that sees no slot (nothing held) gets a zero output and lse = -inf.
-    const float inv = L > 0.0f ? 1.0f / L : 0.0f;
-    for (int64_t e = 0; e < d; ++e) from_float(acc[chunk_pos<T>(e)] * inv, out + h * d + e);
-    lse2[h] = L > 0.0f ? M + __builtin_log2f(L) : kNegInf;
-    lse[h] = lse2[h] * kLn2;
-  }
-  if (a.mass == nullptr || held_hi <= held_lo) return;
-  float* mass = a.mass + (b * a.num_kv_heads + kvh) * a.held_cap;
-  const float* scores = a.scores + (b * a.num_kv_heads + kvh) * G * a.held_cap;
-  int64_t t = held_lo;
-  for (; t + W <= held_hi; t += W) {
-    vf m = splat(0.0f);
-    for (int64_t h = 0; h < G; ++h)
-      m += vexp2(loadu(scores + h * a.held_cap + t) - splat(lse2[h]));
-    storeu(mass + t, m);
-  }
-  for (; t < held_hi; ++t) {
-    float m = 0.0f;
-    for (int64_t h = 0; h < G; ++h) m += __builtin_exp2f(scores[h * a.held_cap + t] - lse2[h]);
-    mass[t] = m;
-  }
-}
-
-static void decode_combine(const DecodeArgs& a, int64_t b, int64_t kvh, const float* states,
-                           int64_t num_splits, int64_t held_lo, int64_t held_hi,
-                           float* scratch) {
-  if (a.is_bf16)
-    decode_combine_t<uint16_t>(a, b, kvh, states, num_splits, held_lo, held_hi, scratch);
-  else
-    decode_combine_t<float>(a, b, kvh, states, num_splits, held_lo, held_hi, scratch);
 }

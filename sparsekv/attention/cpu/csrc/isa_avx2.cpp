@@ -21,7 +21,7 @@ const KernelTable kTableAvx2 = {
     &isa_avx2::window_scratch,
     &isa_avx2::decode_item,
     &isa_avx2::decode_combine,
-    &isa_avx2::window_page,
+    &isa_avx2::window_pages,
 };
 }  // namespace sparsekv_cpu
 #else

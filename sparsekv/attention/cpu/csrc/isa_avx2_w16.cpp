@@ -22,7 +22,7 @@ const KernelTable kTableAvx2W16 = {
     &isa_avx2_w16::window_scratch,
     &isa_avx2_w16::decode_item,
     &isa_avx2_w16::decode_combine,
-    &isa_avx2_w16::window_page,
+    &isa_avx2_w16::window_pages,
 };
 }  // namespace sparsekv_cpu
 #else

@@ -21,7 +21,7 @@ const KernelTable kTableAvx512 = {
     &isa_avx512::window_scratch,
     &isa_avx512::decode_item,
     &isa_avx512::decode_combine,
-    &isa_avx512::window_page,
+    &isa_avx512::window_pages,
 };
 }  // namespace sparsekv_cpu
 #else

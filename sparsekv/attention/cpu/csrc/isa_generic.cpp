@@ -19,6 +19,6 @@ const KernelTable kTableGeneric = {
     &isa_generic::window_scratch,
     &isa_generic::decode_item,
     &isa_generic::decode_combine,
-    &isa_generic::window_page,
+    &isa_generic::window_pages,
 };
 }  // namespace sparsekv_cpu

@@ -6,4 +6,5 @@
 // keeps its own copy.
 #include "vec_impl.h"
 #include "decode_impl.h"
+#include "combine_impl.h"
 #include "window_impl.h"

@@ -56,6 +56,11 @@ struct WindowArgs {
   int64_t rows;           // group * rows_per_head, padded to the row block
   bool is_bf16;
   float* out;  // [num_kv_heads * group, num_slots]
+  // Tables with window_bf16_pairs, for bf16 pools and queries only (else nullptr): the window
+  // queries unscaled, rows as qt's, in pairs of head_dim elements (one 32-bit word each):
+  // [num_kv_heads][rows / 16][head_dim / 32][16 pairs][16 rows]; logits are scaled by `scale`.
+  const uint32_t* qpairs;
+  float scale;
 };
 
 struct KernelTable {
@@ -63,7 +68,7 @@ struct KernelTable {
   int width;  // fp32 lanes of a vector; head_dim must be a multiple of 2 * width
   int window_slot_block;  // slots per register block of the window-score kernel
   int window_row_block;   // vectors per register block of the window-score kernel
-  // Scratch floats one thread needs for decode_item / window_page.
+  // Scratch floats one thread needs for decode_item / window_pages.
   int64_t (*decode_scratch)(const DecodeArgs&);
   int64_t (*window_scratch)(const WindowArgs&);
   // Partial attention of one item into `state` (decode_state_floats of them).
@@ -72,10 +77,13 @@ struct KernelTable {
   // held slots [held_lo, held_hi).
   void (*decode_combine)(const DecodeArgs&, int64_t b, int64_t kvh, const float* states,
                          int64_t num_splits, int64_t held_lo, int64_t held_hi, float* scratch);
-  // Window scores of the slots of block-table entry `page_index` for one KV head.
-  void (*window_page)(const WindowArgs&, int64_t kvh, int64_t page_index, float* scratch);
+  // Window scores of the slots of block-table entries [page_begin, page_end) for one KV head.
+  void (*window_pages)(const WindowArgs&, int64_t kvh, int64_t page_begin, int64_t page_end,
+                       float* scratch);
+  bool window_bf16_pairs;  // takes WindowArgs::qpairs (false where omitted)
 };
 
+extern const KernelTable kTableAvx512Amx;
 extern const KernelTable kTableAvx512;
 extern const KernelTable kTableAvx2;
 extern const KernelTable kTableAvx2W16;

@@ -5,7 +5,8 @@
 // the 2W values are read as W 32-bit words: `word << 16` gives the even elements and
 // `word & 0xffff0000` the odd ones (one instruction per vector instead of a widening convert),
 // so q and the output accumulators are kept in that permuted order (chunk_pos) and un-permuted
-// when written. fp32 chunks keep their natural order.
+// when written. fp32 chunks keep their natural order. The AMX unit (SKV_AMX) keeps its bf16
+// accumulators in the order its value tiles produce instead (see decode_amx.h).
 
 typedef float vf __attribute__((vector_size(SKV_W * 4)));
 typedef int32_t vi __attribute__((vector_size(SKV_W * 4)));
@@ -60,19 +61,31 @@ template <typename T>
 static inline int64_t chunk_pos(int64_t e) {
   if (sizeof(T) == 4) return e;
   const int64_t base = e - e % (2 * W), r = e % (2 * W);
+#if SKV_AMX
+  // unpacklo/hi_epi16 work per 128-bit lane: element r of a 32-element chunk sits in the lo
+  // tile (first 16 columns) if r % 8 < 4, else in the hi tile, at column 4 * (r / 8) + r % 4.
+  return base + ((r & 4) ? 16 : 0) + 4 * (r >> 3) + (r & 3);
+#else
   return base + ((r & 1) ? W + (r >> 1) : (r >> 1));
+#endif
 }
 
 static inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+// Horizontal sum and max as trees of halves: log2(W) dependent steps instead of W - 1, which
+// matters on the softmax's critical path (one per head per tile).
 static inline float hsum(vf v) {
-  float s = 0.0f;
-  for (int i = 0; i < W; ++i) s += v[i];
-  return s;
+  float s[W];
+  __builtin_memcpy(s, &v, sizeof(v));
+  for (int n = W / 2; n > 0; n /= 2)
+    for (int i = 0; i < n; ++i) s[i] += s[i + n];
+  return s[0];
 }
 static inline float hmax(vf v) {
-  float m = v[0];
-  for (int i = 1; i < W; ++i) m = v[i] > m ? v[i] : m;
-  return m;
+  float m[W];
+  __builtin_memcpy(m, &v, sizeof(v));
+  for (int n = W / 2; n > 0; n /= 2)
+    for (int i = 0; i < n; ++i) m[i] = m[i + n] > m[i] ? m[i + n] : m[i];
+  return m[0];
 }
 
 // 2^x to ~2e-7 relative error (degree-6 polynomial of 2^f on [-0.5, 0.5]); exactly 0 below

@@ -53,9 +53,12 @@ static void window_page_t(const WindowArgs& a, int64_t kvh, int64_t pi, float* s
   }
 }
 
-static void window_page(const WindowArgs& a, int64_t kvh, int64_t pi, float* scratch) {
-  if (a.is_bf16)
-    window_page_t<uint16_t>(a, kvh, pi, scratch);
-  else
-    window_page_t<float>(a, kvh, pi, scratch);
+static void window_pages(const WindowArgs& a, int64_t kvh, int64_t page_begin,
+                         int64_t page_end, float* scratch) {
+  for (int64_t pi = page_begin; pi < page_end; ++pi) {
+    if (a.is_bf16)
+      window_page_t<uint16_t>(a, kvh, pi, scratch);
+    else
+      window_page_t<float>(a, kvh, pi, scratch);
+  }
 }

@@ -1,0 +1,104 @@
+// Runtime choice of the kernel variants: CPUID features and, for AMX, the kernel's grant.
+// Compiled for the baseline ISA, like the binding: it runs before any variant is chosen.
+#include "isa_select.h"
+
+#include <cerrno>
+#include <cstring>
+
+#if defined(__x86_64__) && defined(__linux__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace sparsekv_cpu {
+namespace {
+
+bool has_avx512() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f");
+#else
+  return false;
+#endif
+}
+
+bool has_avx2_fma() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  return false;
+#endif
+}
+
+// AMX-TILE, AMX-BF16, AVX512-BF16 and AVX512-BW in CPUID, and the tile state granted to this
+// process: "ok" or why not. Linux enables AMX per process on request (arch_prctl
+// ARCH_REQ_XCOMP_PERM; refused e.g. when a thread's signal stack is too small for the tile
+// state); without the grant the first tile instruction kills the process (as llama.cpp's AMX
+// build did on this VM). The grant is process-wide and permanent, so it is asked once.
+const std::string& amx_check() {
+  static const std::string status = []() -> std::string {
+#if defined(__x86_64__) && defined(__linux__)
+    if (!has_avx512() || !__builtin_cpu_supports("avx512bw")) return "no AVX-512 BW";
+    unsigned eax, ebx, ecx, edx;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return "no CPUID leaf 7";
+    const bool amx_bf16 = (edx >> 22) & 1, amx_tile = (edx >> 24) & 1;
+    if (!__get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx)) return "no CPUID leaf 7.1";
+    const bool avx512_bf16 = (eax >> 5) & 1;
+    if (!(amx_bf16 && amx_tile && avx512_bf16)) return "no AMX-BF16 / AMX-TILE / AVX512-BF16";
+    constexpr long kArchGetXcompPerm = 0x1022, kArchReqXcompPerm = 0x1023;
+    constexpr int kXfeatureXtiledata = 18;
+    if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) != 0)
+      return "arch_prctl(ARCH_REQ_XCOMP_PERM) failed: " + std::string(std::strerror(errno));
+    unsigned long long granted = 0;
+    if (syscall(SYS_arch_prctl, kArchGetXcompPerm, &granted) != 0 ||
+        !((granted >> kXfeatureXtiledata) & 1))
+      return "tile state not granted";
+    return "ok";
+#else
+    return "not x86-64 Linux";
+#endif
+  }();
+  return status;
+}
+
+bool has_amx() { return amx_check() == "ok"; }
+
+bool always() { return true; }
+
+struct Variant {
+  const char* name;
+  const KernelTable* table;  // width 0: not compiled for this target
+  bool (*cpu_runs)();
+};
+
+const Variant kVariants[] = {  // fastest first
+    {"avx512_amx", &kTableAvx512Amx, has_amx},
+    {"avx512", &kTableAvx512, has_avx512},
+    {"avx2", &kTableAvx2, has_avx2_fma},
+    // The 16-lane AVX-512 code built for AVX2: tests it on AVX2 CPUs (slower than avx2).
+    {"avx2_w16", &kTableAvx2W16, has_avx2_fma},
+    {"generic", &kTableGeneric, always},
+};
+
+}  // namespace
+
+std::vector<std::string> supported_isas() {
+  std::vector<std::string> names;
+  for (const auto& v : kVariants)
+    if (v.table->width > 0 && v.cpu_runs()) names.push_back(v.name);
+  return names;
+}
+
+std::string amx_status() {
+  return kTableAvx512Amx.width > 0 ? amx_check() : "not compiled (needs GCC 11 or newer)";
+}
+
+const KernelTable* find_table(const std::string& isa) {
+  for (const auto& v : kVariants)
+    if (isa == v.name && v.table->width > 0 && v.cpu_runs()) return v.table;
+  return nullptr;
+}
+
+}  // namespace sparsekv_cpu
