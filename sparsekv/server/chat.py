@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -68,6 +69,7 @@ class ChatFormatter:
     def __init__(self, ctx: ServerContext, request_id: str, body: ChatCompletionRequest) -> None:
         self.ctx = ctx
         self.request_id = request_id
+        self.created = int(time.time())  # Unix seconds when the request arrived
         self.want_logprobs = body.logprobs
         self.include_usage = body.include_usage
         self.num_choices = body.n
@@ -77,7 +79,7 @@ class ChatFormatter:
         chunk = {
             "id": self.request_id,
             "object": "chat.completion.chunk",
-            "created": self.ctx.created,
+            "created": self.created,
             "model": self.ctx.model_name,
             "choices": choices,
         }
@@ -139,7 +141,7 @@ class ChatFormatter:
         return {
             "id": self.request_id,
             "object": "chat.completion",
-            "created": self.ctx.created,
+            "created": self.created,
             "model": self.ctx.model_name,
             "choices": choices,
             "usage": usage(output),

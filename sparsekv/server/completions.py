@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -46,6 +47,7 @@ class CompletionFormatter:
     def __init__(self, ctx: ServerContext, request_id: str, body: CompletionRequest) -> None:
         self.ctx = ctx
         self.request_id = request_id
+        self.created = int(time.time())  # Unix seconds when the request arrived
         self.include_usage = body.include_usage
         self.text_offsets: dict[int, int] = {}
         self.terminated: set[int] = set()
@@ -54,7 +56,7 @@ class CompletionFormatter:
         chunk = {
             "id": self.request_id,
             "object": "text_completion",
-            "created": self.ctx.created,
+            "created": self.created,
             "model": self.ctx.model_name,
             "choices": choices,
         }
@@ -115,7 +117,7 @@ class CompletionFormatter:
         return {
             "id": self.request_id,
             "object": "text_completion",
-            "created": self.ctx.created,
+            "created": self.created,
             "model": self.ctx.model_name,
             "choices": choices,
             "usage": usage(output),

@@ -85,6 +85,19 @@ def test_health_models_and_open_endpoints(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 
+def test_created_is_each_requests_arrival_time(http):
+    """``created`` is when the request arrived (Unix seconds), not when the server started."""
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 1, "temperature": 0}
+    for endpoint in ("/v1/completions", "/v1/chat/completions"):
+        if endpoint.endswith("chat/completions"):
+            body = {k: v for k, v in body.items() if k != "prompt"}
+            body["messages"] = [{"role": "user", "content": "Hi"}]
+        before = int(time.time())
+        response = http.post(endpoint, json=body)
+        assert response.status_code == 200, response.text
+        assert before <= response.json()["created"] <= int(time.time())
+
+
 def test_chat_stream_equals_non_stream(client, http):
     full = client.chat.completions.create(
         model=MODEL, messages=CHAT, max_tokens=12, temperature=0, logprobs=True
