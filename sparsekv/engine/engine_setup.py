@@ -7,6 +7,7 @@ requests; the rest becomes pages. A size above 80% of the available RAM is refus
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,18 +51,25 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
         return table[name]
     if device.startswith("cuda"):
         return torch.bfloat16
-    flags = _cpu_flags()
-    return torch.bfloat16 if {"avx512_bf16", "amx_bf16"} & flags else torch.float32
+    return torch.bfloat16 if has_native_bf16() else torch.float32
 
 
-def _cpu_flags() -> set[str]:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU feature flags of ``/proc/cpuinfo`` (empty where it cannot be read)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
+                return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return frozenset()
+
+
+def has_native_bf16() -> bool:
+    """Whether the CPU computes bf16 natively (AVX512-BF16 or AMX): where ``auto`` means bf16
+    and bf16 weights are worth pre-packing."""
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 def available_memory_bytes() -> int | None:
@@ -136,7 +144,7 @@ def build_engine_parts(config: EngineConfig, checkpoint=None) -> EngineParts:
         checkpoint = load_checkpoint(config.model.model, dtype)
     hf_config = checkpoint.hf_config
     model = build_model(hf_config, checkpoint.state_dict, dtype, device)
-    if can_prepack(dtype, device, _cpu_flags()):
+    if can_prepack(dtype, device, has_native_bf16()):
         prepack_linears(model)
     specs = model.layer_specs()
     num_pages = num_pool_pages(

@@ -46,12 +46,10 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
-def can_prepack(dtype: torch.dtype, device: str, cpu_flags: set[str]) -> bool:
-    """Whether packing pays: bf16 weights on a CPU with native bf16 matmul (AMX or AVX512-BF16),
-    and a PyTorch build whose oneDNN exposes the packing ops."""
-    if dtype != torch.bfloat16 or torch.device(device).type != "cpu":
-        return False
-    if not ({"amx_bf16", "avx512_bf16"} & cpu_flags):
+def can_prepack(dtype: torch.dtype, device: str, native_bf16: bool) -> bool:
+    """Whether packing pays: bf16 weights on a CPU with native bf16 matmul (``native_bf16``:
+    AMX or AVX512-BF16), and a PyTorch build whose oneDNN exposes the packing ops."""
+    if dtype != torch.bfloat16 or torch.device(device).type != "cpu" or not native_bf16:
         return False
     if not torch.backends.mkldnn.is_available():
         return False

@@ -32,13 +32,13 @@ from sparsekv.config import (
     ModelConfig,
     SchedulerConfig,
 )
-from sparsekv.engine.engine_setup import _cpu_flags, build_engine_parts
+from sparsekv.engine.engine_setup import build_engine_parts, has_native_bf16
 from sparsekv.engine.llm_engine import LLMEngine
 from sparsekv.evaluation.scoring import score_passkey
 from sparsekv.evaluation.tasks import passkey
 from sparsekv.sampling_params import SamplingParams
 
-NATIVE_BF16 = bool({"avx512_bf16", "amx_bf16"} & _cpu_flags())
+NATIVE_BF16 = has_native_bf16()
 DTYPE = torch.bfloat16 if NATIVE_BF16 else torch.float32
 LENGTHS = (4096, 8192) if NATIVE_BF16 else (4096,)
 

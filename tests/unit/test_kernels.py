@@ -10,7 +10,6 @@ afterwards, one folder per version of the sources).
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from sparsekv.attention import backend, torch_ref
 from sparsekv.attention.cpu import build, ops
 from sparsekv.attention.cpu.memory import advise_huge_pages
 from sparsekv.attention.cpu.reference import window_scores_paged as ref_window_scores
+from sparsekv.engine.engine_setup import cpu_flags
 
 FP32_TOL = {"atol": 1e-5, "rtol": 0.0}
 BF16_TOL = {"atol": 1e-2, "rtol": 1.6e-2}
@@ -41,16 +41,6 @@ def amx(isas) -> str:
     if "avx512_amx" not in isas:
         pytest.skip(f"no AMX variant: {build.load_extension().amx_status()}")
     return "avx512_amx"
-
-
-def cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 def make_paged(lens, num_kv_heads, block_size, head_dim, dtype, first_slots=None, seed=0):
