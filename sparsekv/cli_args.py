@@ -15,6 +15,7 @@ from sparsekv.config import (
     ModelConfig,
     SchedulerConfig,
 )
+from sparsekv.kv_cache.quant import KV_CACHE_DTYPES
 
 SECTIONS = {
     "model": ModelConfig,
@@ -37,7 +38,7 @@ CHOICES = {
     ("compression", "scope"): ("prompt", "context"),
     ("scheduler", "preemption_mode"): ("swap", "recompute"),
     ("model", "dtype"): ("auto", "bfloat16", "float32"),
-    ("cache", "kv_cache_dtype"): ("auto",),
+    ("cache", "kv_cache_dtype"): KV_CACHE_DTYPES,
 }
 SKIPPED = {("model", "seed"), ("compression", "context_tokens")}
 
@@ -91,7 +92,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                 group.add_argument(
                     flag, dest=dest, action=argparse.BooleanOptionalAction, default=default
                 )
-            elif f.name == "layer_budgets":
+            elif f.name in ("layer_budgets", "kv_cache_full_precision_layers"):
                 group.add_argument(flag, dest=dest, type=_int_list, default=None, help=doc)
             else:
                 choices = CHOICES.get((section, f.name))

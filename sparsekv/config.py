@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from sparsekv.kv_cache.quant import KV_CACHE_DTYPES
+
 COMPRESSION_METHODS = (
     "none",
     "snapkv",
@@ -59,7 +61,12 @@ class CacheConfig:
         kv_cache_memory: GiB for the page pool(s) and side state (stored window queries,
             H2O accumulators).
         block_size: slots per page.
-        kv_cache_dtype: storage dtype of K/V (``auto`` = the model dtype).
+        kv_cache_dtype: storage format of K/V pages: ``auto`` (the model dtype), ``int8``,
+            ``fp8`` (float8_e4m3 codes, one scale per slot) or ``int4`` (KIVI: keys per
+            channel, values per token, the latest tokens at full precision); see
+            ``kv_cache.quant``. The pool holds as many pages as fit their quantized size.
+        kv_cache_full_precision_layers: with a quantized format, layers whose pages stay in
+            the model dtype (a second pool, sized from the layer counts), e.g. ``(0, 1)``.
         enable_prefix_caching: share full pages of identical prefixes between requests
             (chained hashes of token-id pages, ref-counted pages, LRU eviction of unreferenced
             cached pages only when the pool needs them). Off for models with sliding-window
@@ -74,6 +81,7 @@ class CacheConfig:
     kv_cache_memory: float = 2.0
     block_size: int = 16
     kv_cache_dtype: str = "auto"
+    kv_cache_full_precision_layers: tuple[int, ...] | None = None
     enable_prefix_caching: bool = True
     prefix_cache_uncompressed: bool = False
     num_pages: int | None = None
@@ -85,8 +93,16 @@ class CacheConfig:
             raise ValueError("block_size must be a positive power of two")
         if self.num_pages is not None and self.num_pages < 1:
             raise ValueError("num_pages must be >= 1")
-        if self.kv_cache_dtype not in ("auto",):
-            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported yet")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
+        layers = self.kv_cache_full_precision_layers or ()
+        if any(not isinstance(x, int) or x < 0 for x in layers):
+            raise ValueError("kv_cache_full_precision_layers must be layer indices >= 0")
+        if layers and self.kv_cache_dtype == "auto":
+            raise ValueError("kv_cache_full_precision_layers needs a quantized kv_cache_dtype")
 
 
 @dataclass

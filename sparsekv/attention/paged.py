@@ -16,6 +16,11 @@
 
 Side state kept per (request, layer) outside the pool: the last ``window`` queries of budgeted
 layers (decode-time re-scoring) and H2O's accumulated attention mass.
+
+Pages are read and written through each layer's ``KVStorage`` (``kv_cache.storage``), so the
+same code runs over full-precision and quantized pages: scoring at prefill sees the new tokens'
+full-precision keys (they are quantized only when written), decode-time re-scoring sees the
+dequantized ones.
 """
 
 from __future__ import annotations
@@ -23,19 +28,19 @@ from __future__ import annotations
 import torch
 
 from sparsekv.attention import backend
-from sparsekv.attention.metadata import AttentionMetadata, RequestSlice, physical_slots
-from sparsekv.attention.torch_ref import gather_kv, write_kv, write_leading_slots
+from sparsekv.attention.metadata import AttentionMetadata, RequestSlice
 from sparsekv.compression.base import LayerView
 from sparsekv.compression.scoring import prefill_attention_mass
 from sparsekv.kv_cache.request_kv import LayerKV
-from sparsekv.kv_cache.spec import LayerSpec, cdiv
+from sparsekv.kv_cache.spec import LayerSpec
+from sparsekv.kv_cache.storage import KVStorage
 
 
 class PagedAttention:
     """The attention context of one step (an argument of the model's forward).
 
     Args:
-        kv_pool: ``[num_pages, 2, num_kv_heads, block_size, head_dim]`` page storage.
+        storages: the page storage of every layer (``KVCacheManager.storage(layer)``).
         metadata: this step's ``AttentionMetadata``.
         layer_specs: per-layer cache spec (sliding windows).
         logit_softcap: optional attention logit soft-cap of the model.
@@ -43,15 +48,14 @@ class PagedAttention:
 
     def __init__(
         self,
-        kv_pool: torch.Tensor,
+        storages: list[KVStorage],
         metadata: AttentionMetadata,
         layer_specs: list[LayerSpec],
         logit_softcap: float | None = None,
     ) -> None:
-        self.kv_pool = kv_pool
+        self.storages = storages
         self.metadata = metadata
         self.layer_specs = layer_specs
-        self.block_size = kv_pool.shape[3]
         self.logit_softcap = logit_softcap
 
     def attend(
@@ -84,20 +88,22 @@ class PagedAttention:
         assert sliding_window is None or spec_window is None or sliding_window <= spec_window
         window = sliding_window if sliding_window is not None else spec_window
         batch = self.metadata.decode[layer]
+        storage = self.storages[layer]
         if batch is not None:
-            write_kv(self.kv_pool, batch.slot_mapping, k[batch.rows], v[batch.rows])
+            states = [request.kv.layers[layer] for request in batch.slices]
+            storage.write_decode(batch.slot_mapping, states, k[batch.rows], v[batch.rows])
             need_mass = any(s.needs_attention_mass for s in batch.slices)
             queries = q[batch.rows]
-            result, _, mass = backend.decode_attention(
+            result, _, mass = storage.decode_attention(
                 queries,
-                self.kv_pool,
                 batch.block_tables,
                 batch.seq_lens,
+                batch.first_slots,
+                states,
                 scale,
-                first_slots=batch.first_slots,
-                sliding_window=window,
-                logit_softcap=self.logit_softcap,
-                return_attn_mass=need_mass,
+                window,
+                self.logit_softcap,
+                need_mass,
             )
             out[batch.rows] = result
             for i, request in enumerate(batch.slices):
@@ -125,15 +131,11 @@ class PagedAttention:
     ) -> torch.Tensor:
         step = request.layers[layer]
         state = request.kv.layers[layer]
-        held, num_new = step.num_held, step.num_new
-        table = torch.tensor(
-            step.block_table[: cdiv(held, self.block_size)],
-            dtype=torch.long,
-            device=self.kv_pool.device,
-        )
-        cached_k, cached_v = gather_kv(self.kv_pool, table, held)
-        keys = torch.cat([cached_k, k.transpose(0, 1).to(self.kv_pool.dtype)], dim=1)
-        values = torch.cat([cached_v, v.transpose(0, 1).to(self.kv_pool.dtype)], dim=1)
+        storage = self.storages[layer]
+        held = step.num_held
+        cached_k, cached_v = storage.gather(state, step.block_table, held)
+        keys = torch.cat([cached_k, k.transpose(0, 1).to(storage.dtype)], dim=1)
+        values = torch.cat([cached_v, v.transpose(0, 1).to(storage.dtype)], dim=1)
         queries = q.transpose(0, 1)  # [H, n, d]
         out, lse = backend.prefill_attention(
             queries, keys, values, scale, sliding_window=window, logit_softcap=self.logit_softcap
@@ -142,12 +144,11 @@ class PagedAttention:
         if request.needs_attention_mass and state.budget is not None:
             _accumulate(state, prefill_attention_mass(keys, queries, lse, scale))
         if step.compress_to is None or step.keep_uncompressed:
-            slots = physical_slots(step.block_table, range(held, held + num_new), self.block_size)
-            self._write(slots, keys[:, held:], values[:, held:])
+            storage.write_slots(state, step.block_table, held, keys[:, held:], values[:, held:])
         if step.compress_to is not None:
             # Shared pages are never written: a compaction then goes to fresh pages.
             target = step.compact_table if step.compact_table is not None else step.block_table
-            self._compress(request, step.compress_to, state, target, keys, values, lse, scale)
+            self._compress(request, layer, state, target, keys, values, lse, scale)
         return out.transpose(0, 1)
 
     def _compact_decode(self, request: RequestSlice, layer: int, scale: float) -> None:
@@ -160,20 +161,14 @@ class PagedAttention:
         """
         step = request.layers[layer]
         state = request.kv.layers[layer]
-        num_slots = step.num_held + 1
-        table = torch.tensor(
-            step.block_table[: cdiv(num_slots, self.block_size)],
-            dtype=torch.long,
-            device=self.kv_pool.device,
-        )
-        keys, values = gather_kv(self.kv_pool, table, num_slots)
+        keys, values = self.storages[layer].gather(state, step.block_table, step.num_held + 1)
         target = step.compact_table if step.compact_table is not None else step.block_table
-        self._compress(request, step.compress_to, state, target, keys, values, None, scale)
+        self._compress(request, layer, state, target, keys, values, None, scale)
 
     def _compress(
         self,
         request: RequestSlice,
-        budget: int,
+        layer: int,
         state: LayerKV,
         table: list[int],
         keys: torch.Tensor,
@@ -196,18 +191,12 @@ class PagedAttention:
             accumulated=state.accumulated,
             generator=request.generator,
         )
+        budget = request.layers[layer].compress_to
         kept = request.compressor.select(view, budget, request.window)  # [KVH, k]
         heads = torch.arange(kept.shape[0], device=kept.device)[:, None]
-        write_leading_slots(self.kv_pool, table, keys[heads, kept], values[heads, kept])
+        self.storages[layer].write_leading(state, table, keys[heads, kept], values[heads, kept])
         if state.accumulated is not None:
             state.accumulated = state.accumulated.gather(1, kept)
-
-    def _write(self, slots: list[int], keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Write ``[num_kv_heads, m, head_dim]`` K/V into ``m`` physical slots."""
-        if not slots:
-            return
-        mapping = torch.tensor(slots, dtype=torch.long, device=self.kv_pool.device)
-        write_kv(self.kv_pool, mapping, keys.transpose(0, 1), values.transpose(0, 1))
 
 
 def _remember_queries(state: LayerKV, q: torch.Tensor, window: int) -> None:

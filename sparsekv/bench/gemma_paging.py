@@ -207,7 +207,7 @@ def run_batch(engine, prompts: list[list[int]], output_len: int) -> dict:
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     ids = [f"gp-{i}" for i in range(len(prompts))]
     local = [kind == SLIDING for kind in engine.parts.model.layer_types]
-    page_bytes = engine.kv.kv_pool[0].numel() * engine.kv.kv_pool.element_size()
+    page_bytes = engine.kv.page_bytes
     peak = {"all": 0, "local": 0, "global": 0}
     peak_between = 0
     decode_s = decode_tokens = 0.0

@@ -2,7 +2,10 @@
 
 Pool sizing (CONTRACTS.md §2): ``--kv-cache-memory`` GiB covers the pages and the side state
 kept outside the pool (stored window queries, H2O accumulators), reserved for ``max_num_seqs``
-requests; the rest becomes pages. A size above 80% of the available RAM is refused.
+requests; the rest becomes pages, each counted at its stored size (codes and scales of a
+quantized ``--kv-cache-dtype``). With full-precision layers beside quantized ones the page
+bytes are split between the two pools in proportion to their layer counts, so both run out
+together. A size above 80% of the available RAM is refused.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 from sparsekv.config import EngineConfig
 from sparsekv.engine.scheduler import Scheduler
 from sparsekv.kv_cache.manager import KVCacheManager
+from sparsekv.kv_cache.storage import page_bytes
 from sparsekv.models.prepack import can_prepack, prepack_linears
 from sparsekv.models.registry import build_model
 from sparsekv.runner.model_runner import ModelRunner
@@ -83,10 +87,31 @@ def available_memory_bytes() -> int | None:
     return None
 
 
-def side_state_bytes(config: EngineConfig, num_layers: int, num_heads: int, head_dim: int) -> int:
-    """Host memory reserved for stored window queries of ``max_num_seqs`` requests (fp32)."""
-    window = config.compression.window
-    return config.scheduler.max_num_seqs * num_layers * num_heads * window * head_dim * 4
+def side_state_bytes(
+    config: EngineConfig, num_layers: int, num_heads: int, head_dim: int, num_kv_heads: int = 0
+) -> int:
+    """Host memory reserved for ``max_num_seqs`` requests' stored window queries (fp32) and,
+    with int4 pages, their full-precision residuals (< ``block_size`` slots per layer, fp32)."""
+    per_layer = num_heads * config.compression.window * head_dim * 4
+    if config.cache.kv_cache_dtype == "int4":
+        per_layer += 2 * num_kv_heads * config.cache.block_size * head_dim * 4
+    return config.scheduler.max_num_seqs * num_layers * per_layer
+
+
+def full_precision_layers(config: EngineConfig, num_layers: int) -> list[int]:
+    """Layers kept at full precision (none unless the format is quantized).
+
+    Raises:
+        ValueError: a layer index past the model's layers.
+    """
+    layers = sorted(set(config.cache.kv_cache_full_precision_layers or ()))
+    if config.cache.kv_cache_dtype == "auto":
+        return []
+    if layers and layers[-1] >= num_layers:
+        raise ValueError(
+            f"kv_cache_full_precision_layers: layer {layers[-1]} but the model has {num_layers}"
+        )
+    return layers
 
 
 def num_pool_pages(
@@ -96,14 +121,22 @@ def num_pool_pages(
     num_kv_heads: int,
     head_dim: int,
     dtype: torch.dtype,
-) -> int:
-    """Pages that fit in ``kv_cache_memory`` after the side-state reservation.
+) -> int | tuple[int, int]:
+    """Pages that fit in ``kv_cache_memory`` after the side-state reservation: one count, or
+    (quantized pages, full-precision pages) when some layers stay at full precision.
 
     Raises:
         ValueError: the size exceeds 80% of available RAM or leaves no room for pages.
     """
+    num_full = len(full_precision_layers(config, num_layers))
     if config.cache.num_pages is not None:
-        return config.cache.num_pages
+        if not num_full:
+            return config.cache.num_pages
+        # An exact pool for tests: split by layer count, at least one page per layer each.
+        quantized = config.cache.num_pages * (num_layers - num_full) // num_layers
+        return max(quantized, num_layers - num_full), max(
+            config.cache.num_pages - quantized, num_full
+        )
     total = int(config.cache.kv_cache_memory * GIB)
     available = available_memory_bytes()
     if available is not None and total > 0.8 * available:
@@ -111,10 +144,21 @@ def num_pool_pages(
             f"kv_cache_memory: {config.cache.kv_cache_memory} GiB exceeds 80% of the "
             f"{available / GIB:.1f} GiB of available memory"
         )
-    element = torch.empty((), dtype=dtype).element_size()
-    page_bytes = 2 * num_kv_heads * config.cache.block_size * head_dim * element
-    side = side_state_bytes(config, num_layers, num_heads, head_dim)
-    pages = (total - min(side, total // 4)) // page_bytes
+    geometry = (num_kv_heads, config.cache.block_size, head_dim, dtype)
+    quantized_bytes = page_bytes(config.cache.kv_cache_dtype, *geometry)
+    side = side_state_bytes(config, num_layers, num_heads, head_dim, num_kv_heads)
+    budget = total - min(side, total // 4)
+    if num_full:
+        # Pages per layer are equal in both pools: n * (Lq * bytes_q + Lf * bytes_f) = budget.
+        full_bytes = page_bytes("auto", *geometry)
+        per_layer = budget // ((num_layers - num_full) * quantized_bytes + num_full * full_bytes)
+        if per_layer < 1:
+            raise ValueError(
+                f"kv_cache_memory: {config.cache.kv_cache_memory} GiB holds fewer than one "
+                f"page per layer ({num_layers})"
+            )
+        return int(per_layer * (num_layers - num_full)), int(per_layer * num_full)
+    pages = budget // quantized_bytes
     if pages < num_layers:
         raise ValueError(
             f"kv_cache_memory: {config.cache.kv_cache_memory} GiB holds {pages} pages, "
@@ -166,6 +210,8 @@ def build_engine_parts(config: EngineConfig, checkpoint=None) -> EngineParts:
         config.scheduler.max_num_batched_tokens,
         enable_prefix_caching=prefix_caching,
         prefix_cache_uncompressed=config.cache.prefix_cache_uncompressed,
+        kv_cache_dtype=config.cache.kv_cache_dtype,
+        full_precision_layers=full_precision_layers(config, len(specs)),
     )
     context = getattr(hf_config, "max_position_embeddings", None) or 2048
     max_model_len = min(config.model.max_model_len or context, context)

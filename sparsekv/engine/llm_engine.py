@@ -105,13 +105,13 @@ class LLMEngine:
             decode_eviction=policy.decode_eviction if policy else True,
             bounded_chunks=policy is not None and policy.chunked_mode == "bounded",
         )
-        peak = self.kv.peak_pages(budgets, len(prompt_token_ids), params.max_tokens, kv_policy)
-        if peak > self.kv.num_total_pages:
-            raise ValueError(
-                f"max_tokens: the request needs {peak} KV pages at its peak but the pool has "
-                f"{self.kv.num_total_pages}; shorten the prompt or max_tokens, or raise "
-                "--kv-cache-memory"
-            )
+        peaks = self.kv.peak_pages(budgets, len(prompt_token_ids), params.max_tokens, kv_policy)
+        for peak, size in zip(peaks, self.kv.pool.kind_sizes):
+            if peak > size:
+                raise ValueError(
+                    f"max_tokens: the request needs {peak} KV pages at its peak but the pool "
+                    f"has {size}; shorten the prompt or max_tokens, or raise --kv-cache-memory"
+                )
         samples = []
         for index in range(params.n):
             sample_id = request_id if params.n == 1 else f"{request_id}#{index}"

@@ -147,8 +147,7 @@ class Scheduler:
             watermark = self.config.watermark_pages if self.running else 0
             swapped_in = False
             if self.kv.get(request.request_id).is_swapped:
-                needed = self.kv.num_swap_in_pages(request.request_id) + self.kv.num_layers
-                if needed + watermark > self.kv.num_free_pages:
+                if not self.kv.can_swap_in(request.request_id, watermark):
                     return
                 self.kv.swap_in(request.request_id)
                 swapped_in, watermark = True, 0

@@ -8,60 +8,90 @@ A page may carry one extra reference held by the prefix cache (``cache_ref``). A
 only reference is the cache's is *reclaimable*: it holds cached K/V nobody uses right now, and
 ``allocate`` takes it back (through the evictor the prefix cache installs) when the free list
 runs short. Free + reclaimable pages are what admission may count on.
+
+A pool may hold several *kinds* of pages (CONTRACTS.md §2: layers kept at full precision while
+the others store quantized K/V draw from a second pool): kind ``k`` owns the contiguous page
+ids ``[start_k, start_k + size_k)``, with its own free list; a layer always allocates from its
+kind, and reference counts and caching work on the global ids.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 
 class BlockPool:
-    """Free list of ``num_pages`` page ids with per-page reference counts.
+    """Free lists of page ids (one per kind) with per-page reference counts.
 
     Args:
-        num_pages: pages in the pool.
+        num_pages: pages in the pool, or the page count of each kind (kind 0 first).
 
     Invariants: a page is in the free list if and only if its reference count is zero; a cached
     page's count includes the cache's reference; ``num_reclaimable_pages`` is the number of
     cached pages whose count is exactly 1.
     """
 
-    def __init__(self, num_pages: int) -> None:
-        if num_pages <= 0:
-            raise ValueError(f"kv_cache_memory: the pool holds no page (num_pages={num_pages})")
-        self.num_pages = num_pages
-        self._free: deque[int] = deque(range(num_pages))
-        self._ref_counts = [0] * num_pages
-        self._cached = [False] * num_pages
-        self.num_reclaimable_pages = 0
-        self._evict: Callable[[int], int] | None = None
+    def __init__(self, num_pages: int | Sequence[int]) -> None:
+        sizes = [num_pages] if isinstance(num_pages, int) else list(num_pages)
+        if not sizes or any(size <= 0 for size in sizes):
+            raise ValueError(f"kv_cache_memory: a page pool holds no page (num_pages={sizes})")
+        self.kind_sizes = sizes
+        self.kind_starts = [sum(sizes[:k]) for k in range(len(sizes))]
+        self.num_pages = sum(sizes)
+        self._free: list[deque[int]] = [
+            deque(range(start, start + size)) for start, size in zip(self.kind_starts, sizes)
+        ]
+        self._ref_counts = [0] * self.num_pages
+        self._cached = [False] * self.num_pages
+        self._reclaimable = [0] * len(sizes)
+        self._evict: Callable[[int, int], int] | None = None
+
+    @property
+    def num_kinds(self) -> int:
+        return len(self.kind_sizes)
+
+    def kind_of(self, page: int) -> int:
+        return bisect_right(self.kind_starts, page) - 1
 
     @property
     def num_free_pages(self) -> int:
-        """Pages on the free list (reclaimable cached pages not included)."""
-        return len(self._free)
+        """Pages on the free lists (reclaimable cached pages not included), all kinds."""
+        return sum(len(free) for free in self._free)
+
+    @property
+    def num_reclaimable_pages(self) -> int:
+        """Cached pages nobody but the cache holds, all kinds."""
+        return sum(self._reclaimable)
+
+    def num_available(self, kind: int = 0) -> int:
+        """Free plus reclaimable pages of one kind: what an allocation of that kind can get."""
+        return len(self._free[kind]) + self._reclaimable[kind]
 
     @property
     def num_used_pages(self) -> int:
-        return self.num_pages - len(self._free)
+        return self.num_pages - self.num_free_pages
 
-    def set_evictor(self, evict: Callable[[int], int]) -> None:
-        """Install ``evict(num_pages) -> pages freed``, called when the free list runs short."""
+    def set_evictor(self, evict: Callable[[int, int], int]) -> None:
+        """Install ``evict(num_pages, kind) -> pages of that kind freed``, called when a free
+        list runs short."""
         self._evict = evict
 
-    def allocate(self, count: int) -> list[int]:
-        """Take ``count`` free pages (reference count 1 each), evicting cached groups if needed.
+    def allocate(self, count: int, kind: int = 0) -> list[int]:
+        """Take ``count`` free pages of ``kind`` (reference count 1 each), evicting cached
+        groups if needed.
 
         Raises:
-            RuntimeError: fewer than ``count`` pages are free or reclaimable (callers check
-                first).
+            RuntimeError: fewer than ``count`` pages of the kind are free or reclaimable
+                (callers check first).
         """
-        if count > len(self._free) and self._evict is not None:
-            self._evict(count - len(self._free))
-        if count > len(self._free):
-            raise RuntimeError(f"page pool exhausted: asked {count}, free {len(self._free)}")
-        pages = [self._free.popleft() for _ in range(count)]
+        free = self._free[kind]
+        if count > len(free) and self._evict is not None:
+            self._evict(count - len(free), kind)
+        if count > len(free):
+            raise RuntimeError(f"page pool exhausted: asked {count}, free {len(free)}")
+        pages = [free.popleft() for _ in range(count)]
         for page in pages:
             self._ref_counts[page] = 1
         return pages
@@ -72,7 +102,7 @@ class BlockPool:
             count = self._ref_counts[page]
             assert count > 0, f"incref of free page {page}"
             if count == 1 and self._cached[page]:
-                self.num_reclaimable_pages -= 1
+                self._reclaimable[self.kind_of(page)] -= 1
             self._ref_counts[page] = count + 1
 
     def free(self, pages: list[int]) -> None:
@@ -83,9 +113,9 @@ class BlockPool:
             self._ref_counts[page] = count - 1
             if count == 1:
                 assert not self._cached[page], f"cached page {page} lost its cache reference"
-                self._free.append(page)
+                self._free[self.kind_of(page)].append(page)
             elif count == 2 and self._cached[page]:
-                self.num_reclaimable_pages += 1
+                self._reclaimable[self.kind_of(page)] += 1
 
     def cache_ref(self, pages: list[int]) -> None:
         """Add the prefix cache's reference to pages in use (at most one per page)."""
@@ -99,7 +129,7 @@ class BlockPool:
         for page in pages:
             assert self._cached[page], f"page {page} is not cached"
             if self._ref_counts[page] == 1:
-                self.num_reclaimable_pages -= 1
+                self._reclaimable[self.kind_of(page)] -= 1
             self._cached[page] = False
             self.free([page])
 
@@ -121,8 +151,10 @@ class BlockPool:
             AssertionError: a count differs from holders + cache, a held page is free, the
                 free list repeats a page, or the reclaimable count is off.
         """
-        free = list(self._free)
+        free = [page for kind_free in self._free for page in kind_free]
         _check(len(free) == len(set(free)), "the free list holds a page twice")
+        for kind, kind_free in enumerate(self._free):
+            _check(all(self.kind_of(p) == kind for p in kind_free), "a page in a wrong free list")
         free_set = set(free)
         reclaimable = 0
         for page in range(self.num_pages):

@@ -1,7 +1,7 @@
 """The KV manager: the facade the scheduler talks to (check/act pairs over the page pool).
 
-It owns the page storage tensor and the ``BlockPool``, and keeps one ``RequestKV`` per live
-request. For every step it plans, per layer, how many slots are held, how many new tokens are
+It owns the page storage (``kv_cache.storage``: one ``KVStorage`` per page kind, full
+precision or quantized) and the ``BlockPool``, and keeps one ``RequestKV`` per live request. For every step it plans, per layer, how many slots are held, how many new tokens are
 written and whether the layer compresses (CONTRACTS.md §1-§2), allocates exactly the pages
 that plan needs, and after the step trims what compression or a sliding window released.
 """
@@ -19,6 +19,7 @@ from sparsekv.kv_cache.plan import KVPolicy, LayerPlan, LayerStep, plan_layer
 from sparsekv.kv_cache.prefix_cache import PrefixCache
 from sparsekv.kv_cache.request_kv import LayerKV, RequestKV
 from sparsekv.kv_cache.spec import LayerSpec, cdiv
+from sparsekv.kv_cache.storage import KVStorage, make_storage
 
 __all__ = ["KVCacheManager", "KVPolicy", "LayerStep"]
 
@@ -28,16 +29,24 @@ class KVCacheManager:
 
     Args:
         layer_specs: one spec per model layer.
-        num_pages: pages in the pool.
+        num_pages: pages in the pool; with ``full_precision_layers``, a pair (quantized pages,
+            full-precision pages).
         block_size: slots per page.
         num_kv_heads, head_dim: per-layer KV shape (same for all layers).
-        dtype: page storage dtype.
+        dtype: the model's compute dtype (page storage dtype for ``auto``).
         device: where pages live.
         max_num_batched_tokens: step token budget (bounds a sliding layer's transient growth).
         enable_prefix_caching: share full pages of identical prefixes through a
             ``PrefixCache`` (the caller keeps it off for models with sliding-window layers).
         prefix_cache_uncompressed: at a compressing prefill, also keep the budgeted layers'
             uncompressed prompt pages in the prefix cache while the pool has room.
+        kv_cache_dtype: page format, ``auto`` (= ``dtype``), ``int8``, ``fp8`` or ``int4``.
+        full_precision_layers: layers whose pages stay in ``dtype`` when the format is
+            quantized; they draw from a second pool (page kind 1).
+
+    Raises:
+        ValueError: an unknown format, a layer index out of range, or ``num_pages`` that does
+            not match the number of page kinds.
     """
 
     def __init__(
@@ -52,13 +61,27 @@ class KVCacheManager:
         max_num_batched_tokens: int = 4096,
         enable_prefix_caching: bool = False,
         prefix_cache_uncompressed: bool = False,
+        kv_cache_dtype: str = "auto",
+        full_precision_layers: Sequence[int] = (),
     ) -> None:
         self.layer_specs = layer_specs
         self.block_size = block_size
-        self.pool = BlockPool(num_pages)
-        self.kv_pool = torch.zeros(
-            (num_pages, 2, num_kv_heads, block_size, head_dim), dtype=dtype, device=device
-        )
+        full = sorted(set(full_precision_layers)) if kv_cache_dtype != "auto" else []
+        if any(not 0 <= layer < len(layer_specs) for layer in full):
+            raise ValueError(
+                f"kv_cache_full_precision_layers: {full} out of range for {len(layer_specs)} layers"
+            )
+        formats = [kv_cache_dtype] + (["auto"] if full else [])
+        sizes = [num_pages] if isinstance(num_pages, int) else list(num_pages)
+        if len(sizes) != len(formats):
+            raise ValueError(f"num_pages: {len(formats)} page kinds need {len(formats)} sizes")
+        self.pool = BlockPool(sizes)
+        self.storages: list[KVStorage] = [
+            make_storage(fmt, size, start, num_kv_heads, block_size, head_dim, dtype, device)
+            for fmt, size, start in zip(formats, sizes, self.pool.kind_starts)
+        ]
+        self.layer_kinds = [int(layer in full) for layer in range(len(layer_specs))]
+        self.kv_cache_dtype = kv_cache_dtype
         self.max_num_batched_tokens = max_num_batched_tokens
         self._requests: dict[str, RequestKV] = {}
         self._policies: dict[str, KVPolicy] = {}
@@ -79,6 +102,28 @@ class KVCacheManager:
     def num_total_pages(self) -> int:
         return self.pool.num_pages
 
+    def storage(self, layer: int) -> KVStorage:
+        """The page storage a layer's block table indexes."""
+        return self.storages[self.layer_kinds[layer]]
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page of the main kind (codes and scales)."""
+        return self.storages[0].page_bytes
+
+    def _fits(self, needed: list[int], watermark: int = 0) -> bool:
+        """Whether every kind has ``needed[k] + watermark`` free or reclaimable pages."""
+        return all(
+            need == 0 or need + watermark <= self.pool.num_available(kind)
+            for kind, need in enumerate(needed)
+        )
+
+    def _by_kind(self, per_layer: Sequence[int]) -> list[int]:
+        totals = [0] * self.pool.num_kinds
+        for kind, count in zip(self.layer_kinds, per_layer):
+            totals[kind] += count
+        return totals
+
     def register(self, request_id: str, budgets: list[int | None], policy: KVPolicy) -> None:
         """Create empty per-layer state; ``budgets[l]`` is None for never-compressed layers."""
         layers = [LayerKV(budget=b) for b in budgets]
@@ -94,18 +139,25 @@ class KVCacheManager:
     # ----------------------------------------------------------------- footprint
     def peak_pages(
         self, budgets: list[int | None], num_prompt_tokens: int, max_tokens: int, policy: KVPolicy
-    ) -> int:
-        """Peak pages a request can hold (CONTRACTS.md §2), for the never-fits check."""
-        return peak_request_pages(
-            self.layer_specs,
-            budgets,
-            num_prompt_tokens,
-            max_tokens,
-            self.block_size,
-            self.max_num_batched_tokens,
-            decode_eviction=policy.decode_eviction,
-            bounded_chunks=policy.bounded_chunks,
-        )
+    ) -> list[int]:
+        """Peak pages a request can hold per page kind (CONTRACTS.md §2), for the never-fits
+        check against ``pool.kind_sizes``."""
+        peaks = []
+        for kind in range(self.pool.num_kinds):
+            layers = [i for i, k in enumerate(self.layer_kinds) if k == kind]
+            peaks.append(
+                peak_request_pages(
+                    [self.layer_specs[i] for i in layers],
+                    [budgets[i] for i in layers],
+                    num_prompt_tokens,
+                    max_tokens,
+                    self.block_size,
+                    self.max_num_batched_tokens,
+                    decode_eviction=policy.decode_eviction,
+                    bounded_chunks=policy.bounded_chunks,
+                )
+            )
+        return peaks
 
     def may_compact(self, request_id: str, num_prompt_tokens: int, max_tokens: int) -> bool:
         """Whether any budgeted layer of the request can ever compact (``budget.may_compact``)."""
@@ -147,25 +199,28 @@ class KVCacheManager:
                 for p, s in zip(plans, kv.layers)
             ]
             reserve = self.num_layers * len(self._requests)
-            if self._pages_needed(kv, wide) + reserve <= self.num_free_pages:
+            if self._fits(self._pages_needed(kv, wide), reserve):
                 return wide
         return plans
 
     def _is_shared(self, state: LayerKV) -> bool:
         return any(self.pool.ref_count(page) > 1 for page in state.block_table)
 
-    def _pages_needed(self, kv: RequestKV, plans: list[LayerPlan]) -> int:
-        return sum(
-            plan.pages_needed(len(state.block_table), self.block_size)
-            for plan, state in zip(plans, kv.layers)
+    def _pages_needed(self, kv: RequestKV, plans: list[LayerPlan]) -> list[int]:
+        """Pages the plans add, per page kind."""
+        return self._by_kind(
+            [
+                plan.pages_needed(len(state.block_table), self.block_size)
+                for plan, state in zip(plans, kv.layers)
+            ]
         )
 
     def num_pages_needed(
         self, request_id: str, num_new: int, completes_prompt: bool, in_prefill: bool
     ) -> int:
-        """Pages the step would add for this request (check half of ``allocate``)."""
+        """Pages the step would add for this request, all kinds (check half of ``allocate``)."""
         plans = self._plans(request_id, num_new, completes_prompt, in_prefill)
-        return self._pages_needed(self._requests[request_id], plans)
+        return sum(self._pages_needed(self._requests[request_id], plans))
 
     def can_allocate(
         self,
@@ -175,8 +230,8 @@ class KVCacheManager:
         in_prefill: bool,
         watermark: int = 0,
     ) -> bool:
-        needed = self.num_pages_needed(request_id, num_new, completes_prompt, in_prefill)
-        return needed + watermark <= self.num_free_pages
+        plans = self._plans(request_id, num_new, completes_prompt, in_prefill)
+        return self._fits(self._pages_needed(self._requests[request_id], plans), watermark)
 
     def allocate(
         self, request_id: str, num_new: int, completes_prompt: bool, in_prefill: bool
@@ -191,12 +246,13 @@ class KVCacheManager:
         kv = self._requests[request_id]
         plans = self._plans(request_id, num_new, completes_prompt, in_prefill, widen=True)
         steps = []
-        for state, plan in zip(kv.layers, plans):
+        for kind, state, plan in zip(self.layer_kinds, kv.layers, plans):
             extra = cdiv(plan.capacity, self.block_size) - len(state.block_table)
             if extra > 0:
-                state.block_table.extend(self.pool.allocate(extra))
+                state.block_table.extend(self.pool.allocate(extra, kind))
             if plan.fresh_compact:
-                state.compact_table = self.pool.allocate(cdiv(plan.compress_to, self.block_size))
+                num = cdiv(plan.compress_to, self.block_size)
+                state.compact_table = self.pool.allocate(num, kind)
             steps.append(
                 LayerStep(
                     block_table=state.block_table,
@@ -309,33 +365,38 @@ class KVCacheManager:
         self._drop_tables(kv)
         for state in kv.layers:
             state.num_slots = state.first_slot = state.num_evicted = 0
-            state.recent_queries = state.accumulated = None
+            state.recent_queries = state.accumulated = state.residual = None
 
     def swap_out(self, request_id: str) -> None:
         """Copy the request's pages to host memory and drop its references (bit-exact round
-        trip; shared pages are copied like any other and stay with their other holders)."""
+        trip, codes and scales; shared pages are copied like any other and stay with their
+        other holders; int4 residuals stay in the layer state)."""
         kv = self._requests[request_id]
-        copies = [self._read_pages(state.block_table).to("cpu", copy=True) for state in kv.layers]
+        copies = [
+            self.storage(layer).read_pages(state.block_table)
+            for layer, state in enumerate(kv.layers)
+        ]
         self._drop_tables(kv)
         kv.swapped_pages = copies
 
+    def _swap_in_needed(self, kv: RequestKV) -> list[int]:
+        return self._by_kind([copy[0].shape[0] for copy in kv.swapped_pages or []])
+
     def num_swap_in_pages(self, request_id: str) -> int:
-        kv = self._requests[request_id]
-        return sum(copy.shape[0] for copy in kv.swapped_pages or [])
+        return sum(self._swap_in_needed(self._requests[request_id]))
+
+    def can_swap_in(self, request_id: str, watermark: int = 0) -> bool:
+        """Whether the swapped request's pages, plus one page per layer for its next step and
+        ``watermark``, fit in every kind."""
+        needed = self._swap_in_needed(self._requests[request_id])
+        for kind in self.layer_kinds:
+            needed[kind] += 1
+        return self._fits(needed, watermark)
 
     def swap_in(self, request_id: str) -> None:
         """Restore a swapped request's pages into freshly allocated (private) pages."""
         kv = self._requests[request_id]
-        for state, copy in zip(kv.layers, kv.swapped_pages):
-            state.block_table = self.pool.allocate(copy.shape[0])
-            if state.block_table:
-                index = self._index(state.block_table)
-                self.kv_pool.index_copy_(0, index, copy.to(self.kv_pool.device))
+        for layer, (state, copy) in enumerate(zip(kv.layers, kv.swapped_pages)):
+            state.block_table = self.pool.allocate(copy[0].shape[0], self.layer_kinds[layer])
+            self.storage(layer).write_pages(state.block_table, copy)
         kv.swapped_pages = None
-
-    def _index(self, pages: list[int]) -> torch.Tensor:
-        return torch.tensor(pages, dtype=torch.long, device=self.kv_pool.device)
-
-    def _read_pages(self, pages: list[int]) -> torch.Tensor:
-        """``[len(pages), 2, num_kv_heads, block_size, head_dim]`` copy of the pages."""
-        return self.kv_pool.index_select(0, self._index(pages))

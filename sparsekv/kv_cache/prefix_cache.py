@@ -160,20 +160,22 @@ class PrefixCache:
                     found[digest] = self._groups[digest].index
         self.touch(sorted(found, key=lambda d: found[d], reverse=True))
 
-    def evict_pages(self, num_pages: int) -> int:
+    def evict_pages(self, num_pages: int, kind: int = 0) -> int:
         """Evict least recently used groups that hold reclaimable pages (held by the cache
-        alone) until ``num_pages`` pages are freed or no such group is left.
+        alone) of page kind ``kind`` until ``num_pages`` such pages are freed or no such group
+        is left.
 
         Returns:
-            Pages freed (groups whose pages are all in block tables are kept: evicting them
-            would free nothing).
+            Pages of the kind freed (groups whose pages are all in block tables are kept:
+            evicting them would free nothing).
         """
         freed = 0
+        pool = self.pool
         for digest in list(self._groups):
             if freed >= num_pages:
                 break
             pages = self._groups[digest].pages
-            num = sum(1 for page in pages if self.pool.ref_count(page) == 1)
+            num = sum(1 for p in pages if pool.ref_count(p) == 1 and pool.kind_of(p) == kind)
             if num:
                 self.evict(digest)
                 freed += num
@@ -181,7 +183,7 @@ class PrefixCache:
 
     def evict_one(self) -> bool:
         """Evict the least recently used group holding a reclaimable page; False if none."""
-        return self.evict_pages(1) > 0
+        return any(self.evict_pages(1, kind) for kind in range(self.pool.num_kinds))
 
     def evict(self, digest: bytes) -> None:
         """Drop one group and the cache reference of each of its pages."""

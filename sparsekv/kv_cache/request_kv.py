@@ -27,6 +27,9 @@ class LayerKV:
         accumulated: ``[num_kv_heads, num_held]`` fp32 attention mass per slot (H2O).
         compact_table: fresh pages allocated for a compaction in flight (copy-on-write); they
             replace ``block_table`` when the step commits.
+        residual: int4 pages only: keys and values ``[num_kv_heads, num_held % block_size,
+            head_dim]`` (compute dtype) of the partial last page, kept at full precision until
+            the page is full and quantized (KIVI's recent tokens; ``kv_cache.storage``).
     """
 
     block_table: list[int] = field(default_factory=list)
@@ -37,6 +40,7 @@ class LayerKV:
     recent_queries: torch.Tensor | None = None
     accumulated: torch.Tensor | None = None
     compact_table: list[int] | None = None
+    residual: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_held(self) -> int:
@@ -49,12 +53,13 @@ class RequestKV:
 
     Attributes:
         layers: one ``LayerKV`` per model layer.
-        swapped_pages: per layer, ``[num_blocks, 2, num_kv_heads, block_size, head_dim]`` host
-            copies of the pages while the request is swapped out, else ``None``.
+        swapped_pages: per layer, host copies of the pages' tensors (codes, then scales for
+            quantized formats; leading dimension = pages) while the request is swapped out,
+            else ``None``.
     """
 
     layers: list[LayerKV]
-    swapped_pages: list[torch.Tensor] | None = None
+    swapped_pages: list[tuple[torch.Tensor, ...]] | None = None
 
     @property
     def is_swapped(self) -> bool:

@@ -84,7 +84,8 @@ class ModelRunner:
             )
             start += item.num_new_tokens
         metadata = build_metadata(slices, len(self.layer_specs), self.kv.block_size, self.device)
-        ctx = PagedAttention(self.kv.kv_pool, metadata, self.layer_specs, self.logit_softcap)
+        storages = [self.kv.storage(layer) for layer in range(len(self.layer_specs))]
+        ctx = PagedAttention(storages, metadata, self.layer_specs, self.logit_softcap)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(ids, pos, ctx)

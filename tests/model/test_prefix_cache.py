@@ -50,7 +50,7 @@ def cold(make_engine, checkpoint, prompts, **kw) -> dict:
 
 def cached_content(engine) -> dict[bytes, torch.Tensor]:
     """Digest -> copy of the K/V of every page of the group (all layers)."""
-    pool = engine.kv.kv_pool
+    pool = engine.kv.storages[0].tensors[0]
     return {g.digest: pool[g.pages].clone() for g in engine.kv.prefix_cache.groups()}
 
 
