@@ -112,6 +112,9 @@ def make_engine(smollm2_tokenizer):
         block_size=16,
         prefix_caching=True,
         prefix_cache_uncompressed=False,
+        kv_cache_dtype="auto",
+        full_precision_layers=None,
+        dtype="float32",
         **sched,
     ):
         sched.setdefault("watermark_pages", 0)
@@ -121,9 +124,11 @@ def make_engine(smollm2_tokenizer):
             num_pages=num_pages,
             enable_prefix_caching=prefix_caching,
             prefix_cache_uncompressed=prefix_cache_uncompressed,
+            kv_cache_dtype=kv_cache_dtype,
+            kv_cache_full_precision_layers=full_precision_layers,
         )
         config = EngineConfig(
-            model=ModelConfig(dtype="float32"),
+            model=ModelConfig(dtype=dtype),
             cache=cache,
             compression=compression or CompressionConfig(method="none"),
             scheduler=SchedulerConfig(**sched),

@@ -14,7 +14,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "throughput": ("sparsekv.bench.throughput", "offline throughput of a random-token batch"),
     "compression": ("sparsekv.bench.compression", "full cache vs compressed under a small pool"),
     "fidelity": ("sparsekv.bench.fidelity", "greedy agreement and KL vs the full cache"),
-    "kv-quant": ("sparsekv.bench.kv_quant", "KV formats (int8, fp8, int4): memory, speed, fidelity"),
+    "kv-quant": (
+        "sparsekv.bench.kv_quant",
+        "KV formats (int8, fp8, int4): memory, speed, fidelity",
+    ),
     "kernels": ("sparsekv.bench.kernels", "attention kernel timings"),
     "gemma-paging": ("sparsekv.bench.gemma_paging", "Gemma 3 sliding-window paging"),
     "serve": ("sparsekv.bench.serve", "load generator against an OpenAI-compatible server"),

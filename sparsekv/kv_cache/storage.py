@@ -195,7 +195,9 @@ class KVStorage:
 
 
 class ScaledStorage(KVStorage):
-    """int8 or fp8 codes with one fp32 scale per (page, K/V, head, slot)."""
+    """int8 or fp8 codes with one fp32 scale per (page, K/V, head, slot). fp8 codes are kept
+    as their uint8 bit patterns (CPU copy kernels lack float8); ``codes`` views them as
+    ``float8_e4m3fn``."""
 
     def __init__(self, kv_cache_dtype: str, *args, **kwargs) -> None:
         self.kv_cache_dtype = kv_cache_dtype
@@ -203,8 +205,8 @@ class ScaledStorage(KVStorage):
             self._quantize, self._dequantize = quant.quantize_int8, quant.dequantize_int8
             self._code_dtype = torch.int8
         else:
-            self._quantize, self._dequantize = quant.quantize_fp8, quant.dequantize_fp8
-            self._code_dtype = quant.FP8_DTYPE
+            self._quantize, self._dequantize = _quantize_fp8_bits, _dequantize_fp8_bits
+            self._code_dtype = torch.uint8
         super().__init__(*args, **kwargs)
 
     def _allocate(self) -> list[torch.Tensor]:
@@ -215,7 +217,9 @@ class ScaledStorage(KVStorage):
 
     @property
     def codes(self) -> torch.Tensor:
-        return self.tensors[0]
+        """``[num_pages, 2, num_kv_heads, block_size, head_dim]`` int8 or float8_e4m3fn."""
+        codes = self.tensors[0]
+        return codes.view(quant.FP8_DTYPE) if self.kv_cache_dtype == "fp8" else codes
 
     @property
     def scales(self) -> torch.Tensor:
@@ -224,7 +228,7 @@ class ScaledStorage(KVStorage):
     def _scatter(self, local_slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         key_codes, key_scales = self._quantize(key)
         value_codes, value_scales = self._quantize(value)
-        write_kv(self.codes, local_slots, key_codes, value_codes)
+        write_kv(self.tensors[0], local_slots, key_codes, value_codes)
         write_kv(
             self.scales[..., None], local_slots, key_scales[..., None], value_scales[..., None]
         )
@@ -235,14 +239,14 @@ class ScaledStorage(KVStorage):
         local = [page - self.page_offset for page in table]
         key_codes, key_scales = self._quantize(key)
         value_codes, value_scales = self._quantize(value)
-        write_leading_slots(self.codes, local, key_codes, value_codes)
+        write_leading_slots(self.tensors[0], local, key_codes, value_codes)
         write_leading_slots(
             self.scales[..., None], local, key_scales[..., None], value_scales[..., None]
         )
 
     def dequantize_pages(self, index: torch.Tensor) -> torch.Tensor:
         """``[len(index), 2, num_kv_heads, block_size, head_dim]`` pages in the compute dtype."""
-        codes = self.codes.index_select(0, index)
+        codes = self.tensors[0].index_select(0, index)
         return self._dequantize(codes, self.scales.index_select(0, index), self.dtype)
 
     def gather(
@@ -402,6 +406,15 @@ class Int4Storage(KVStorage):
             logit_softcap=logit_softcap,
             return_attn_mass=return_attn_mass,
         )
+
+
+def _quantize_fp8_bits(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    codes, scale = quant.quantize_fp8(x)
+    return codes.view(torch.uint8), scale
+
+
+def _dequantize_fp8_bits(bits: torch.Tensor, scale: torch.Tensor, dtype) -> torch.Tensor:
+    return quant.dequantize_fp8(bits.view(quant.FP8_DTYPE), scale, dtype)
 
 
 def _materialize(dequantize_pages, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
