@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 
@@ -14,7 +15,7 @@ from sparsekv.config import (
     ModelConfig,
 )
 from sparsekv.engine.llm_engine import LLMEngine
-from sparsekv.engine.prompts import Prompt, encode_prompt
+from sparsekv.engine.prompts import Prompt, chat_context_tokens, encode_prompt
 from sparsekv.outputs import RequestOutput
 from sparsekv.sampling_params import SamplingParams
 
@@ -78,6 +79,7 @@ class LLM:
         params = _broadcast(sampling_params or SamplingParams(), len(prompt_list), "sampling")
         policies = _broadcast(kv_compression, len(prompt_list), "kv_compression")
         encoded = [encode_prompt(self.tokenizer, p) for p in prompt_list]
+        policies = [self._chat_context(p, t, c) for p, t, c in zip(prompt_list, encoded, policies)]
         ids = [f"offline-{next(self._ids)}" for _ in encoded]
         added = []
         try:
@@ -89,6 +91,19 @@ class LLM:
                 self.engine.abort_request(request_id)
             raise
         return self._run(ids, use_tqdm)
+
+    def _chat_context(self, prompt, tokens: list[int], policy):
+        """A chat prompt under scope ``context`` gets its context length (the tokens before
+        the last user message) unless the policy names one; none at all: no compression."""
+        if not (isinstance(prompt, list) and prompt and isinstance(prompt[0], dict)):
+            return policy
+        resolved = self.engine.resolve_compression(policy)
+        if resolved is None or resolved.scope != "context" or resolved.context_tokens:
+            return policy
+        context = chat_context_tokens(self.tokenizer, prompt, tokens)
+        if context == 0:
+            return CompressionConfig(method="none")
+        return dataclasses.replace(resolved, context_tokens=context)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

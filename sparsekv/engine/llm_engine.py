@@ -7,8 +7,10 @@ goes on (CONTRACTS.md §5).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
+from array import array
 
 import torch
 
@@ -98,14 +100,21 @@ class LLMEngine:
         self._check_prompt(prompt_token_ids)
         params.validate(max_model_len=self.max_model_len, num_prompt_tokens=len(prompt_token_ids))
         policy = self.resolve_compression(compression)
-        budgets = self._budgets(policy, len(prompt_token_ids))
+        num_prompt = len(prompt_token_ids)
+        context_len = _context_len(policy, num_prompt)
+        budgets = self._budgets(policy, num_prompt if context_len is None else context_len)
         if all(b is None for b in budgets):
-            policy = None
+            policy = context_len = None
         kv_policy = KVPolicy(
             decode_eviction=policy.decode_eviction if policy else True,
             bounded_chunks=policy is not None and policy.chunked_mode == "bounded",
         )
-        peaks = self.kv.peak_pages(budgets, len(prompt_token_ids), params.max_tokens, kv_policy)
+        compressed_len, later_tokens = num_prompt, params.max_tokens
+        if context_len is not None:
+            # Compressed once at the end of the context; the question and output stay whole.
+            kv_policy = KVPolicy(decode_eviction=False, bounded_chunks=False, context_only=True)
+            compressed_len, later_tokens = context_len, params.max_tokens + num_prompt - context_len
+        peaks = self.kv.peak_pages(budgets, compressed_len, later_tokens, kv_policy)
         for peak, size in zip(peaks, self.kv.pool.kind_sizes):
             if peak > size:
                 raise ValueError(
@@ -119,6 +128,9 @@ class LLMEngine:
                 sample_id, prompt_token_ids, params, policy, index, forced_token_ids
             )
             request.collect_logits = collect_logits
+            if context_len is not None:
+                request.context_len = context_len
+                request.context_key = _context_key(policy, budgets, prompt_token_ids, context_len)
             self.kv.register(sample_id, budgets, kv_policy)
             detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
             logprobs = [] if params.logprobs is not None else None
@@ -301,3 +313,46 @@ class LLMEngine:
             "pages_total": self.kv.num_total_pages,
             "compression_ratio": 0.0 if full == 0 else 1.0 - held / full,
         }
+
+
+def _context_len(policy: CompressionConfig | None, num_prompt: int) -> int | None:
+    """The shared context's length for scope ``context`` (else ``None``).
+
+    Raises:
+        ValueError: scope ``context`` without ``context_tokens``, or more context than prompt.
+    """
+    if policy is None or policy.scope != "context":
+        return None
+    if policy.context_tokens is None:
+        raise ValueError(
+            "kv_compression.context_tokens: scope 'context' needs the context length (chat "
+            "requests get it from the messages before the last user message)"
+        )
+    if policy.context_tokens > num_prompt:
+        raise ValueError(
+            f"kv_compression.context_tokens: {policy.context_tokens} exceeds the prompt's "
+            f"{num_prompt} tokens"
+        )
+    return policy.context_tokens
+
+
+def _context_key(
+    policy: CompressionConfig, budgets: list[int | None], token_ids: list[int], context_len: int
+) -> bytes | None:
+    """Key of a compressed context: its tokens, the per-layer budgets and every setting that
+    changes which tokens are kept. ``None`` (never shared) for the seeded ``random`` method and
+    for a context that is the whole prompt (the last prompt token must run to sample)."""
+    if policy.method == "random" or context_len >= len(token_ids):
+        return None
+    settings = (
+        policy.method,
+        tuple(budgets),
+        policy.window,
+        policy.pooling,
+        policy.kernel_size,
+        policy.gqa_agg,
+        policy.chunked_mode,
+    )
+    hasher = hashlib.blake2b(repr(settings).encode(), digest_size=16)
+    hasher.update(array("q", token_ids[:context_len]).tobytes())
+    return b"context:" + hasher.digest()

@@ -49,3 +49,26 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
     )
     # The template already carries any BOS; tokenizing without special tokens avoids a double.
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def chat_context_tokens(tokenizer, messages: list[dict], prompt_ids: Sequence[int]) -> int:
+    """Length of the shared context of a chat prompt (``kv_compression.scope = "context"``):
+    the tokens before the last user message, i.e. the longest common token prefix of
+    ``prompt_ids`` and the template rendering of the messages before it (no generation
+    prompt). 0 when the conversation has no earlier message.
+
+    Args:
+        tokenizer: the tokenizer ``prompt_ids`` came from (``render_chat``).
+        messages: the conversation (``{"role", "content"}`` dicts).
+        prompt_ids: ``render_chat(tokenizer, messages, ...)``.
+    """
+    last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=0)
+    if last_user == 0:
+        return 0
+    before = render_chat(tokenizer, messages[:last_user], add_generation_prompt=False)
+    common = 0
+    for a, b in zip(before, prompt_ids):
+        if a != b:
+            break
+        common += 1
+    return common

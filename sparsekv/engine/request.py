@@ -38,6 +38,12 @@ class Request:
         compressor: the request's compressor instance, or ``None`` for a full cache.
         kv_generator: random source of the ``random`` compressor.
         sample_index: index of this sample within its ``n > 1`` parent request.
+        context_len: ``kv_compression.scope = "context"``: the prompt's first ``context_len``
+            tokens are the shared context, compressed once when their prefill completes
+            (the prefill is cut there); the rest of the prompt and the output stay
+            uncompressed. ``None``: the whole prompt is compressed at its end.
+        context_key: key of the compressed context shared between requests with the same
+            context tokens and policy (``None``: not shared).
     """
 
     request_id: str
@@ -59,10 +65,25 @@ class Request:
     compressor: Any = None
     kv_generator: torch.Generator | None = None
     sample_index: int = 0
+    context_len: int | None = None
+    context_key: bytes | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def compression_end(self) -> int:
+        """Tokens whose prefill ends with the compression step (the context or the prompt)."""
+        return self.context_len if self.context_len is not None else self.num_prompt_tokens
+
+    def next_chunk(self, token_budget: int) -> int:
+        """Tokens of the next step under ``token_budget``: a prefill chunk never crosses
+        ``compression_end``, so compression runs exactly at the end of the context."""
+        num_new = min(self.num_tokens - self.num_computed_tokens, token_budget)
+        if self.num_computed_tokens < self.compression_end:
+            num_new = min(num_new, self.compression_end - self.num_computed_tokens)
+        return num_new
 
     @property
     def num_output_tokens(self) -> int:

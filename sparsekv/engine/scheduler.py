@@ -71,7 +71,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and token_budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            num_new = request.next_chunk(token_budget)
             if num_new <= 0:
                 index += 1
                 continue
@@ -90,7 +90,9 @@ class Scheduler:
 
     def _step_flags(self, request: Request, num_new: int) -> tuple[bool, bool]:
         in_prefill = request.num_computed_tokens < request.num_prompt_tokens
-        completes_prompt = request.num_computed_tokens + num_new == request.num_prompt_tokens
+        # "Completes the prompt" for compression: the end of the shared context with scope
+        # "context" (``Request.compression_end``).
+        completes_prompt = request.num_computed_tokens + num_new == request.compression_end
         return completes_prompt, in_prefill
 
     def _allocate(self, request: Request, num_new: int) -> ScheduledRequest:
@@ -173,7 +175,7 @@ class Scheduler:
                 token_budget -= num_new
 
     def _fits(self, request: Request, token_budget: int, watermark: int) -> tuple[int, bool]:
-        num_new = min(request.num_tokens - request.num_computed_tokens, token_budget)
+        num_new = request.next_chunk(token_budget)
         flags = self._step_flags(request, num_new)
         return num_new, self.kv.can_allocate(
             request.request_id, num_new, *flags, watermark=watermark
@@ -188,6 +190,14 @@ class Scheduler:
         kv = self.kv.get(request.request_id)
         if self.kv.prefix_cache is None or request.num_computed_tokens or kv.is_swapped:
             return None
+        if request.context_len is not None:
+            # Scope "context": share the compressed context, or compute it from scratch.
+            if request.context_key is None:
+                return 0
+            request.num_computed_tokens = self.kv.attach_context(
+                request.request_id, request.context_key
+            )
+            return request.num_computed_tokens
         max_tokens = request.sampling_params.max_tokens
         may_compact = self.kv.may_compact(request.request_id, request.num_prompt_tokens, max_tokens)
         limit = request.max_prefix_hit_tokens(may_compact)
@@ -211,6 +221,10 @@ class Scheduler:
             completes = before < request.num_prompt_tokens <= after
             cache_ids = request.prompt_token_ids if completes else None
             self.kv.commit(request.request_id, item.layers, cache_ids)
+            if request.context_key is not None and before < request.context_len <= after:
+                self.kv.publish_context(
+                    request.request_id, request.context_key, request.context_len
+                )
             request.num_computed_tokens = after
             request.num_preemptions = 0
 

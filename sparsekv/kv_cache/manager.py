@@ -16,7 +16,7 @@ from sparsekv.kv_cache import prefix_sharing as sharing
 from sparsekv.kv_cache.block_pool import BlockPool
 from sparsekv.kv_cache.budget import may_compact, peak_request_pages
 from sparsekv.kv_cache.plan import KVPolicy, LayerPlan, LayerStep, plan_layer
-from sparsekv.kv_cache.prefix_cache import PrefixCache
+from sparsekv.kv_cache.prefix_cache import ContextLayer, PrefixCache
 from sparsekv.kv_cache.request_kv import LayerKV, RequestKV
 from sparsekv.kv_cache.spec import LayerSpec, cdiv
 from sparsekv.kv_cache.storage import KVStorage, make_storage
@@ -193,6 +193,7 @@ class KVCacheManager:
             plans.append(plan)
         widen = widen and self.prefix_cache is not None and self.prefix_cache_uncompressed
         widen = widen and in_prefill and completes_prompt and not policy.bounded_chunks
+        widen = widen and not policy.context_only
         if widen and sharing.may_keep_uncompressed(self.pool, kv, plans, num_new, self.block_size):
             wide = [
                 p if p.compress_to is None else p.keeping_uncompressed(s.num_held + num_new)
@@ -325,6 +326,61 @@ class KVCacheManager:
         if self.prefix_cache is not None and kv is not None and not kv.is_swapped:
             sharing.offer_computed(self.prefix_cache, kv.layers, token_ids)
 
+    def publish_context(self, request_id: str, key: bytes, num_tokens: int) -> bool:
+        """Cache a request's just-compressed context (scope ``context``) for later requests
+        with the same key: the full pages of every layer are shared, each partial last page
+        and int4 residual copied out. Needs no page (nothing is allocated).
+
+        Returns:
+            Whether the context was cached (not when the key is cached, the cache is off, or
+            a page already belongs to a cached prefix).
+        """
+        if self.prefix_cache is None:
+            return False
+        kv = self._requests[request_id]
+        layers = []
+        for layer, state in enumerate(kv.layers):
+            if state.first_slot or state.compact_table is not None:
+                return False
+            num_full = state.num_held // self.block_size
+            tail = None
+            if state.num_held % self.block_size:
+                tail = self.storage(layer).read_pages([state.block_table[num_full]])
+            residual = _clone_pair(state.residual)
+            full = state.block_table[:num_full]
+            layers.append(ContextLayer(full, state.num_slots, state.num_evicted, tail, residual))
+        return self.prefix_cache.insert_context(key, num_tokens, layers)
+
+    def attach_context(self, request_id: str, key: bytes) -> int:
+        """Give an empty request the cached compressed context of ``key``: its full pages
+        (shared) and a private copy of each partial last page (one fresh page per layer).
+
+        Returns:
+            The context's length in tokens, or 0 (not cached, or no room for the copies);
+            undo with ``reset``.
+        """
+        entry = self.prefix_cache.lookup_context(key) if self.prefix_cache else None
+        if entry is None:
+            return 0
+        kv = self._requests[request_id]
+        assert all(not state.block_table for state in kv.layers), "attach to a non-empty request"
+        # Hold the shared pages first: the copies' allocation may evict cached groups.
+        for info in entry.layers:
+            self.pool.incref(info.full_pages)
+        if not self._fits(self._by_kind([int(info.tail is not None) for info in entry.layers])):
+            for info in entry.layers:
+                self.pool.free(info.full_pages)
+            return 0
+        for layer, (state, info) in enumerate(zip(kv.layers, entry.layers)):
+            table = list(info.full_pages)
+            if info.tail is not None:
+                table += self.pool.allocate(1, self.layer_kinds[layer])
+                self.storage(layer).write_pages(table[-1:], info.tail)
+            state.block_table = table
+            state.num_slots, state.num_evicted = info.num_slots, info.num_evicted
+            state.residual = _clone_pair(info.residual)
+        return entry.num_tokens
+
     def _release(self, tables: list[list[int]]) -> None:
         """Drop a request's reference on each page of ``tables`` (cached groups: tail first)."""
         if self.prefix_cache is not None:
@@ -400,3 +456,7 @@ class KVCacheManager:
             state.block_table = self.pool.allocate(copy[0].shape[0], self.layer_kinds[layer])
             self.storage(layer).write_pages(state.block_table, copy)
         kv.swapped_pages = None
+
+
+def _clone_pair(pair: tuple[torch.Tensor, torch.Tensor] | None):
+    return None if pair is None else (pair[0].clone(), pair[1].clone())

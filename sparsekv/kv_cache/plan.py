@@ -56,6 +56,7 @@ class KVPolicy:
 
     decode_eviction: bool = True
     bounded_chunks: bool = False
+    context_only: bool = False  # scope "context": compress once, at the end of the context
 
 
 @dataclass(frozen=True)

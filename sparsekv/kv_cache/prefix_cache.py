@@ -11,6 +11,11 @@ group is evictable while at least one of its pages is held by the cache alone (t
 the pool's *reclaimable* ones). Evicting drops the cache reference of every page of the group;
 pages still in a request's block table stay with the request. Requests release their groups
 tail first, so a prefix's tail is evicted before its head.
+
+*Compressed contexts* (``kv_compression.scope = "context"``) live in the same table and LRU
+order as groups keyed by the context's tokens and policy (``CachedContext``): the full pages of
+every layer's compressed context, plus a host copy of each layer's partial last page (a
+request that attaches the context writes it into a fresh page of its own and appends there).
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import torch
 
 from sparsekv.kv_cache.block_pool import BlockPool
 
@@ -63,6 +70,34 @@ class CachedGroup:
     index: int
     token_ids: tuple[int, ...]
     pages: list[int]
+
+
+@dataclass
+class ContextLayer:
+    """One layer of a cached compressed context.
+
+    Attributes:
+        full_pages: the layer's full pages, in slot order (cached, shared read-only).
+        num_slots: slots the layer holds after compression.
+        num_evicted: tokens compression removed from the layer.
+        tail: ``KVStorage.read_pages`` copy of the partial last page, or ``None``.
+        residual: int4 pages' full-precision residual (``LayerKV.residual``), or ``None``.
+    """
+
+    full_pages: list[int]
+    num_slots: int
+    num_evicted: int
+    tail: tuple[torch.Tensor, ...] | None = None
+    residual: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+@dataclass
+class CachedContext(CachedGroup):
+    """A compressed context: ``pages`` are every layer's full pages; ``layers`` say how each
+    layer's table is rebuilt; ``num_tokens`` is the context's length in tokens."""
+
+    layers: list[ContextLayer] = field(default_factory=list)
+    num_tokens: int = 0
 
 
 class PrefixCache:
@@ -140,6 +175,30 @@ class PrefixCache:
                 self._page_digest[page] = digest
             added += 1
         return added
+
+    def insert_context(self, digest: bytes, num_tokens: int, layers: list[ContextLayer]) -> bool:
+        """Cache a compressed context under ``digest`` (a key ``page_digests`` never makes).
+
+        Returns:
+            False (nothing cached) when the key is cached already or a page is cached by
+            another group.
+        """
+        pages = [page for layer in layers for page in layer.full_pages]
+        if digest in self._groups or any(self.pool.is_cached(page) for page in pages):
+            return False
+        self.pool.cache_ref(pages)
+        self._groups[digest] = CachedContext(digest, 0, (), pages, layers, num_tokens)
+        for page in pages:
+            self._page_digest[page] = digest
+        return True
+
+    def lookup_context(self, digest: bytes) -> CachedContext | None:
+        """The cached context of ``digest`` (touched), or ``None``."""
+        entry = self._groups.get(digest)
+        if not isinstance(entry, CachedContext):
+            return None
+        self.touch([digest])
+        return entry
 
     def touch(self, digests: Iterable[bytes]) -> None:
         """Mark groups most recently used, in the given order (the last is the newest)."""

@@ -8,7 +8,7 @@ import time
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from sparsekv.engine.prompts import render_chat
+from sparsekv.engine.prompts import chat_context_tokens, render_chat
 from sparsekv.outputs import CompletionOutput, Logprob, RequestOutput
 from sparsekv.sampling_params import MAX_LOGPROBS
 from sparsekv.server.errors import APIError, invalid_request
@@ -170,7 +170,11 @@ async def create_chat_completion(
     params = sampling_params(ctx, body, max_tokens, _num_top_logprobs(body))
     request_id = new_id("chatcmpl")
     ctx.mark_fault(request_id, (m["content"] for m in messages))
-    stream = await start_request(ctx, request_id, prompt_ids, params, body, RENAMES)
+    context = None
+    given = body.kv_compression.scope if body.kv_compression is not None else None
+    if (given or ctx.default_scope) == "context":
+        context = await asyncio.to_thread(chat_context_tokens, ctx.tokenizer, messages, prompt_ids)
+    stream = await start_request(ctx, request_id, prompt_ids, params, body, RENAMES, context)
     formatter = ChatFormatter(ctx, request_id, body)
     if body.stream:
         usage_chunk = formatter.usage_chunk if body.include_usage else None

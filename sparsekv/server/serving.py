@@ -73,6 +73,7 @@ class ServerContext:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.max_num_seqs = engine.config.scheduler.max_num_seqs
+        self.default_scope = engine.config.compression.scope
         self.created = int(time.time())
         self.is_ready = False
         self.is_draining = False
@@ -144,13 +145,28 @@ async def start_request(
     params: SamplingParams,
     body: SamplingBody,
     renames: dict[str, str] | None = None,
+    context_tokens: int | None = None,
 ) -> RequestStream:
     """Admit a request into the engine; user errors become 400s, overload a 503.
 
     Args:
         renames: engine parameter names to this endpoint's names (chat: prompt -> messages).
+        context_tokens: a chat prompt's shared context length, used when the request's scope
+            is ``context`` and the client gave none (0: nothing to compress).
     """
     compression = body.kv_compression.overrides() if body.kv_compression is not None else None
+    scope = (compression or {}).get("scope", ctx.default_scope)
+    if scope == "context" and context_tokens is None and "scope" not in (compression or {}):
+        # A server-wide context scope: a completion that names no context compresses its prompt.
+        if "context_tokens" not in (compression or {}):
+            compression = dict(compression or {}) | {"scope": "prompt"}
+    elif scope == "context" and context_tokens is not None:
+        compression = dict(compression or {})
+        if "context_tokens" not in compression:
+            if context_tokens > 0:
+                compression["context_tokens"] = context_tokens
+            else:  # no message before the last user message: nothing is shared context
+                compression |= {"method": "none", "scope": "prompt"}
     try:
         return await ctx.engine.add_request(
             request_id, prompt_token_ids, params, compression, ctx.settings.request_timeout

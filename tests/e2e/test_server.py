@@ -214,6 +214,33 @@ def test_kv_compression_usage(client):
     assert merged.usage.model_extra == usage
 
 
+def test_chat_context_scope_shares_the_compressed_context(server, client, smollm2_tokenizer):
+    """scope "context": the messages before the last user message are compressed once; a
+    second question on the same conversation attaches that compressed context."""
+    from sparsekv.engine.prompts import chat_context_tokens, render_chat
+
+    document = "The warehouse opens at 7 am. Deliveries arrive at dock B. " * 12
+    history = [
+        {"role": "system", "content": "Answer from the document."},
+        {"role": "user", "content": document},
+        {"role": "assistant", "content": "Understood."},
+    ]
+    extra = {"ignore_eos": True, "kv_compression": {"scope": "context", **COMPRESSED}}
+    hits = read_metrics(server.url).get("sparsekv_prefix_cache_hits_total", 0.0)
+    for question in ("When does it open?", "Where do deliveries arrive?"):
+        messages = history + [{"role": "user", "content": question}]
+        reply = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=4, temperature=0, extra_body=extra
+        )
+        prompt = render_chat(smollm2_tokenizer, messages)
+        context = chat_context_tokens(smollm2_tokenizer, messages, prompt)
+        held = len(prompt) + 3  # the last output token's K/V is never computed
+        # 2 full layers hold everything; 28 keep 16 context slots + question and output.
+        expected = 2 * held + 28 * (16 + held - context)
+        assert reply.usage.model_extra["kv_tokens_kept"] == expected
+    assert read_metrics(server.url)["sparsekv_prefix_cache_hits_total"] == hits + 1
+
+
 # ----------------------------------------------------------------- validation and access
 LONG_PROMPT = [100 + i % 1000 for i in range(8192)]  # SmolLM2's context is 8192 tokens
 
@@ -253,6 +280,10 @@ INVALID = [
      400, "kv_compression.budget"),
     ("completions", {"prompt": "hi", "kv_compression": {"compression_ratio": 1.5}}, 400,
      "kv_compression.compression_ratio"),
+    ("completions", {"prompt": "hi", "kv_compression": {"scope": "context"}}, 400,
+     "kv_compression.context_tokens"),
+    ("completions", {"prompt": "hi", "kv_compression": {"scope": "context",
+     "context_tokens": 50}}, 400, "kv_compression.context_tokens"),
     ("completions", {"prompt": "hi", "stop": [""]}, 400, "stop"),
     ("completions", {"prompt": "hi", "min_tokens": 5, "max_tokens": 2}, 400, "min_tokens"),
     ("completions", {"prompt": "hi", "n": 65}, 400, "n"),
