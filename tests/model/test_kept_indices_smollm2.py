@@ -1,0 +1,50 @@
+"""Kept indices on the real SmolLM2-135M (issue 3): per layer and KV head, the slots the engine
+keeps at the end of a 700-token prompt equal the exact top-k of the brute-force dense reference
+(``dense_reference.DenseMaskedAttention``: float64 softmax of the window queries over every
+position, max-pooled, GQA-averaged, ties to the more recent token). fp32.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparsekv.compression.snapkv import SnapKVCompressor
+from sparsekv.config import CompressionConfig
+from sparsekv.evaluation.fidelity import long_texts
+from sparsekv.kv_cache.budget import layer_budgets
+from sparsekv.sampling_params import SamplingParams
+from tests.model.dense_reference import DenseMaskedAttention
+
+
+@pytest.mark.parametrize("method", ["snapkv", "pyramidkv"])
+def test_kept_indices_equal_the_brute_force_reference(
+    smollm2_checkpoint, make_engine, monkeypatch, method
+):
+    policy = CompressionConfig(method=method, budget=256, window=32, full_layers=2)
+    engine = make_engine(smollm2_checkpoint, compression=policy, prefix_caching=False)
+    _, text = long_texts(engine.tokenizer, min_tokens=700, count=1)[0]
+    prompt = engine.tokenizer.encode(text, add_special_tokens=False)[:700]
+    kept = []  # [num_kv_heads, budget] per budgeted layer, in layer order
+    select = SnapKVCompressor.select
+
+    def recording(self, view, budget, window):
+        chosen = select(self, view, budget, window)
+        kept.append(chosen.clone())
+        return chosen
+
+    monkeypatch.setattr(SnapKVCompressor, "select", recording)
+    engine.add_request("a", prompt, SamplingParams(max_tokens=1, temperature=0.0))
+    while engine.has_unfinished_requests():
+        engine.step()
+    num_layers = len(engine.kv.layer_specs)
+    budgets = layer_budgets(policy, num_layers, len(prompt), [True] * num_layers)
+    assert budgets[:2] == [None, None] and len(kept) == num_layers - 2
+    reference = DenseMaskedAttention(num_layers, budgets, 32, 16, len(prompt), 7, "max")
+    with torch.inference_mode():
+        engine.parts.model(torch.tensor(prompt), torch.arange(len(prompt)), reference)
+    for layer, chosen in zip(range(2, num_layers), kept):
+        expected = reference.kept_positions(layer)
+        assert chosen.shape[1] == budgets[layer]
+        for head, positions in enumerate(expected):
+            assert sorted(chosen[head].tolist()) == positions, (layer, head)
