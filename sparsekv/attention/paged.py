@@ -4,8 +4,10 @@
 
 - decode path: requests with one new token; their K/V are written into their pages and one
   batched paged-attention call reads the pages in place. A layer that reaches
-  ``budget + block_size`` slots (decode-time eviction) is then re-scored from its pages and
-  compacted back to its budget;
+  ``budget + block_size`` slots (decode-time eviction) is re-scored from its pages and
+  compacted back to its budget after the forward (``finish``): a request's compacting layers
+  are scored together as one view with their heads stacked, one selection instead of one
+  per layer (the layer's pages are not read again in the step);
 - general path (prefill chunks, steps that compress): earlier K/V are gathered, the new K/V
   appended as activations, attention returns each row's log-sum-exp, and a compressing layer
   scores the slots with the observation window (reusing that LSE), keeps the top ``budget``
@@ -54,6 +56,7 @@ class PagedAttention:
         logit_softcap: float | None = None,
     ) -> None:
         self.storages = storages
+        self._pending: list[tuple[RequestSlice, int, float]] = []
         self.metadata = metadata
         self.layer_specs = layer_specs
         self.logit_softcap = logit_softcap
@@ -113,7 +116,7 @@ class PagedAttention:
                     held = request.layers[layer].num_held + 1
                     _accumulate(state, mass[i, :, :held])
                 if request.layers[layer].decode_compaction:
-                    self._compact_decode(request, layer, scale)
+                    self._pending.append((request, layer, scale))
         for request in self.metadata.general[layer]:
             rows = slice(request.start, request.start + request.num_new)
             out[rows] = self._general(request, layer, q[rows], k[rows], v[rows], scale, window)
@@ -151,6 +154,26 @@ class PagedAttention:
             self._compress(request, layer, state, target, keys, values, lse, scale)
         return out.transpose(0, 1)
 
+    def finish(self) -> None:
+        """Run the step's decode-time compactions (call once after the model's forward)."""
+        by_request: dict[int, list[tuple[RequestSlice, int, float]]] = {}
+        for item in self._pending:
+            by_request.setdefault(id(item[0]), []).append(item)
+        self._pending = []
+        for items in by_request.values():
+            request = items[0][0]
+            groups: dict[tuple, list[int]] = {}
+            for _, layer, scale in items:
+                step = request.layers[layer]
+                key = (step.num_held, step.compress_to, scale, id(self.storages[layer]))
+                groups.setdefault(key, []).append(layer)
+            for (_, _, scale, _), layers in groups.items():
+                if request.compressor.stackable:
+                    self._compact_decode_stacked(request, layers, scale)
+                else:
+                    for layer in layers:
+                        self._compact_decode(request, layer, scale)
+
     def _compact_decode(self, request: RequestSlice, layer: int, scale: float) -> None:
         """Decode-time eviction after the decode path wrote and attended the new token.
 
@@ -164,6 +187,43 @@ class PagedAttention:
         keys, values = self.storages[layer].gather(state, step.block_table, step.num_held + 1)
         target = step.compact_table if step.compact_table is not None else step.block_table
         self._compress(request, layer, state, target, keys, values, None, scale)
+
+    def _compact_decode_stacked(self, request: RequestSlice, layers: list[int], scale: float):
+        """``_compact_decode`` of several layers with equal slot counts and budgets at once:
+        their heads are stacked into one ``LayerView`` (layer-major, so every query head stays
+        in its KV head's group) and one ``select`` picks every layer's kept slots."""
+        states = [request.kv.layers[layer] for layer in layers]
+        num_slots = request.layers[layers[0]].num_held + 1
+        gathered = [
+            self.storages[layer].gather(state, request.layers[layer].block_table, num_slots)
+            for layer, state in zip(layers, states)
+        ]
+        keys = torch.cat([k for k, _ in gathered])
+        values = torch.cat([v for _, v in gathered])
+        accumulated = None
+        if states[0].accumulated is not None:
+            accumulated = torch.cat([state.accumulated for state in states])
+        view = LayerView(
+            keys=keys,
+            values=values,
+            window_queries=torch.cat([state.recent_queries for state in states]),
+            window_lse=None,
+            scale=scale,
+            accumulated=accumulated,
+            generator=request.generator,
+        )
+        budget = request.layers[layers[0]].compress_to
+        kept = request.compressor.select(view, budget, request.window)  # [L * KVH, k]
+        heads = torch.arange(kept.shape[0], device=kept.device)[:, None]
+        kept_keys, kept_values = keys[heads, kept], values[heads, kept]
+        num_kv_heads = gathered[0][0].shape[0]
+        for i, (layer, state) in enumerate(zip(layers, states)):
+            rows = slice(i * num_kv_heads, (i + 1) * num_kv_heads)
+            step = request.layers[layer]
+            target = step.compact_table if step.compact_table is not None else step.block_table
+            self.storages[layer].write_leading(state, target, kept_keys[rows], kept_values[rows])
+            if state.accumulated is not None:
+                state.accumulated = state.accumulated.gather(1, kept[rows])
 
     def _compress(
         self,

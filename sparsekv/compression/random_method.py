@@ -17,6 +17,8 @@ from sparsekv.compression.base import Compressor, LayerView
 class RandomCompressor(Compressor):
     """Uniform random scores (the global RNG when the view has no generator)."""
 
+    stackable = False  # one layer's draws must not depend on which layers compact with it
+
     name = "random"
 
     def score(self, view: LayerView) -> torch.Tensor:

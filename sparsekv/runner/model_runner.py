@@ -89,6 +89,7 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(ids, pos, ctx)
+        ctx.finish()
         sampling = [(s, item) for s, item in zip(slices, out.scheduled) if item.samples]
         if not sampling:
             return result
