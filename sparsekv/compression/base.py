@@ -36,9 +36,6 @@ class LayerView:
             sums plus every decode step's attention, summed over each group's query heads), or
             ``None`` where no compressor needs it.
         generator: random source of the ``random`` baseline (seeded per request), or ``None``.
-        window_mass: ``[num_heads, n]`` fp32 ``sum_i exp(q_i.k_j * scale - lse_i)`` over the
-            window rows, when the engine computed it already (native kernels reading the
-            pages); ``None`` lets a compressor that needs it compute it from keys and queries.
     """
 
     keys: torch.Tensor
@@ -48,7 +45,6 @@ class LayerView:
     scale: float
     accumulated: torch.Tensor | None = None
     generator: torch.Generator | None = None
-    window_mass: torch.Tensor | None = None
 
     @property
     def num_kv_heads(self) -> int:
@@ -80,8 +76,6 @@ class Compressor(abc.ABC):
     # ``select`` treats KV heads independently (no shared random stream), so the layers of a
     # request can be scored as one view whose heads are the layers' heads stacked.
     stackable: ClassVar[bool] = True
-    # ``score`` reads only the window mass of the keys (``LayerView.window_mass``).
-    uses_window_mass: ClassVar[bool] = False
 
     window: int = 32
     pooling: str = "max"

@@ -21,18 +21,15 @@ class SnapKVCompressor(Compressor):
     """SnapKV scores (kvpress order: window mean -> pooling per query head -> group mean/max)."""
 
     name = "snapkv"
-    uses_window_mass = True
 
     def score(self, view: LayerView) -> torch.Tensor:
         """``[num_kv_heads, n]`` fp32; the last ``w`` (window) slots score ``+inf``."""
         n, w = view.num_tokens, view.num_window
         num_prefix = n - w
         # [num_heads, n] summed weights; only the prefix columns are ranked.
-        summed = view.window_mass
-        if summed is None:
-            summed = window_attention_scores(
-                view.keys, view.window_queries, view.window_lse, view.scale
-            )
+        summed = window_attention_scores(
+            view.keys, view.window_queries, view.window_lse, view.scale
+        )
         per_head = pool_scores(summed[:, :num_prefix] / w, self.pooling, self.kernel_size)
         prefix = aggregate_gqa(per_head, view.num_kv_heads, self.gqa_agg)
         window = prefix.new_full((view.num_kv_heads, w), float("inf"))
