@@ -7,9 +7,14 @@ times, for the given shapes (default: SmolLM2 S1, 16 requests x 2000 tokens, 30 
   step (bytes of K/V read / read bandwidth);
 - the window-score pass over paged keys against the fp32 FLOP bound;
 - prefill attention with LSE (``attention_with_lse`` vs ``backend.prefill_attention``) against
-  the FLOP bound of causal attention.
+  the FLOP bound of causal attention;
+- with ``--kv-dtypes`` (e.g. ``bf16,int8,fp8``), native paged decode over pages of each KV
+  dtype at the same shape (int8 / fp8: ``kv_cache.quant`` codes and per-slot fp32 scales, read
+  in place by ``ops.paged_decode_attention_quantized``): ms per step, bytes read per call
+  (codes + scales) and the GB/s that makes. ``--dtypes ''`` skips the rows above.
 
-Prints ms, bound and ratio per row and writes a JSON report (``--output``) with provenance.
+Prints ms, bound and ratio per row and writes a JSON report (``--output``) with provenance and
+the same rows as a Markdown table beside it (``.md``).
 """
 
 from __future__ import annotations
@@ -29,8 +34,12 @@ from sparsekv.attention import backend, torch_ref
 from sparsekv.attention.cpu import build, ops
 from sparsekv.attention.cpu.memory import advise_huge_pages
 from sparsekv.attention.cpu.reference import window_scores_paged as ref_window_scores
+from sparsekv.evaluation.report import markdown_table
+from sparsekv.kv_cache import quant
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+QUANTIZERS = {"int8": quant.quantize_int8, "fp8": quant.quantize_fp8}
+KV_DTYPES = (*DTYPES, *QUANTIZERS)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,7 +51,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-kv-heads", type=int, default=3)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--dtypes", default="bf16,fp32", help="comma list of bf16, fp32")
+    parser.add_argument(
+        "--dtypes", default="bf16,fp32", help="comma list of bf16, fp32 ('' for none)"
+    )
+    parser.add_argument(
+        "--kv-dtypes",
+        default="",
+        help="comma list of fp32, bf16, int8, fp8: native decode over pages of each at the "
+        "decode shape, with bytes per call and GB/s ('' skips)",
+    )
+    parser.add_argument(
+        "--kv-query-dtype",
+        default="bf16",
+        choices=tuple(DTYPES),
+        help="query dtype of the int8 / fp8 rows (fp32 / bf16 pages take their own)",
+    )
     parser.add_argument("--window", type=int, default=32, help="observation window rows")
     parser.add_argument("--prefill-tokens", type=int, default=4000, help="0 skips prefill")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats (best is kept)")
@@ -92,22 +115,50 @@ def measure_machine(repeats: int) -> dict:
     return {"read_bandwidth": read_bw, "matmul_flops": flops}
 
 
-def decode_case(args: argparse.Namespace, dtype: torch.dtype) -> tuple[list, Callable]:
-    """Inputs of one decode step over all layers: per-layer (query, block table), the pool."""
-    num_blocks = -(-args.tokens // args.block_size)
-    num_pages = args.batch * num_blocks * args.layers
+def num_step_pages(args: argparse.Namespace) -> int:
+    """Pages one decode step reads: every request's blocks in every layer."""
+    return args.batch * -(-args.tokens // args.block_size) * args.layers
+
+
+def make_pages(args: argparse.Namespace, kv_name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Pages of one decode step: ``[num_pages, 2, kvh, block_size, head_dim]`` of ``kv_name``
+    (``KV_DTYPES``) and, for int8 / fp8, their ``[num_pages, 2, kvh, block_size]`` fp32 scales
+    (Gaussian K/V quantized by ``kv_cache.quant``, so codes are distributed as in use)."""
+    num_pages = num_step_pages(args)
     shape = (num_pages, 2, args.num_kv_heads, args.block_size, args.head_dim)
-    pool = torch.empty(shape, dtype=dtype)
-    advise_huge_pages(pool)  # as the engine's pool should be (see attention/cpu/memory.py)
-    pool.normal_()
-    perm = torch.randperm(num_pages)
+    if kv_name in DTYPES:
+        pool = torch.empty(shape, dtype=DTYPES[kv_name])
+        advise_huge_pages(pool)  # as the engine's pool should be (see attention/cpu/memory.py)
+        return pool.normal_(), None
+    data = torch.empty(shape, dtype=torch.int8 if kv_name == "int8" else quant.FP8_DTYPE)
+    scales = torch.empty(shape[:4])
+    advise_huge_pages(data)
+    advise_huge_pages(scales)
+    chunk = max(1, (64 << 20) // (shape[1] * shape[2] * shape[3] * shape[4] * 4))  # 64 MiB fp32
+    for start in range(0, num_pages, chunk):
+        pages = slice(start, min(start + chunk, num_pages))
+        data[pages], scales[pages] = QUANTIZERS[kv_name](torch.randn(data[pages].shape))
+    return data, scales
+
+
+def decode_inputs(args: argparse.Namespace, dtype: torch.dtype) -> tuple[list, torch.Tensor]:
+    """Per-layer (query ``[batch, num_heads, head_dim]``, block table ``[batch, num_blocks]`` of
+    shuffled page ids) of one decode step, and seq_lens ``[batch]``."""
+    num_blocks = -(-args.tokens // args.block_size)
+    perm = torch.randperm(num_step_pages(args))
     per_layer = args.batch * num_blocks
     layers = []
     for layer in range(args.layers):
         table = perm[layer * per_layer : (layer + 1) * per_layer].view(args.batch, num_blocks)
         query = torch.randn(args.batch, args.num_heads, args.head_dim).to(dtype)
         layers.append((query, table.contiguous()))
-    seq_lens = torch.full((args.batch,), args.tokens, dtype=torch.long)
+    return layers, torch.full((args.batch,), args.tokens, dtype=torch.long)
+
+
+def decode_case(args: argparse.Namespace, dtype_name: str) -> tuple[list, Callable]:
+    """Inputs of one decode step over all layers: per-layer (query, block table), the pool."""
+    pool, _ = make_pages(args, dtype_name)
+    layers, seq_lens = decode_inputs(args, DTYPES[dtype_name])
     scale = args.head_dim**-0.5
 
     def step(attention: Callable) -> Callable[[], None]:
@@ -120,13 +171,14 @@ def decode_case(args: argparse.Namespace, dtype: torch.dtype) -> tuple[list, Cal
     return layers, step
 
 
-def native_isa(args: argparse.Namespace) -> str | None:
-    """The kernel variant to time: ``--isa`` (checked against this CPU) or the default pick."""
+def native_isa(args: argparse.Namespace, quantized: bool = False) -> str | None:
+    """The kernel variant to time: ``--isa`` (checked against this CPU) or the default pick
+    (for int8 / fp8 pages: ``quantized``)."""
     if args.isa is not None and args.isa not in ops.available_isas():
         raise ValueError(
             f"--isa {args.isa!r} is not a kernel variant this CPU runs: {ops.available_isas()}"
         )
-    return args.isa or ops.pick_isa(args.head_dim)
+    return args.isa or ops.pick_isa(args.head_dim, quantized)
 
 
 def row(name: str, times: tuple[float, float], bound: float, note: str) -> dict:
@@ -146,7 +198,7 @@ def row(name: str, times: tuple[float, float], bound: float, note: str) -> dict:
 
 def bench_decode(args, dtype_name: str, machine: dict) -> list[dict]:
     dtype = DTYPES[dtype_name]
-    layers, step = decode_case(args, dtype)
+    layers, step = decode_case(args, dtype_name)
     kv_bytes = 2 * args.batch * args.tokens * args.num_kv_heads * args.head_dim * args.layers
     kv_bytes *= torch.finfo(dtype).bits // 8
     bound = kv_bytes / machine["read_bandwidth"]
@@ -173,6 +225,46 @@ def bench_decode(args, dtype_name: str, machine: dict) -> list[dict]:
             )
         )
     return rows
+
+
+def bench_decode_kv(args: argparse.Namespace, kv_name: str, machine: dict) -> dict:
+    """Native decode over ``kv_name`` pages (``KV_DTYPES``) at the decode shape: one row with the
+    bytes each call (one layer) reads, codes and scales, and the rate that makes."""
+    data, scales = make_pages(args, kv_name)
+    query_name = kv_name if scales is None else args.kv_query_dtype
+    layers, seq_lens = decode_inputs(args, DTYPES[query_name])
+    scale, isa = args.head_dim**-0.5, native_isa(args, quantized=scales is not None)
+    if scales is None:
+        attend = functools.partial(ops.paged_decode_attention, kv_pool=data, isa=isa)
+    else:
+        attend = functools.partial(
+            ops.paged_decode_attention_quantized, kv_data=data, kv_scales=scales, isa=isa
+        )
+
+    def step() -> None:
+        for query, table in layers:
+            attend(query, block_tables=table, seq_lens=seq_lens, scale=scale)
+
+    slots = args.batch * args.tokens * args.num_kv_heads * 2  # K and V rows per layer
+    bytes_per_call = slots * args.head_dim * data.element_size()
+    bytes_per_call += 0 if scales is None else slots * scales.element_size()
+    step_bytes = bytes_per_call * args.layers
+    bound = step_bytes / machine["read_bandwidth"]
+    label = f"decode native {args.batch}x{args.tokens} x{args.layers} layers"
+    result = row(
+        f"{label} kv {kv_name} q {query_name}",
+        timed(step, args.repeats),
+        bound,
+        f"{step_bytes / 1e6:.0f} MB of codes + scales",
+    )
+    result.update(
+        kv_dtype=kv_name,
+        query_dtype=query_name,
+        bytes_per_call=bytes_per_call,
+        gb_per_s=step_bytes / (result["ms"] * 1e-3) / 1e9,
+    )
+    print(f"{'':<46} {bytes_per_call / 1e6:9.2f} MB per call, {result['gb_per_s']:.1f} GB/s")
+    return result
 
 
 def bench_window(args, dtype_name: str, machine: dict) -> list[dict]:
@@ -272,7 +364,11 @@ def provenance(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
-    """Run every benchmark of ``args`` and write the JSON report; returns the report."""
+    """Run every benchmark of ``args``, write the JSON and Markdown reports; returns the JSON."""
+    kv_names = list(filter(None, args.kv_dtypes.split(",")))
+    unknown = sorted(set(kv_names) - set(KV_DTYPES))
+    if unknown:
+        raise ValueError(f"--kv-dtypes: unknown {unknown}; choose from {KV_DTYPES}")
     if args.threads:
         torch.set_num_threads(args.threads)
     start = time.perf_counter()
@@ -287,11 +383,14 @@ def run(args: argparse.Namespace) -> dict:
         + ", ".join(f"{k} {v / 1e9:.0f} GFLOP/s" for k, v in machine["matmul_flops"].items())
     )
     results = []
-    for dtype_name in args.dtypes.split(","):
+    for dtype_name in filter(None, args.dtypes.split(",")):
         results += bench_decode(args, dtype_name, machine)
         results += bench_window(args, dtype_name, machine)
         if args.prefill_tokens > 0:
             results += bench_prefill(args, dtype_name, machine)
+    if kv_names and native:
+        for kv_name in kv_names:
+            results.append(bench_decode_kv(args, kv_name, machine))
     report = {
         "provenance": provenance(args),
         "config": vars(args),
@@ -301,7 +400,12 @@ def run(args: argparse.Namespace) -> dict:
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(report, indent=2))
-    print(f"wrote {output}")
+    table = markdown_table(results) if results else "(no rows)"
+    lines = "\n".join(f"- {k}: `{json.dumps(v)}`" for k, v in report["provenance"].items())
+    output.with_suffix(".md").write_text(
+        f"# sparsekv bench kernels\n\n{table}\n\n## Provenance\n\n{lines}\n"
+    )
+    print(f"wrote {output} (+ .md)")
     return report
 
 

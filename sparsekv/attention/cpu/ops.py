@@ -6,6 +6,10 @@ silent fallback use ``sparsekv.attention.backend``. ``isa`` picks a kernel varia
 default the fastest one this CPU runs whose vector width divides ``head_dim``, or the one named
 by ``SPARSEKV_KERNEL_ISA`` (to compare variants or rule one out; ignored with a warning where
 this CPU does not run it).
+
+``paged_decode_attention_quantized`` reads the int8 and fp8 pages of ``kv_cache.quant`` (codes
+and per-slot scales) in place; its oracle is ``cpu.reference.dequantize_pool`` followed by
+``torch_ref.paged_decode_attention``.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 from sparsekv.attention.cpu import build
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn)  # codes of the int8 and fp8 formats
 ISA_ENV = "SPARSEKV_KERNEL_ISA"
 
 
@@ -51,13 +56,15 @@ def _warn_unusable_isa(name: str, head_dim: int) -> None:
     )
 
 
-def pick_isa(head_dim: int) -> str | None:
-    """Variant for ``head_dim`` (a multiple of twice the variant's fp32 lane count): the one
-    ``SPARSEKV_KERNEL_ISA`` names if this CPU runs it, else the fastest that fits."""
+def pick_isa(head_dim: int, quantized: bool = False) -> str | None:
+    """Variant for ``head_dim`` (a multiple of twice the variant's fp32 lane count, four times
+    for int8 / fp8 pools: ``quantized``): the one ``SPARSEKV_KERNEL_ISA`` names if this CPU runs
+    it, else the fastest that fits."""
     ext = build.load_extension()
     if ext is None:
         return None
-    fits = [isa for isa, width in _variants(ext) if head_dim % (2 * width) == 0]
+    lanes_per_step = 4 if quantized else 2
+    fits = [isa for isa, width in _variants(ext) if head_dim % (lanes_per_step * width) == 0]
     forced = os.environ.get(ISA_ENV, "").strip()
     if forced:
         if forced in fits:
@@ -79,6 +86,36 @@ def supports(query: torch.Tensor, kv_pool: torch.Tensor) -> bool:
         and not query.requires_grad
         and pick_isa(kv_pool.shape[-1]) is not None
     )
+
+
+def supports_quantized(query: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor) -> bool:
+    """True when :func:`paged_decode_attention_quantized` takes these tensors: CPU, query fp32
+    or bf16, contiguous int8 or float8_e4m3fn codes ``[num_pages, 2, num_kv_heads, block_size,
+    head_dim]`` with contiguous fp32 scales ``[num_pages, 2, num_kv_heads, block_size]``, and a
+    kernel variant for ``head_dim`` (``pick_isa(head_dim, quantized=True)``)."""
+    return (
+        query.device.type == "cpu"
+        and kv_data.device.type == "cpu"
+        and kv_scales.device.type == "cpu"
+        and query.dtype in NATIVE_DTYPES
+        and not query.requires_grad
+        and kv_data.dtype in QUANTIZED_DTYPES
+        and kv_data.dim() == 5
+        and kv_data.is_contiguous()
+        and kv_scales.dtype == torch.float32
+        and kv_scales.shape == kv_data.shape[:4]
+        and kv_scales.is_contiguous()
+        and pick_isa(kv_data.shape[-1], quantized=True) is not None
+    )
+
+
+def _empty_decode(
+    query: torch.Tensor, num_kv_heads: int, return_attn_mass: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    # A batch of no requests: the shapes the kernels would return, no call.
+    lse = query.new_empty((0, query.shape[1]), dtype=torch.float32)
+    mass = query.new_empty((0, num_kv_heads, 0), dtype=torch.float32)
+    return query.clone(), lse, mass if return_attn_mass else None
 
 
 def paged_decode_attention(
@@ -116,12 +153,10 @@ def paged_decode_attention(
         RuntimeError: the extension is unavailable or rejects the arguments.
     """
     ext = _extension()
-    batch, num_heads, _ = query.shape
+    batch = query.shape[0]
     num_kv_heads = kv_pool.shape[2]
     if batch == 0:
-        lse = query.new_empty((0, num_heads), dtype=torch.float32)
-        mass = query.new_empty((0, num_kv_heads, 0), dtype=torch.float32)
-        return query.clone(), lse, mass if return_attn_mass else None
+        return _empty_decode(query, num_kv_heads, return_attn_mass)
     if first_slots is None:
         first_slots = torch.zeros_like(seq_lens)
     out, lse, mass = ext.paged_decode(
@@ -135,6 +170,74 @@ def paged_decode_attention(
         float(logit_softcap or 0.0),
         bool(return_attn_mass),
         isa or pick_isa(query.shape[-1]) or "generic",
+    )
+    return out, lse, (mass if return_attn_mass else None)
+
+
+def paged_decode_attention_quantized(
+    query: torch.Tensor,
+    kv_data: torch.Tensor,
+    kv_scales: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    first_slots: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    return_attn_mass: bool = False,
+    isa: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Decode attention reading int8 or fp8 K/V pages in place (``kv_cache.quant`` formats).
+
+    The same attention as :func:`paged_decode_attention` over the dequantized pool
+    (``cpu.reference.dequantize_pool``): element = code * scale of its (page, K/V, head, slot).
+    The kernel takes the codes as they are stored: a slot's logit is ``q . k_codes * k_scale``
+    and its value row enters with weight ``p * v_scale``.
+
+    Args:
+        query: ``[batch, num_heads, head_dim]`` fp32 or bf16.
+        kv_data: ``[num_pages, 2, num_kv_heads, block_size, head_dim]`` int8 or
+            float8_e4m3fn codes, contiguous.
+        kv_scales: ``[num_pages, 2, num_kv_heads, block_size]`` fp32, contiguous.
+        block_tables: ``[batch, max_blocks]`` int64 page ids.
+        seq_lens: ``[batch]`` int64 logical slot counts (new token included).
+        scale: softmax scale.
+        first_slots: ``[batch]`` int64 logical slot of each first held page (default 0).
+        sliding_window: optional window in slots.
+        logit_softcap: optional tanh soft-cap of the logits.
+        return_attn_mass: also return each held slot's probability summed over its group.
+        isa: kernel variant (default: :func:`pick_isa` with ``quantized=True``: ``head_dim``
+            a multiple of four times its lanes); ``avx512_amx`` runs these pools on its vector
+            kernel.
+
+    Returns:
+        out ``[batch, num_heads, head_dim]`` (query dtype), lse ``[batch, num_heads]`` fp32,
+        mass ``[batch, num_kv_heads, max_blocks * block_size]`` fp32 or ``None``. A request
+        that sees no slot gets a zero output and ``lse = -inf``.
+
+    Raises:
+        RuntimeError: the extension is unavailable or rejects the arguments (dtypes, a scales
+            shape other than ``kv_data.shape[:4]``, a non-contiguous pool, ...).
+    """
+    ext = _extension()
+    batch = query.shape[0]
+    num_kv_heads = kv_data.shape[2]
+    if batch == 0:
+        return _empty_decode(query, num_kv_heads, return_attn_mass)
+    if first_slots is None:
+        first_slots = torch.zeros_like(seq_lens)
+    out, lse, mass = ext.paged_decode_quantized(
+        query,
+        kv_data,
+        kv_scales,
+        block_tables,
+        seq_lens,
+        first_slots,
+        float(scale),
+        int(sliding_window or 0),
+        float(logit_softcap or 0.0),
+        bool(return_attn_mass),
+        isa or pick_isa(query.shape[-1], quantized=True) or "generic",
     )
     return out, lse, (mass if return_attn_mass else None)
 

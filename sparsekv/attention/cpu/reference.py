@@ -1,7 +1,8 @@
-"""Plain-PyTorch window scores over paged keys: the oracle of the native window-score kernel.
+"""Plain-PyTorch oracles of native kernels without a ``torch_ref`` counterpart: window scores
+over paged keys, and the dequantized pool that quantized decode is checked against.
 
-(It belongs beside the other references in ``attention/torch_ref.py``; it lives here until that
-file takes it.)
+(They belong beside the other references in ``attention/torch_ref.py``; they live here until
+that file takes them.)
 """
 
 from __future__ import annotations
@@ -43,3 +44,30 @@ def window_scores_paged(
     probs = torch.exp(logits - lse.float()[..., None])  # [num_heads, window, num_slots]
     visible = causal_mask(window, num_slots, device=probs.device)
     return probs.masked_fill(~visible, 0.0).sum(dim=1)
+
+
+def dequantize_pool(
+    kv_data: torch.Tensor, kv_scales: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """The pool an int8 or fp8 page store stands for (``kv_cache.quant``; CONTRACTS.md §2).
+
+    ``torch_ref.paged_decode_attention(query, dequantize_pool(data, scales), ...)`` is the
+    oracle of ``ops.paged_decode_attention_quantized(query, data, scales, ...)``.
+
+    Args:
+        kv_data: ``[num_pages, 2, num_kv_heads, block_size, head_dim]`` int8 or float8_e4m3fn
+            codes.
+        kv_scales: ``[num_pages, 2, num_kv_heads, block_size]`` fp32, one per slot.
+        dtype: result dtype; fp32 (the default) holds ``code * scale`` as the kernel computes it.
+
+    Returns:
+        ``[num_pages, 2, num_kv_heads, block_size, head_dim]`` ``code * scale`` in ``dtype``.
+
+    Raises:
+        ValueError: ``kv_scales`` is not ``kv_data.shape[:4]``.
+    """
+    if kv_scales.shape != kv_data.shape[:4]:
+        raise ValueError(
+            f"kv_scales must have shape {tuple(kv_data.shape[:4])}, got {tuple(kv_scales.shape)}"
+        )
+    return (kv_data.float() * kv_scales.float()[..., None]).to(dtype)

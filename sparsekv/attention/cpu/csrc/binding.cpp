@@ -70,22 +70,97 @@ void check_pool(const at::Tensor& pool) {
               "kv_pool must be float32 or bfloat16");
 }
 
+// Codes and scales of an int8 / fp8 pool; returns the kernel's element type.
+skv::KvType check_quantized_pool(const at::Tensor& data, const at::Tensor& scales) {
+  TORCH_CHECK(data.device().is_cpu() && scales.device().is_cpu(),
+              "kv_data and kv_scales must be on CPU");
+  TORCH_CHECK(data.dim() == 5 && data.size(1) == 2,
+              "kv_data must be [num_pages, 2, num_kv_heads, block_size, head_dim], got ",
+              data.sizes());
+  TORCH_CHECK(data.scalar_type() == at::kChar || data.scalar_type() == at::kFloat8_e4m3fn,
+              "kv_data must be int8 or float8_e4m3fn, got ", data.scalar_type());
+  TORCH_CHECK(scales.scalar_type() == at::kFloat, "kv_scales must be float32, got ",
+              scales.scalar_type());
+  TORCH_CHECK(scales.sizes() == data.sizes().slice(0, 4),
+              "kv_scales must be [num_pages, 2, num_kv_heads, block_size] = ",
+              data.sizes().slice(0, 4), " for kv_data of shape ", data.sizes(), ", got ",
+              scales.sizes());
+  TORCH_CHECK(data.is_contiguous() && scales.is_contiguous(),
+              "kv_data and kv_scales must be contiguous");
+  return data.scalar_type() == at::kChar ? skv::kKvInt8 : skv::kKvFp8E4M3;
+}
+
 int64_t vector_width(c10::string_view isa) { return table_for(isa).width; }
 
-// Returns [out, lse, mass] (mass is an empty tensor unless return_mass).
-std::vector<at::Tensor> paged_decode(const at::Tensor& query_in, const at::Tensor& pool,
-                                     const at::Tensor& block_tables_in,
-                                     const at::Tensor& seq_lens_in,
-                                     const at::Tensor& first_slots_in, double scale,
-                                     int64_t sliding_window, double softcap, bool return_mass,
-                                     c10::string_view isa) {
-  check_pool(pool);
-  const auto& table = table_for(isa);
+// Work of one decode call: items of whole pages of one (request, KV head), at most chunk_pages
+// each (flash-decoding splits), and the visible logical slot range of each request.
+struct DecodePlan {
+  std::vector<int64_t> lo, hi;  // [batch] visible slots [lo, hi)
+  std::vector<skv::DecodeItem> items;
+  std::vector<int64_t> first_item;  // [batch * kvh + 1] items of (b, h) start here
+  std::vector<int64_t> order;       // item indices, longest first
+  int64_t total_pages = 0;          // held pages visited, over requests
+};
+
+DecodePlan plan_decode(const skv::DecodeArgs& a, int64_t batch, const int64_t* seq_lens,
+                       const int64_t* first_slots, int64_t num_pages, int64_t sliding_window) {
+  const int64_t bs = a.block_size, kvh = a.num_kv_heads;
+  DecodePlan plan;
+  plan.lo.resize(batch);
+  plan.hi.resize(batch);
+  std::vector<int64_t> p0(batch), p1(batch);
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t fs = first_slots[b], sl = seq_lens[b];
+    TORCH_CHECK(fs >= 0 && fs % bs == 0, "first_slot must be a multiple of block_size");
+    TORCH_CHECK(sl <= fs + a.held_cap, "seq_len exceeds the block table");
+    plan.hi[b] = sl;
+    plan.lo[b] = sliding_window > 0 ? std::max(fs, sl - sliding_window) : fs;
+    p0[b] = p1[b] = 0;
+    if (plan.hi[b] > plan.lo[b]) {
+      p0[b] = (plan.lo[b] - fs) / bs;
+      p1[b] = (plan.hi[b] - 1 - fs) / bs + 1;
+    }
+    for (int64_t p = p0[b]; p < p1[b]; ++p) {
+      const int64_t page = a.block_tables[b * a.max_blocks + p];
+      TORCH_CHECK(page >= 0 && page < num_pages, "block table entry out of range: ", page);
+    }
+    plan.total_pages += p1[b] - p0[b];
+  }
+  const int64_t target_items = std::max<int64_t>(4 * at::get_num_threads(), 1);
+  const int64_t min_pages = std::max<int64_t>(1, 256 / bs);
+  const int64_t chunk_pages =
+      std::max(min_pages, (plan.total_pages * kvh + target_items - 1) / target_items);
+  plan.first_item.assign(batch * kvh + 1, 0);
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t h = 0; h < kvh; ++h) {
+      plan.first_item[b * kvh + h] = (int64_t)plan.items.size();
+      for (int64_t p = p0[b]; p < p1[b]; p += chunk_pages)
+        plan.items.push_back({b, h, p, std::min(p + chunk_pages, p1[b]), plan.lo[b], plan.hi[b],
+                              first_slots[b]});
+    }
+  plan.first_item[batch * kvh] = (int64_t)plan.items.size();
+  const auto& items = plan.items;
+  plan.order.resize(items.size());
+  for (size_t i = 0; i < items.size(); ++i) plan.order[i] = (int64_t)i;
+  std::stable_sort(plan.order.begin(), plan.order.end(), [&](int64_t x, int64_t y) {
+    return items[x].page_end - items[x].page_begin > items[y].page_end - items[y].page_begin;
+  });
+  return plan;
+}
+
+// Decode over a checked pool of element type kv_type (scales: int8 / fp8 pools, else
+// undefined). Returns [out, lse, mass] (mass is an empty tensor unless return_mass).
+std::vector<at::Tensor> run_decode(const skv::KernelTable& table, const at::Tensor& query_in,
+                                   const at::Tensor& pool, const at::Tensor& scales,
+                                   skv::KvType kv_type, const at::Tensor& block_tables_in,
+                                   const at::Tensor& seq_lens_in,
+                                   const at::Tensor& first_slots_in, double scale,
+                                   int64_t sliding_window, double softcap, bool return_mass) {
   TORCH_CHECK(query_in.dim() == 3, "query must be [batch, num_heads, head_dim]");
-  TORCH_CHECK(query_in.scalar_type() == pool.scalar_type(), "query and kv_pool dtypes differ");
   const int64_t batch = query_in.size(0), num_heads = query_in.size(1), d = query_in.size(2);
-  const int64_t num_pages = pool.size(0), kvh = pool.size(2), bs = pool.size(3);
-  TORCH_CHECK(pool.size(4) == d, "head_dim of query and kv_pool differ");
+  const int64_t kvh = pool.size(2), bs = pool.size(3);
+  TORCH_CHECK(pool.size(4) == d, "head_dim of query (", d, ") and the pool (", pool.size(4),
+              ") differ");
   TORCH_CHECK(num_heads % kvh == 0, "num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK(d % (2 * table.width) == 0, "head_dim must be a multiple of ", 2 * table.width);
   auto query = query_in.contiguous();
@@ -105,54 +180,11 @@ std::vector<at::Tensor> paged_decode(const at::Tensor& query_in, const at::Tenso
     scores = at::empty({batch, kvh, group, held_cap}, lse.options());
   }
 
-  // Plan: visible slot range per request, then items of at most chunk_pages pages.
-  const int64_t* bt = block_tables.data_ptr<int64_t>();
-  const int64_t* sl = seq_lens.data_ptr<int64_t>();
-  const int64_t* fs = first_slots.data_ptr<int64_t>();
-  std::vector<int64_t> lo(batch), hi(batch), p0(batch), p1(batch);
-  int64_t total_pages = 0;
-  for (int64_t b = 0; b < batch; ++b) {
-    TORCH_CHECK(fs[b] >= 0 && fs[b] % bs == 0, "first_slot must be a multiple of block_size");
-    TORCH_CHECK(sl[b] <= fs[b] + held_cap, "seq_len exceeds the block table");
-    hi[b] = sl[b];
-    lo[b] = fs[b];
-    if (sliding_window > 0) lo[b] = std::max(lo[b], sl[b] - sliding_window);
-    p0[b] = p1[b] = 0;
-    if (hi[b] > lo[b]) {
-      p0[b] = (lo[b] - fs[b]) / bs;
-      p1[b] = (hi[b] - 1 - fs[b]) / bs + 1;
-    }
-    for (int64_t p = p0[b]; p < p1[b]; ++p) {
-      const int64_t page = bt[b * max_blocks + p];
-      TORCH_CHECK(page >= 0 && page < num_pages, "block table entry out of range: ", page);
-    }
-    total_pages += p1[b] - p0[b];
-  }
-  const int64_t threads = at::get_num_threads();
-  const int64_t target_items = std::max<int64_t>(4 * threads, 1);
-  const int64_t min_pages = std::max<int64_t>(1, 256 / bs);
-  const int64_t chunk_pages =
-      std::max(min_pages, (total_pages * kvh + target_items - 1) / target_items);
-
-  std::vector<skv::DecodeItem> items;
-  std::vector<int64_t> first_item(batch * kvh + 1, 0);
-  for (int64_t b = 0; b < batch; ++b)
-    for (int64_t h = 0; h < kvh; ++h) {
-      first_item[b * kvh + h] = (int64_t)items.size();
-      for (int64_t p = p0[b]; p < p1[b]; p += chunk_pages)
-        items.push_back({b, h, p, std::min(p + chunk_pages, p1[b]), lo[b], hi[b], fs[b]});
-    }
-  first_item[batch * kvh] = (int64_t)items.size();
-  std::vector<int64_t> order(items.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = (int64_t)i;
-  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
-    return items[x].page_end - items[x].page_begin > items[y].page_end - items[y].page_begin;
-  });
-
   skv::DecodeArgs args{};
   args.query = query.data_ptr();
   args.pool = pool.data_ptr();
-  args.block_tables = bt;
+  args.kv_scales = scales.defined() ? scales.data_ptr<float>() : nullptr;
+  args.block_tables = block_tables.data_ptr<int64_t>();
   args.max_blocks = max_blocks;
   args.num_heads = num_heads;
   args.num_kv_heads = kvh;
@@ -160,28 +192,65 @@ std::vector<at::Tensor> paged_decode(const at::Tensor& query_in, const at::Tenso
   args.head_dim = d;
   args.scale = (float)scale;
   args.softcap = softcap > 0 ? (float)softcap : 0.0f;
-  args.is_bf16 = pool.scalar_type() == at::kBFloat16;
+  args.kv_type = kv_type;
+  args.query_bf16 = query.scalar_type() == at::kBFloat16;
   args.out = out.data_ptr();
   args.lse = lse.data_ptr<float>();
   args.scores = return_mass ? scores.data_ptr<float>() : nullptr;
   args.mass = return_mass ? mass.data_ptr<float>() : nullptr;
   args.held_cap = held_cap;
+  const DecodePlan plan = plan_decode(args, batch, seq_lens.data_ptr<int64_t>(),
+                                      first_slots.data_ptr<int64_t>(), pool.size(0),
+                                      sliding_window);
 
   const int64_t state_floats = skv::decode_state_floats(group, d);
-  std::vector<float> states(items.size() * state_floats);
+  std::vector<float> states(plan.items.size() * state_floats);
   const int64_t scratch = std::max(table.decode_scratch(args), d);
-  const int64_t work = total_pages * bs * kvh * group * d * 2;
-  run_dynamic((int64_t)items.size(), work, scratch, [&](int64_t i, float* buf) {
-    const int64_t k = order[i];
-    table.decode_item(args, items[k], buf, states.data() + k * state_floats);
+  const int64_t work = plan.total_pages * bs * kvh * group * d * 2;
+  run_dynamic((int64_t)plan.items.size(), work, scratch, [&](int64_t i, float* buf) {
+    const int64_t k = plan.order[i];
+    table.decode_item(args, plan.items[k], buf, states.data() + k * state_floats);
   });
+  const int64_t* fs = first_slots.data_ptr<int64_t>();
   run_dynamic(batch * kvh, work / bs, scratch, [&](int64_t i, float* buf) {
-    const int64_t b = i / kvh, h = i % kvh;
-    const int64_t n = first_item[i + 1] - first_item[i];
-    table.decode_combine(args, b, h, states.data() + first_item[i] * state_floats, n,
-                         lo[b] - fs[b], std::max(hi[b], lo[b]) - fs[b], buf);
+    const int64_t b = i / kvh, h = i % kvh, lo = plan.lo[b], hi = plan.hi[b];
+    const int64_t n = plan.first_item[i + 1] - plan.first_item[i];
+    table.decode_combine(args, b, h, states.data() + plan.first_item[i] * state_floats, n,
+                         lo - fs[b], std::max(hi, lo) - fs[b], buf);
   });
   return {out, lse, mass};
+}
+
+// Returns [out, lse, mass] (mass is an empty tensor unless return_mass).
+std::vector<at::Tensor> paged_decode(const at::Tensor& query, const at::Tensor& pool,
+                                     const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                     const at::Tensor& first_slots, double scale,
+                                     int64_t sliding_window, double softcap, bool return_mass,
+                                     c10::string_view isa) {
+  check_pool(pool);
+  const auto& table = table_for(isa);
+  TORCH_CHECK(query.scalar_type() == pool.scalar_type(), "query and kv_pool dtypes differ");
+  const auto kv_type = pool.scalar_type() == at::kBFloat16 ? skv::kKvBFloat16 : skv::kKvFloat32;
+  return run_decode(table, query, pool, at::Tensor(), kv_type, block_tables, seq_lens,
+                    first_slots, scale, sliding_window, softcap, return_mass);
+}
+
+// paged_decode over int8 / fp8 codes with per-slot scales; query and out fp32 or bf16.
+std::vector<at::Tensor> paged_decode_quantized(
+    const at::Tensor& query, const at::Tensor& kv_data, const at::Tensor& kv_scales,
+    const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& first_slots,
+    double scale, int64_t sliding_window, double softcap, bool return_mass,
+    c10::string_view isa) {
+  const skv::KvType kv_type = check_quantized_pool(kv_data, kv_scales);
+  const auto& table = table_for(isa);
+  // Codes are read 4 per 32-bit lane, a quad of 4 * width per load (vec_impl.h).
+  TORCH_CHECK(kv_data.size(4) % (4 * table.width) == 0, "head_dim of int8 / fp8 pools must be a ",
+              "multiple of ", 4 * table.width, " for kernel variant '", std::string(isa), "'");
+  TORCH_CHECK(query.device().is_cpu(), "query must be on CPU");
+  TORCH_CHECK(query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16,
+              "query must be float32 or bfloat16, got ", query.scalar_type());
+  return run_decode(table, query, kv_data, kv_scales, kv_type, block_tables, seq_lens,
+                    first_slots, scale, sliding_window, softcap, return_mass);
 }
 
 at::Tensor window_scores(const at::Tensor& window_queries, const at::Tensor& lse,
@@ -271,5 +340,6 @@ TORCH_LIBRARY(sparsekv_cpu, m) {
   m.def("amx_status", &skv::amx_status);
   m.def("vector_width", &vector_width);
   m.def("paged_decode", &paged_decode);
+  m.def("paged_decode_quantized", &paged_decode_quantized);
   m.def("window_scores", &window_scores);
 }

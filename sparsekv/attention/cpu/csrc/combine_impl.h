@@ -3,14 +3,15 @@
 // log-sum-exp; then the output, the lse and, if asked, the attention mass per held slot are
 // written.
 
-// Merge split states (base 2), write out, lse (natural log) and the attention mass.
-template <typename T>
+// Merge split states (base 2), write out, lse (natural log) and the attention mass. O is the
+// output (query) type, T the pool's element type (its chunk order and CodeUnit).
+template <typename O, typename T>
 static void decode_combine_t(const DecodeArgs& a, int64_t b, int64_t kvh, const float* states,
                              int64_t num_splits, int64_t held_lo, int64_t held_hi,
                              float* scratch) {
   const int64_t G = a.num_heads / a.num_kv_heads, d = a.head_dim, st = d + 2;
   const int64_t sstride = G * st;
-  T* out = static_cast<T*>(a.out) + (b * a.num_heads + kvh * G) * d;
+  O* out = static_cast<O*>(a.out) + (b * a.num_heads + kvh * G) * d;
   float* lse = a.lse + b * a.num_heads + kvh * G;
   float* acc = scratch;     // [d]
   float* lse2 = acc + d;    // [G] base-2 lse
@@ -32,7 +33,7 @@ static void decode_combine_t(const DecodeArgs& a, int64_t b, int64_t kvh, const 
       }
     }
     // A request that sees no slot (nothing held) gets a zero output and lse = -inf.
-    const float inv = L > 0.0f ? 1.0f / L : 0.0f;
+    const float inv = L > 0.0f ? CodeUnit<T>::value / L : 0.0f;
     for (int64_t e = 0; e < d; ++e) from_float(acc[chunk_pos<T>(e)] * inv, out + h * d + e);
     lse2[h] = L > 0.0f ? M + __builtin_log2f(L) : kNegInf;
     lse[h] = lse2[h] * kLn2;
@@ -57,8 +58,15 @@ static void decode_combine_t(const DecodeArgs& a, int64_t b, int64_t kvh, const 
 static void decode_combine(const DecodeArgs& a, int64_t b, int64_t kvh, const float* states,
                            int64_t num_splits, int64_t held_lo, int64_t held_hi,
                            float* scratch) {
-  if (a.is_bf16)
-    decode_combine_t<uint16_t>(a, b, kvh, states, num_splits, held_lo, held_hi, scratch);
-  else
-    decode_combine_t<float>(a, b, kvh, states, num_splits, held_lo, held_hi, scratch);
+  using Combine = void (*)(const DecodeArgs&, int64_t, int64_t, const float*, int64_t, int64_t,
+                           int64_t, float*);
+  const bool q16 = a.query_bf16;
+  Combine combine = decode_combine_t<float, float>;
+  if (a.kv_type == kKvBFloat16)
+    combine = decode_combine_t<uint16_t, uint16_t>;
+  else if (a.kv_type == kKvInt8)
+    combine = q16 ? decode_combine_t<uint16_t, int8_t> : decode_combine_t<float, int8_t>;
+  else if (a.kv_type == kKvFp8E4M3)
+    combine = q16 ? decode_combine_t<uint16_t, fp8_e4m3> : decode_combine_t<float, fp8_e4m3>;
+  combine(a, b, kvh, states, num_splits, held_lo, held_hi, scratch);
 }

@@ -255,7 +255,7 @@ static void decode_item_amx(const DecodeArgs& a, const DecodeItem& it, float* sc
   _tile_release();
 }
 
-// Table entries of the AMX unit: bf16 on tiles, fp32 on the vector kernel.
+// Table entries of the AMX unit: bf16 on tiles; fp32, int8 and fp8 on the vector kernel.
 static int64_t decode_scratch_amx(const DecodeArgs& a) {
   const int64_t vector = decode_scratch(a), tiles = amx_scratch(a, nullptr, nullptr) + 16;
   return vector > tiles ? vector : tiles;
@@ -263,8 +263,8 @@ static int64_t decode_scratch_amx(const DecodeArgs& a) {
 
 static void decode_item_or_amx(const DecodeArgs& a, const DecodeItem& it, float* scratch,
                                float* state) {
-  if (a.is_bf16)
+  if (a.kv_type == kKvBFloat16)
     decode_item_amx(a, it, scratch, state);
   else
-    decode_item_t<float>(a, it, scratch, state);
+    decode_item(a, it, scratch, state);
 }

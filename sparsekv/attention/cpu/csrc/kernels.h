@@ -7,24 +7,31 @@
 //
 // Page layout (CONTRACTS.md §2): pool [num_pages, 2 (K, V), num_kv_heads, block_size, head_dim],
 // contiguous; one head's slots of a page are contiguous rows of head_dim elements. bf16 elements
-// are passed as their raw 16-bit patterns.
+// are passed as their raw 16-bit patterns, fp8 (e4m3fn) codes as their 8-bit patterns.
+// Quantized pools (int8, fp8) come with scales [num_pages, 2, num_kv_heads, block_size] fp32:
+// element = code * scale of its (page, K/V, head, slot).
 #pragma once
 
 #include <stdint.h>
 
 namespace sparsekv_cpu {
 
+// Element type of a decode pool.
+enum KvType : int32_t { kKvFloat32 = 0, kKvBFloat16 = 1, kKvInt8 = 2, kKvFp8E4M3 = 3 };
+
 struct DecodeArgs {
-  const void* query;            // [batch, num_heads, head_dim], pool dtype
-  const void* pool;             // [num_pages, 2, num_kv_heads, block_size, head_dim]
+  const void* query;            // [batch, num_heads, head_dim], fp32 or bf16 (query_bf16)
+  const void* pool;             // [num_pages, 2, num_kv_heads, block_size, head_dim], kv_type
+  const float* kv_scales;       // [num_pages, 2, num_kv_heads, block_size] (int8, fp8), else null
   const int64_t* block_tables;  // [batch, max_blocks]
   int64_t max_blocks;
   int64_t num_heads, num_kv_heads, block_size, head_dim;
   float scale;
   float softcap;  // <= 0: none
-  bool is_bf16;
+  KvType kv_type;
+  bool query_bf16;  // fp32 and bf16 pools: their own dtype; quantized pools: either
   // Outputs.
-  void* out;         // [batch, num_heads, head_dim], pool dtype
+  void* out;         // [batch, num_heads, head_dim], query dtype
   float* lse;        // [batch, num_heads]
   float* scores;     // [batch, num_kv_heads, group, held_cap] raw logits, or nullptr
   float* mass;       // [batch, num_kv_heads, held_cap], zero-filled, or nullptr

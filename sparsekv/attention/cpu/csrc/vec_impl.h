@@ -5,8 +5,9 @@
 // the 2W values are read as W 32-bit words: `word << 16` gives the even elements and
 // `word & 0xffff0000` the odd ones (one instruction per vector instead of a widening convert),
 // so q and the output accumulators are kept in that permuted order (chunk_pos) and un-permuted
-// when written. fp32 chunks keep their natural order. The AMX unit (SKV_AMX) keeps its bf16
-// accumulators in the order its value tiles produce instead (see decode_amx.h).
+// when written. fp32 chunks keep their natural order; int8 / fp8 codes have their own (see
+// load_chunk). The AMX unit (SKV_AMX) keeps its bf16 accumulators in the order its value tiles
+// produce instead (see decode_amx.h).
 
 typedef float vf __attribute__((vector_size(SKV_W * 4)));
 typedef int32_t vi __attribute__((vector_size(SKV_W * 4)));
@@ -37,6 +38,66 @@ static inline void load2(const uint16_t* p, vf& a, vf& b) {
   a = (vf)(x << 16);
   b = (vf)(x & 0xffff0000u);
 }
+// Quantized codes (int8, fp8 e4m3fn) are read as 32-bit words of 4 codes: one full-width load
+// of W words holds a "quad" of 4W codes, and byte k of every word is moved to the top of its
+// lane by one left shift, then brought down sign-extended by an arithmetic right shift (int8,
+// then __builtin_convertvector to float) or masked into fp32 bits (fp8). (GCC 12 lowers a
+// __builtin_convertvector of bytes to wider lanes to scalar code: decode ~3x slower.) A 2W
+// chunk is bytes 0, 1 (even chunks) or 2, 3 (odd chunks) of its quad's words, so head_dim must
+// be a multiple of 4W for these pools (kCodeQuad); see chunk_pos for the order.
+struct fp8_e4m3 {  // an fp8 e4m3fn code: its bit pattern
+  uint8_t bits;
+};
+constexpr int kCodeQuad = 4 * W;  // codes per word load
+
+// A lane whose top byte is an int8 code -> the code as a float.
+static inline vf top_byte_to_float(const int8_t*, vi t) {
+  return __builtin_convertvector(t >> 24, vf);
+}
+// A lane whose top byte is an e4m3fn code -> fp32 of the code's value times 2^-120, without a
+// table: the arithmetic shift by 4 puts exponent and mantissa at bits 20..26 (fp32's exponent
+// bias is 127, e4m3's 7: hence 2^-120) and copies the sign to bits 27..31; the mask keeps bit
+// 31. Subnormal codes become fp32 subnormals of the same mantissa, also exact. NaN codes (never
+// written by kv_cache.quant) read as +-480.
+static inline vf top_byte_to_float(const fp8_e4m3*, vi t) {
+  return (vf)((vu)(t >> 4) & 0x87f00000u);
+}
+
+// Chunk c (a multiple of 2W) of a row of head_dim elements, as two W-lane vectors.
+static inline void load_chunk(const float* row, int64_t c, vf& a, vf& b) { load2(row + c, a, b); }
+static inline void load_chunk(const uint16_t* row, int64_t c, vf& a, vf& b) {
+  load2(row + c, a, b);
+}
+template <typename C>
+static inline void load_code_chunk(const C* row, int64_t c, vf& a, vf& b) {
+  vu w;
+  __builtin_memcpy(&w, row + c / kCodeQuad * kCodeQuad, sizeof(w));
+  const int up = (int)(c / (2 * W) % 2) * 16;  // odd chunks: bytes 2 and 3
+  a = top_byte_to_float(row, (vi)(w << (24 - up)));
+  b = top_byte_to_float(row, (vi)(w << (16 - up)));
+}
+static inline void load_chunk(const int8_t* row, int64_t c, vf& a, vf& b) {
+  load_code_chunk(row, c, a, b);
+}
+static inline void load_chunk(const fp8_e4m3* row, int64_t c, vf& a, vf& b) {
+  load_code_chunk(row, c, a, b);
+}
+// Loaded values of code type T times CodeUnit<T>::value squared are the codes (fp8: 2^120).
+// The kernels multiply the query, the key scales, the value coefficients and the output by
+// CodeUnit (2^60 each for fp8) rather than each key or value by 2^120: no extra instruction
+// per element, and products and partial sums stay far from fp32's subnormal range, where a
+// query element times a code scaled by 2^-120 often falls (slow, and flushed under FTZ).
+template <typename T>
+struct CodeUnit {
+  static constexpr float value = 1.0f;
+};
+template <>
+struct CodeUnit<fp8_e4m3> {
+  static constexpr float value = 0x1p60f;
+};
+template <typename T>
+constexpr bool kQuantized = sizeof(T) == 1;  // int8_t, fp8_e4m3: codes with per-slot scales
+
 static inline float to_float(float x) { return x; }
 static inline float to_float(uint16_t x) {
   uint32_t u = (uint32_t)x << 16;
@@ -60,6 +121,10 @@ static inline void from_float(float x, uint16_t* p) {  // round to nearest even,
 template <typename T>
 static inline int64_t chunk_pos(int64_t e) {
   if (sizeof(T) == 4) return e;
+  if (sizeof(T) == 1) {  // codes: byte k of word i of a quad -> vector k (W lanes each), lane i
+    const int64_t base = e - e % kCodeQuad, r = e % kCodeQuad;
+    return base + (r % 4) * W + r / 4;
+  }
   const int64_t base = e - e % (2 * W), r = e % (2 * W);
 #if SKV_AMX
   // unpacklo/hi_epi16 work per 128-bit lane: element r of a 32-element chunk sits in the lo
