@@ -270,3 +270,45 @@ def test_cache_config_validation():
     with pytest.raises(ValueError, match="layer indices"):
         CacheConfig(kv_cache_dtype="int8", kv_cache_full_precision_layers=(-1,)).validate()
     CacheConfig(kv_cache_dtype="int4", kv_cache_full_precision_layers=(0, 1)).validate()
+
+
+class _ReferenceInt4Kernel:
+    """Stands in for the native int4 kernel: dequantize every page, dense reference attention."""
+
+    @staticmethod
+    def supports_int4(query, *tensors) -> bool:
+        return True
+
+    @staticmethod
+    def paged_decode_attention_int4(query, codes, ks, kz, vs, vz, tables, seq_lens, scale, first,
+                                    window, softcap, mass):  # fmt: skip
+        from sparsekv.attention.torch_ref import paged_decode_attention
+
+        keys = quant.dequantize_int4_keys(codes[:, 0], ks, kz, torch.float32)
+        values = quant.dequantize_int4_values(codes[:, 1], vs, vz, torch.float32)
+        pool = torch.stack((keys, values), dim=1)
+        return paged_decode_attention(query, pool, tables, seq_lens, scale, first, window, softcap)
+
+
+@pytest.mark.parametrize("softcap", [None, 20.0])
+def test_int4_residual_merge_equals_the_dequantized_path(monkeypatch, softcap):
+    """Pages through the kernel + residuals merged by log-sum-exp = one dense attention."""
+    from sparsekv.kv_cache.storage import int4
+
+    lengths = [37, 64, 5, 16]  # residuals of 5, 0 (page boundary), 5 (no full page), 0
+    store = storage("int4", num_pages=24)
+    queries = activations((4, 9, D), 12, outlier_channels=())
+    tables, states = [], []
+    for i, n in enumerate(lengths):
+        table = list(range(6 * i, 6 * i + 5))
+        key, value = activations((KVH, n, D), 40 + i), activations((KVH, n, D), 50 + i)
+        state = LayerKV(block_table=table)
+        store.write_slots(state, table, 0, key, value)
+        tables.append(table)
+        states.append(state)
+    args = (torch.tensor(tables), torch.tensor(lengths), torch.zeros(4, dtype=torch.long))
+    expected = store.decode_attention(queries, *args, states, D**-0.5, None, softcap, False)
+    monkeypatch.setattr(int4, "_native_int4", lambda: _ReferenceInt4Kernel)
+    merged = store.decode_attention(queries, *args, states, D**-0.5, None, softcap, False)
+    torch.testing.assert_close(merged[0], expected[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(merged[1], expected[1], atol=1e-5, rtol=1e-5)

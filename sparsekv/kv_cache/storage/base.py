@@ -1,0 +1,163 @@
+"""Full-precision page storage (``auto``): the base every quantized format specialises."""
+
+from __future__ import annotations
+
+import torch
+
+from sparsekv.attention import backend
+from sparsekv.attention.torch_ref import gather_kv, write_kv, write_leading_slots
+from sparsekv.kv_cache.request_kv import LayerKV
+from sparsekv.kv_cache.spec import cdiv
+
+
+class KVStorage:
+    """Full-precision pages (``auto``): the base every format specialises.
+
+    Args:
+        num_pages: pages of this kind.
+        page_offset: global id of this kind's first page.
+        num_kv_heads, block_size, head_dim: page geometry.
+        dtype: compute dtype (what ``gather`` returns; the stored dtype here).
+        device: where pages live.
+    """
+
+    kv_cache_dtype = "auto"
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_offset: int,
+        num_kv_heads: int,
+        block_size: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        self.num_pages = num_pages
+        self.page_offset = page_offset
+        self.num_kv_heads = num_kv_heads
+        self.block_size = block_size
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.tensors = self._allocate()
+
+    def _allocate(self) -> list[torch.Tensor]:
+        shape = (self.num_pages, 2, self.num_kv_heads, self.block_size, self.head_dim)
+        return [torch.zeros(shape, dtype=self.dtype, device=self.device)]
+
+    @property
+    def page_bytes(self) -> int:
+        return sum(t[0].numel() * t.element_size() for t in self.tensors)
+
+    # ------------------------------------------------------------------ page ids
+    def local(self, pages: list[int]) -> torch.Tensor:
+        """Global page ids -> int64 indices into this storage's tensors."""
+        return torch.tensor(pages, dtype=torch.long, device=self.device) - self.page_offset
+
+    def _local_tables(self, block_tables: torch.Tensor) -> torch.Tensor:
+        # Padding entries (page 0) may belong to another kind; they are masked, any id serves.
+        if self.page_offset == 0:
+            return block_tables
+        return (block_tables - self.page_offset).clamp_(min=0)
+
+    def _slot_mapping(self, table: list[int], start: int, count: int) -> torch.Tensor:
+        """Local physical slots of held slots ``start .. start + count - 1``."""
+        held = torch.arange(start, start + count, device=self.device)
+        pages = self.local(table)[held // self.block_size]
+        return pages * self.block_size + held % self.block_size
+
+    # ------------------------------------------------------------------ writes
+    def write_decode(self, slot_mapping: torch.Tensor, states: list[LayerKV], key, value) -> None:
+        """Write one new token per request.
+
+        Args:
+            slot_mapping: ``[batch]`` int64 global physical slots (``page * block_size + off``).
+            states: the requests' layer states (formats with a residual append there).
+            key, value: ``[batch, num_kv_heads, head_dim]``.
+        """
+        local = slot_mapping - self.page_offset * self.block_size
+        self._scatter(local, key, value)
+
+    def _scatter(self, local_slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        write_kv(self.tensors[0], local_slots, key, value)
+
+    def write_slots(
+        self, state: LayerKV, table: list[int], start: int, key: torch.Tensor, value: torch.Tensor
+    ) -> None:
+        """Write held slots ``start .. start + m - 1`` (appended after ``start`` held slots).
+
+        Args:
+            key, value: ``[num_kv_heads, m, head_dim]`` in any float dtype.
+        """
+        if key.shape[1] == 0:
+            return
+        mapping = self._slot_mapping(table, start, key.shape[1])
+        self._scatter(mapping, key.transpose(0, 1), value.transpose(0, 1))
+
+    def write_leading(
+        self, state: LayerKV, table: list[int], key: torch.Tensor, value: torch.Tensor
+    ) -> None:
+        """Rewrite a compacted layer: ``m`` slots to held slots ``0 .. m - 1`` of ``table``.
+
+        Args:
+            key, value: ``[num_kv_heads, m, head_dim]``.
+        """
+        local = [page - self.page_offset for page in table]
+        write_leading_slots(self.tensors[0], local, key, value)
+
+    # ------------------------------------------------------------------ reads
+    def gather(
+        self, state: LayerKV, table: list[int], num_held: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Held slots of one (request, layer): keys, values ``[num_kv_heads, num_held,
+        head_dim]`` in the compute dtype."""
+        pages = self.local(table[: cdiv(num_held, self.block_size)])
+        return gather_kv(self.tensors[0], pages, num_held)
+
+    def decode_attention(
+        self,
+        query: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        first_slots: torch.Tensor,
+        states: list[LayerKV],
+        scale: float,
+        sliding_window: int | None,
+        logit_softcap: float | None,
+        return_attn_mass: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """One query per request over its pages; arguments and results as
+        ``backend.decode_attention`` (``block_tables`` hold global ids)."""
+        return backend.decode_attention(
+            query,
+            self.tensors[0],
+            self._local_tables(block_tables),
+            seq_lens,
+            scale,
+            first_slots=first_slots,
+            sliding_window=sliding_window,
+            logit_softcap=logit_softcap,
+            return_attn_mass=return_attn_mass,
+        )
+
+    # ------------------------------------------------------------------ swap
+    def read_pages(self, pages: list[int]) -> tuple[torch.Tensor, ...]:
+        """Host copies of the pages' codes and scales (bit-exact)."""
+        index = self.local(pages)
+        return tuple(t.index_select(0, index).to("cpu", copy=True) for t in self.tensors)
+
+    def write_pages(self, pages: list[int], copy: tuple[torch.Tensor, ...]) -> None:
+        """Restore ``read_pages`` copies into ``pages``."""
+        if not pages:
+            return
+        index = self.local(pages)
+        for tensor, saved in zip(self.tensors, copy):
+            tensor.index_copy_(0, index, saved.to(self.device))
+
+
+def materialize(dequantize_pages, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dequantize each page the block tables reference once: a dense pool of those pages and
+    the tables renumbered into it."""
+    unique, remapped = torch.unique(tables, return_inverse=True)
+    return dequantize_pages(unique).contiguous(), remapped

@@ -1,0 +1,130 @@
+"""int8 and fp8 pages: codes with one fp32 scale per (page, K/V, head, slot)."""
+
+from __future__ import annotations
+
+import torch
+
+from sparsekv.attention import backend
+from sparsekv.attention.torch_ref import gather_kv, write_kv, write_leading_slots
+from sparsekv.kv_cache import quant
+from sparsekv.kv_cache.request_kv import LayerKV
+from sparsekv.kv_cache.spec import cdiv
+from sparsekv.kv_cache.storage.base import KVStorage, materialize
+
+
+class ScaledStorage(KVStorage):
+    """int8 or fp8 codes with one fp32 scale per (page, K/V, head, slot). fp8 codes are kept
+    as their uint8 bit patterns (CPU copy kernels lack float8); ``codes`` views them as
+    ``float8_e4m3fn``."""
+
+    def __init__(self, kv_cache_dtype: str, *args, **kwargs) -> None:
+        self.kv_cache_dtype = kv_cache_dtype
+        if kv_cache_dtype == "int8":
+            self._quantize, self._dequantize = quant.quantize_int8, quant.dequantize_int8
+            self._code_dtype = torch.int8
+        else:
+            self._quantize, self._dequantize = _quantize_fp8_bits, _dequantize_fp8_bits
+            self._code_dtype = torch.uint8
+        super().__init__(*args, **kwargs)
+
+    def _allocate(self) -> list[torch.Tensor]:
+        shape = (self.num_pages, 2, self.num_kv_heads, self.block_size, self.head_dim)
+        codes = torch.zeros(shape, dtype=self._code_dtype, device=self.device)
+        scales = torch.zeros(shape[:-1], dtype=torch.float32, device=self.device)
+        return [codes, scales]
+
+    @property
+    def codes(self) -> torch.Tensor:
+        """``[num_pages, 2, num_kv_heads, block_size, head_dim]`` int8 or float8_e4m3fn."""
+        codes = self.tensors[0]
+        return codes.view(quant.FP8_DTYPE) if self.kv_cache_dtype == "fp8" else codes
+
+    @property
+    def scales(self) -> torch.Tensor:
+        return self.tensors[1]
+
+    def _scatter(self, local_slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        key_codes, key_scales = self._quantize(key)
+        value_codes, value_scales = self._quantize(value)
+        write_kv(self.tensors[0], local_slots, key_codes, value_codes)
+        write_kv(
+            self.scales[..., None], local_slots, key_scales[..., None], value_scales[..., None]
+        )
+
+    def write_leading(
+        self, state: LayerKV, table: list[int], key: torch.Tensor, value: torch.Tensor
+    ) -> None:
+        local = [page - self.page_offset for page in table]
+        key_codes, key_scales = self._quantize(key)
+        value_codes, value_scales = self._quantize(value)
+        write_leading_slots(self.tensors[0], local, key_codes, value_codes)
+        write_leading_slots(
+            self.scales[..., None], local, key_scales[..., None], value_scales[..., None]
+        )
+
+    def dequantize_pages(self, index: torch.Tensor) -> torch.Tensor:
+        """``[len(index), 2, num_kv_heads, block_size, head_dim]`` pages in the compute dtype."""
+        codes = self.tensors[0].index_select(0, index)
+        return self._dequantize(codes, self.scales.index_select(0, index), self.dtype)
+
+    def gather(
+        self, state: LayerKV, table: list[int], num_held: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        pages = self.local(table[: cdiv(num_held, self.block_size)])
+        return gather_kv(self.dequantize_pages(pages), torch.arange(len(pages)), num_held)
+
+    def decode_attention(
+        self,
+        query,
+        block_tables,
+        seq_lens,
+        first_slots,
+        states,
+        scale,
+        sliding_window,
+        logit_softcap,
+        return_attn_mass,
+    ):
+        tables = self._local_tables(block_tables)
+        native = _native_quantized()
+        if native is not None and native.supports_quantized(query, self.codes, self.scales):
+            return native.paged_decode_attention_quantized(
+                query,
+                self.codes,
+                self.scales,
+                tables,
+                seq_lens,
+                scale,
+                first_slots,
+                sliding_window,
+                logit_softcap,
+                return_attn_mass,
+            )
+        dense, remapped = materialize(self.dequantize_pages, tables)
+        return backend.decode_attention(
+            query,
+            dense,
+            remapped,
+            seq_lens,
+            scale,
+            first_slots=first_slots,
+            sliding_window=sliding_window,
+            logit_softcap=logit_softcap,
+            return_attn_mass=return_attn_mass,
+        )
+
+
+def _quantize_fp8_bits(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    codes, scale = quant.quantize_fp8(x)
+    return codes.view(torch.uint8), scale
+
+
+def _dequantize_fp8_bits(bits: torch.Tensor, scale: torch.Tensor, dtype) -> torch.Tensor:
+    return quant.dequantize_fp8(bits.view(quant.FP8_DTYPE), scale, dtype)
+
+
+def _native_quantized():
+    """The native ops module when it offers quantized decode, else None."""
+    from sparsekv.attention.cpu import ops
+
+    return ops if hasattr(ops, "supports_quantized") else None
