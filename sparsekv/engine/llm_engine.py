@@ -98,6 +98,11 @@ class LLMEngine:
         if request_id in self._groups:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         self._check_prompt(prompt_token_ids)
+        bad_stops = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad_stops:
+            raise ValueError(
+                f"stop_token_ids: token id {bad_stops[0]} is outside [0, {self.vocab_size})"
+            )
         params.validate(max_model_len=self.max_model_len, num_prompt_tokens=len(prompt_token_ids))
         policy = self.resolve_compression(compression)
         num_prompt = len(prompt_token_ids)

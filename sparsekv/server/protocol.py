@@ -26,26 +26,29 @@ Text = Annotated[str, AfterValidator(_encodable)]
 # SamplingParams.validate, with its messages).
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 Seed = Annotated[int, Field(ge=-(2**62), le=2**62)]
+# Policy sizes: ranges are CompressionConfig.validate's; this only bounds absurd integers.
+Size = Annotated[int, Field(lt=2**31)]
 
 
 class KVCompressionBody(BaseModel):
     """The ``kv_compression`` object: fields override the server's default policy one by one."""
 
-    model_config = ConfigDict(extra="forbid")
+    # Strict types: a budget of "64" or a decode_eviction of "yes" is a 400, not a guess.
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     method: str | None = None
-    budget: int | None = None
+    budget: Size | None = None
     compression_ratio: float | None = None
-    window: int | None = None
+    window: Size | None = None
     pooling: str | None = None
-    kernel_size: int | None = None
+    kernel_size: Size | None = None
     gqa_agg: str | None = None
-    full_layers: int | None = None
-    layer_budgets: list[int] | None = None
+    full_layers: Size | None = None
+    layer_budgets: list[Size] | None = None
     decode_eviction: bool | None = None
     chunked_mode: str | None = None
     scope: str | None = None
-    context_tokens: int | None = None
+    context_tokens: Size | None = None
 
     def overrides(self) -> dict[str, Any]:
         """The fields the client gave (``null`` means "not given")."""
@@ -97,6 +100,7 @@ class CompletionRequest(SamplingBody):
 
     prompt: Text | list[int] | list[Text] | list[list[int]]
     max_tokens: int | None = 16
+    best_of: int | None = None  # only best_of = n (the default) is served
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None

@@ -117,6 +117,9 @@ def sampling_params(
         raise APIError(400, f"n must be <= max_num_seqs ({ctx.max_num_seqs})", param="n")
     if body.logit_bias:
         raise APIError(400, "logit_bias is not supported", param="logit_bias")
+    best_of = getattr(body, "best_of", None)
+    if best_of is not None and best_of != body.n:
+        raise APIError(400, "best_of: only best_of = n is supported", param="best_of")
     return SamplingParams(
         n=body.n,
         temperature=1.0 if body.temperature is None else body.temperature,
