@@ -8,10 +8,12 @@ times, for the given shapes (default: SmolLM2 S1, 16 requests x 2000 tokens, 30 
 - the window-score pass over paged keys against the fp32 FLOP bound;
 - prefill attention with LSE (``attention_with_lse`` vs ``backend.prefill_attention``) against
   the FLOP bound of causal attention;
-- with ``--kv-dtypes`` (e.g. ``bf16,int8,fp8``), native paged decode over pages of each KV
+- with ``--kv-dtypes`` (e.g. ``bf16,int8,fp8,int4``), native paged decode over pages of each KV
   dtype at the same shape (int8 / fp8: ``kv_cache.quant`` codes and per-slot fp32 scales, read
-  in place by ``ops.paged_decode_attention_quantized``): ms per step, bytes read per call
-  (codes + scales) and the GB/s that makes. ``--dtypes ''`` skips the rows above.
+  in place by ``ops.paged_decode_attention_quantized``; int4: KIVI codes with fp16 per-channel
+  key and per-slot value scales and zeros, ``ops.paged_decode_attention_int4``): ms per step,
+  bytes read per call (codes + scales) and the GB/s that makes. ``--dtypes ''`` skips the rows
+  above.
 
 Prints ms, bound and ratio per row and writes a JSON report (``--output``) with provenance and
 the same rows as a Markdown table beside it (``.md``).
@@ -39,7 +41,7 @@ from sparsekv.kv_cache import quant
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 QUANTIZERS = {"int8": quant.quantize_int8, "fp8": quant.quantize_fp8}
-KV_DTYPES = (*DTYPES, *QUANTIZERS)
+KV_DTYPES = (*DTYPES, *QUANTIZERS, "int4")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,14 +59,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--kv-dtypes",
         default="",
-        help="comma list of fp32, bf16, int8, fp8: native decode over pages of each at the "
+        help="comma list of fp32, bf16, int8, fp8, int4: native decode over pages of each at the "
         "decode shape, with bytes per call and GB/s ('' skips)",
     )
     parser.add_argument(
         "--kv-query-dtype",
         default="bf16",
         choices=tuple(DTYPES),
-        help="query dtype of the int8 / fp8 rows (fp32 / bf16 pages take their own)",
+        help="query dtype of the int8 / fp8 / int4 rows (fp32 / bf16 pages take their own)",
     )
     parser.add_argument("--window", type=int, default=32, help="observation window rows")
     parser.add_argument("--prefill-tokens", type=int, default=4000, help="0 skips prefill")
@@ -139,6 +141,41 @@ def make_pages(args: argparse.Namespace, kv_name: str) -> tuple[torch.Tensor, to
         pages = slice(start, min(start + chunk, num_pages))
         data[pages], scales[pages] = QUANTIZERS[kv_name](torch.randn(data[pages].shape))
     return data, scales
+
+
+def make_int4_pages(args: argparse.Namespace) -> list[torch.Tensor]:
+    """KIVI int4 pages of one decode step, as ``Int4Storage`` lays them out: codes
+    ``[num_pages, 2, kvh, block_size, head_dim // 2]`` uint8, key scale and zero
+    ``[num_pages, kvh, head_dim]`` and value scale and zero ``[num_pages, kvh, block_size]``
+    fp16 (Gaussian K/V quantized a page at a time by ``kv_cache.quant``)."""
+    num_pages, kvh, bs, d = num_step_pages(args), args.num_kv_heads, args.block_size, args.head_dim
+    tensors = [
+        torch.empty((num_pages, 2, kvh, bs, d // 2), dtype=torch.uint8),
+        torch.empty((num_pages, kvh, d), dtype=torch.float16),
+        torch.empty((num_pages, kvh, d), dtype=torch.float16),
+        torch.empty((num_pages, kvh, bs), dtype=torch.float16),
+        torch.empty((num_pages, kvh, bs), dtype=torch.float16),
+    ]
+    for tensor in tensors:
+        advise_huge_pages(tensor)
+    chunk = max(1, (64 << 20) // (2 * kvh * bs * d * 4))  # 64 MiB of fp32 K/V at a time
+    for start in range(0, num_pages, chunk):
+        pages = slice(start, min(start + chunk, num_pages))
+        kv = torch.randn(tensors[0][pages].shape[:-1] + (d,))
+        key_codes, *key_params = quant.quantize_int4_keys(kv[:, 0])
+        value_codes, *value_params = quant.quantize_int4_values(kv[:, 1])
+        tensors[0][pages] = torch.stack((key_codes, value_codes), dim=1)
+        for tensor, part in zip(tensors[1:], key_params + value_params):
+            tensor[pages] = part
+    return tensors
+
+
+def int4_bytes_per_call(args: argparse.Namespace) -> int:
+    """Bytes one layer's int4 decode reads: the codes of every held slot's key and value rows,
+    each held page's key scales and zeros, each held slot's value scale and zero."""
+    slots = args.batch * args.tokens * args.num_kv_heads
+    pages = args.batch * -(-args.tokens // args.block_size) * args.num_kv_heads
+    return slots * 2 * (args.head_dim // 2) + pages * 2 * args.head_dim * 2 + slots * 2 * 2
 
 
 def decode_inputs(args: argparse.Namespace, dtype: torch.dtype) -> tuple[list, torch.Tensor]:
@@ -227,27 +264,45 @@ def bench_decode(args, dtype_name: str, machine: dict) -> list[dict]:
     return rows
 
 
+def paged_attention(args: argparse.Namespace, kv_name: str) -> tuple[Callable, int]:
+    """Native decode over fp32 / bf16 / int8 / fp8 pages of one step (bound to them) and the
+    bytes one layer's call reads (elements or codes, and per-slot scales)."""
+    data, scales = make_pages(args, kv_name)
+    isa = native_isa(args, quantized=scales is not None)
+    slots = args.batch * args.tokens * args.num_kv_heads * 2  # K and V rows per layer
+    bytes_per_call = slots * args.head_dim * data.element_size()
+    if scales is None:
+        return functools.partial(ops.paged_decode_attention, kv_pool=data, isa=isa), bytes_per_call
+    attend = functools.partial(
+        ops.paged_decode_attention_quantized, kv_data=data, kv_scales=scales, isa=isa
+    )
+    return attend, bytes_per_call + slots * scales.element_size()
+
+
+def int4_attention(args: argparse.Namespace) -> tuple[Callable, int]:
+    """Native decode over the int4 pages of one step (bound to them) and the bytes one layer's
+    call reads (:func:`int4_bytes_per_call`)."""
+    names = ("codes", "key_scale", "key_zero", "value_scale", "value_zero")
+    tensors = dict(zip(names, make_int4_pages(args)))
+    attend = functools.partial(ops.paged_decode_attention_int4, **tensors, isa=native_isa(args))
+    return attend, int4_bytes_per_call(args)
+
+
 def bench_decode_kv(args: argparse.Namespace, kv_name: str, machine: dict) -> dict:
     """Native decode over ``kv_name`` pages (``KV_DTYPES``) at the decode shape: one row with the
     bytes each call (one layer) reads, codes and scales, and the rate that makes."""
-    data, scales = make_pages(args, kv_name)
-    query_name = kv_name if scales is None else args.kv_query_dtype
-    layers, seq_lens = decode_inputs(args, DTYPES[query_name])
-    scale, isa = args.head_dim**-0.5, native_isa(args, quantized=scales is not None)
-    if scales is None:
-        attend = functools.partial(ops.paged_decode_attention, kv_pool=data, isa=isa)
+    if kv_name == "int4":
+        attend, bytes_per_call = int4_attention(args)
     else:
-        attend = functools.partial(
-            ops.paged_decode_attention_quantized, kv_data=data, kv_scales=scales, isa=isa
-        )
+        attend, bytes_per_call = paged_attention(args, kv_name)
+    query_name = kv_name if kv_name in DTYPES else args.kv_query_dtype
+    layers, seq_lens = decode_inputs(args, DTYPES[query_name])
+    scale = args.head_dim**-0.5
 
     def step() -> None:
         for query, table in layers:
             attend(query, block_tables=table, seq_lens=seq_lens, scale=scale)
 
-    slots = args.batch * args.tokens * args.num_kv_heads * 2  # K and V rows per layer
-    bytes_per_call = slots * args.head_dim * data.element_size()
-    bytes_per_call += 0 if scales is None else slots * scales.element_size()
     step_bytes = bytes_per_call * args.layers
     bound = step_bytes / machine["read_bandwidth"]
     label = f"decode native {args.batch}x{args.tokens} x{args.layers} layers"

@@ -320,4 +320,4 @@ def test_bench_kv_dtype_rows(isas, capsys):
     assert all(row["ms"] > 0 and row["gb_per_s"] > 0 for row in rows.values())
     assert "GB/s" in capsys.readouterr().out
     with pytest.raises(ValueError, match="--kv-dtypes"):
-        kernels.run(kernels.build_parser().parse_args(["--kv-dtypes", "int8,int4"]))
+        kernels.run(kernels.build_parser().parse_args(["--kv-dtypes", "int8,int3"]))

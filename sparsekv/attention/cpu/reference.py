@@ -1,5 +1,6 @@
 """Plain-PyTorch oracles of native kernels without a ``torch_ref`` counterpart: window scores
-over paged keys, and the dequantized pool that quantized decode is checked against.
+over paged keys, and the dequantized pools that quantized decode is checked against (int8 /
+fp8: ``dequantize_pool``; KIVI int4: ``dequantize_int4_pool``).
 
 (They belong beside the other references in ``attention/torch_ref.py``; they live here until
 that file takes them.)
@@ -10,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from sparsekv.attention.torch_ref import causal_mask, gather_kv
+from sparsekv.kv_cache import quant
 
 
 def window_scores_paged(
@@ -71,3 +73,47 @@ def dequantize_pool(
             f"kv_scales must have shape {tuple(kv_data.shape[:4])}, got {tuple(kv_scales.shape)}"
         )
     return (kv_data.float() * kv_scales.float()[..., None]).to(dtype)
+
+
+def dequantize_int4_pool(
+    codes: torch.Tensor,
+    key_scale: torch.Tensor,
+    key_zero: torch.Tensor,
+    value_scale: torch.Tensor,
+    value_zero: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """The pool KIVI int4 pages stand for (``kv_cache.quant``; Liu et al. 2024).
+
+    ``torch_ref.paged_decode_attention(query, dequantize_int4_pool(...), ...)`` is the oracle of
+    ``ops.paged_decode_attention_int4(query, codes, key_scale, ..., value_zero, ...)``.
+
+    Args:
+        codes: ``[num_pages, 2, num_kv_heads, block_size, head_dim // 2]`` uint8, two codes per
+            byte (even element in the low nibble).
+        key_scale: ``[num_pages, num_kv_heads, head_dim]`` fp16, per channel of a page.
+        key_zero: ``[num_pages, num_kv_heads, head_dim]`` fp16.
+        value_scale: ``[num_pages, num_kv_heads, block_size]`` fp16, per slot.
+        value_zero: ``[num_pages, num_kv_heads, block_size]`` fp16.
+        dtype: result dtype; fp32 (the default) holds ``code * scale + zero`` as computed.
+
+    Returns:
+        ``[num_pages, 2, num_kv_heads, block_size, head_dim]`` in ``dtype``.
+
+    Raises:
+        ValueError: a scale or zero's shape is not the one ``codes`` implies.
+    """
+    num_pages, _, num_kv_heads, block_size, half = codes.shape
+    key_shape = (num_pages, num_kv_heads, 2 * half)
+    value_shape = (num_pages, num_kv_heads, block_size)
+    for name, tensor, shape in (
+        ("key_scale", key_scale, key_shape),
+        ("key_zero", key_zero, key_shape),
+        ("value_scale", value_scale, value_shape),
+        ("value_zero", value_zero, value_shape),
+    ):
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {tuple(tensor.shape)}")
+    keys = quant.dequantize_int4_keys(codes[:, 0], key_scale, key_zero, dtype)
+    values = quant.dequantize_int4_values(codes[:, 1], value_scale, value_zero, dtype)
+    return torch.stack((keys, values), dim=1)

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <atomic>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "isa_select.h"
@@ -90,6 +91,35 @@ skv::KvType check_quantized_pool(const at::Tensor& data, const at::Tensor& scale
   return data.scalar_type() == at::kChar ? skv::kKvInt8 : skv::kKvFp8E4M3;
 }
 
+// Codes and fp16 scales and zeros of a KIVI int4 pool (kernels.h).
+void check_int4_pool(const at::Tensor& codes, const at::Tensor& key_scale,
+                        const at::Tensor& key_zero, const at::Tensor& value_scale,
+                        const at::Tensor& value_zero) {
+  TORCH_CHECK(codes.dim() == 5 && codes.size(1) == 2,
+              "codes must be [num_pages, 2, num_kv_heads, block_size, head_dim / 2], got ",
+              codes.sizes());
+  TORCH_CHECK(codes.scalar_type() == at::kByte, "codes must be uint8, got ",
+              codes.scalar_type());
+  const int64_t pages = codes.size(0), kvh = codes.size(2), bs = codes.size(3);
+  const int64_t d = 2 * codes.size(4);
+  const std::pair<const at::Tensor*, const char*> params[4] = {
+      {&key_scale, "key_scale"}, {&key_zero, "key_zero"},
+      {&value_scale, "value_scale"}, {&value_zero, "value_zero"}};
+  for (int i = 0; i < 4; ++i) {
+    const at::Tensor& t = *params[i].first;
+    const char* name = params[i].second;
+    const std::vector<int64_t> want = {pages, kvh, i < 2 ? d : bs};
+    TORCH_CHECK(t.scalar_type() == at::kHalf, name, " must be float16, got ", t.scalar_type());
+    TORCH_CHECK(t.sizes() == at::IntArrayRef(want), name, " must be ",
+                i < 2 ? "[num_pages, num_kv_heads, head_dim] = " :
+                        "[num_pages, num_kv_heads, block_size] = ",
+                at::IntArrayRef(want), " for codes of shape ", codes.sizes(), ", got ", t.sizes());
+    TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), name, " must be contiguous on CPU");
+  }
+  TORCH_CHECK(codes.device().is_cpu() && codes.is_contiguous(),
+              "codes must be contiguous on CPU");
+}
+
 int64_t vector_width(c10::string_view isa) { return table_for(isa).width; }
 
 // Work of one decode call: items of whole pages of one (request, KV head), at most chunk_pages
@@ -148,10 +178,17 @@ DecodePlan plan_decode(const skv::DecodeArgs& a, int64_t batch, const int64_t* s
   return plan;
 }
 
-// Decode over a checked pool of element type kv_type (scales: int8 / fp8 pools, else
-// undefined). Returns [out, lse, mass] (mass is an empty tensor unless return_mass).
+// Scales of a checked quantized pool: per slot for int8 / fp8 (kv_scales), the four fp16
+// tensors of int4 pools (key scale, key zero, value scale, value zero); undefined otherwise.
+struct PoolScales {
+  at::Tensor kv_scales;
+  at::Tensor int4[4];
+};
+
+// Decode over a checked pool of element type kv_type. Returns [out, lse, mass] (mass is an
+// empty tensor unless return_mass).
 std::vector<at::Tensor> run_decode(const skv::KernelTable& table, const at::Tensor& query_in,
-                                   const at::Tensor& pool, const at::Tensor& scales,
+                                   const at::Tensor& pool, const PoolScales& scales,
                                    skv::KvType kv_type, const at::Tensor& block_tables_in,
                                    const at::Tensor& seq_lens_in,
                                    const at::Tensor& first_slots_in, double scale,
@@ -159,8 +196,8 @@ std::vector<at::Tensor> run_decode(const skv::KernelTable& table, const at::Tens
   TORCH_CHECK(query_in.dim() == 3, "query must be [batch, num_heads, head_dim]");
   const int64_t batch = query_in.size(0), num_heads = query_in.size(1), d = query_in.size(2);
   const int64_t kvh = pool.size(2), bs = pool.size(3);
-  TORCH_CHECK(pool.size(4) == d, "head_dim of query (", d, ") and the pool (", pool.size(4),
-              ") differ");
+  const int64_t pool_d = kv_type == skv::kKvInt4 ? 2 * pool.size(4) : pool.size(4);
+  TORCH_CHECK(pool_d == d, "head_dim of query (", d, ") and the pool (", pool_d, ") differ");
   TORCH_CHECK(num_heads % kvh == 0, "num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK(d % (2 * table.width) == 0, "head_dim must be a multiple of ", 2 * table.width);
   auto query = query_in.contiguous();
@@ -183,7 +220,15 @@ std::vector<at::Tensor> run_decode(const skv::KernelTable& table, const at::Tens
   skv::DecodeArgs args{};
   args.query = query.data_ptr();
   args.pool = pool.data_ptr();
-  args.kv_scales = scales.defined() ? scales.data_ptr<float>() : nullptr;
+  args.kv_scales = scales.kv_scales.defined() ? scales.kv_scales.data_ptr<float>() : nullptr;
+  const uint16_t* int4[4] = {};
+  for (int i = 0; i < 4; ++i)
+    if (scales.int4[i].defined())
+      int4[i] = reinterpret_cast<const uint16_t*>(scales.int4[i].data_ptr<at::Half>());
+  args.key_scale = int4[0];
+  args.key_zero = int4[1];
+  args.value_scale = int4[2];
+  args.value_zero = int4[3];
   args.block_tables = block_tables.data_ptr<int64_t>();
   args.max_blocks = max_blocks;
   args.num_heads = num_heads;
@@ -231,8 +276,14 @@ std::vector<at::Tensor> paged_decode(const at::Tensor& query, const at::Tensor& 
   const auto& table = table_for(isa);
   TORCH_CHECK(query.scalar_type() == pool.scalar_type(), "query and kv_pool dtypes differ");
   const auto kv_type = pool.scalar_type() == at::kBFloat16 ? skv::kKvBFloat16 : skv::kKvFloat32;
-  return run_decode(table, query, pool, at::Tensor(), kv_type, block_tables, seq_lens,
+  return run_decode(table, query, pool, PoolScales(), kv_type, block_tables, seq_lens,
                     first_slots, scale, sliding_window, softcap, return_mass);
+}
+
+void check_query(const at::Tensor& query) {  // of the quantized pools: fp32 or bf16
+  TORCH_CHECK(query.device().is_cpu(), "query must be on CPU");
+  TORCH_CHECK(query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16,
+              "query must be float32 or bfloat16, got ", query.scalar_type());
 }
 
 // paged_decode over int8 / fp8 codes with per-slot scales; query and out fp32 or bf16.
@@ -246,10 +297,27 @@ std::vector<at::Tensor> paged_decode_quantized(
   // Codes are read 4 per 32-bit lane, a quad of 4 * width per load (vec_impl.h).
   TORCH_CHECK(kv_data.size(4) % (4 * table.width) == 0, "head_dim of int8 / fp8 pools must be a ",
               "multiple of ", 4 * table.width, " for kernel variant '", std::string(isa), "'");
-  TORCH_CHECK(query.device().is_cpu(), "query must be on CPU");
-  TORCH_CHECK(query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16,
-              "query must be float32 or bfloat16, got ", query.scalar_type());
-  return run_decode(table, query, kv_data, kv_scales, kv_type, block_tables, seq_lens,
+  check_query(query);
+  PoolScales scales;
+  scales.kv_scales = kv_scales;
+  return run_decode(table, query, kv_data, scales, kv_type, block_tables, seq_lens, first_slots,
+                    scale, sliding_window, softcap, return_mass);
+}
+
+// paged_decode over KIVI int4 pages; query and out fp32 or bf16.
+std::vector<at::Tensor> paged_decode_int4(
+    const at::Tensor& query, const at::Tensor& codes, const at::Tensor& key_scale,
+    const at::Tensor& key_zero, const at::Tensor& value_scale, const at::Tensor& value_zero,
+    const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& first_slots,
+    double scale, int64_t sliding_window, double softcap, bool return_mass,
+    c10::string_view isa) {
+  check_int4_pool(codes, key_scale, key_zero, value_scale, value_zero);
+  const auto& table = table_for(isa);
+  check_query(query);
+  PoolScales scales;
+  const at::Tensor* params[4] = {&key_scale, &key_zero, &value_scale, &value_zero};
+  for (int i = 0; i < 4; ++i) scales.int4[i] = *params[i];
+  return run_decode(table, query, codes, scales, skv::kKvInt4, block_tables, seq_lens,
                     first_slots, scale, sliding_window, softcap, return_mass);
 }
 
@@ -341,5 +409,6 @@ TORCH_LIBRARY(sparsekv_cpu, m) {
   m.def("vector_width", &vector_width);
   m.def("paged_decode", &paged_decode);
   m.def("paged_decode_quantized", &paged_decode_quantized);
+  m.def("paged_decode_int4", &paged_decode_int4);
   m.def("window_scores", &window_scores);
 }

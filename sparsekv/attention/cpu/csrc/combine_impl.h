@@ -68,5 +68,7 @@ static void decode_combine(const DecodeArgs& a, int64_t b, int64_t kvh, const fl
     combine = q16 ? decode_combine_t<uint16_t, int8_t> : decode_combine_t<float, int8_t>;
   else if (a.kv_type == kKvFp8E4M3)
     combine = q16 ? decode_combine_t<uint16_t, fp8_e4m3> : decode_combine_t<float, fp8_e4m3>;
+  else if (a.kv_type == kKvInt4)
+    combine = q16 ? decode_combine_t<uint16_t, int4x2> : decode_combine_t<float, int4x2>;
   combine(a, b, kvh, states, num_splits, held_lo, held_hi, scratch);
 }

@@ -232,13 +232,13 @@ static void decode_item_amx(const DecodeArgs& a, const DecodeItem& it, float* sc
   int64_t pi = it.page_begin;
   for (int i = 0; i < 2; ++i) {
     count[i] = next_tile<uint16_t>(a, it, &pi, tiles[i]);
-    touch_runs(tiles[i], count[i], kv_stride, d);
+    touch_runs(a, tiles[i], count[i], kv_stride, d);
   }
   int configured = 0;
   for (int cur = 0; count[cur] > 0; cur = (cur + 1) % 3) {
     const int next = (cur + 1) % 3, after = (cur + 2) % 3;
     count[after] = next_tile<uint16_t>(a, it, &pi, tiles[after]);
-    touch_runs(tiles[after], count[after], kv_stride, d);
+    touch_runs(a, tiles[after], count[after], kv_stride, d);
     prefetch.finish();
     prefetch.start(tiles[next], count[next], kv_stride, d);
     for (int64_t h0 = 0; h0 < G; h0 += kAmxMaxHeads) {

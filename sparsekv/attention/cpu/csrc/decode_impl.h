@@ -9,9 +9,17 @@
 // T is the pool's element type: float, uint16_t (bf16), or the codes int8_t and fp8_e4m3 of
 // a quantized pool, whose per-slot scales multiply each logit (key scale) and each value row's
 // probability (value scale) after the softmax sums; see load_chunk and CodeUnit in vec_impl.h.
+// T = int4x2 reads KIVI int4 pages (int4_impl.h): the query is rescaled per page by the key
+// scales, a bias per head adds the key zeros, and the value zeros enter through one sum per
+// head and tile. Rows of T elements are row_len<T>(head_dim) long (int4: two codes per byte).
 
 constexpr int64_t kTileSlots = 32;
 constexpr int kMaxTilePages = 8;
+
+template <typename T>
+static inline int64_t row_len(int64_t head_dim) {  // elements of T per key or value row
+  return kInt4<T> ? head_dim / 2 : head_dim;
+}
 
 template <typename T>
 struct PageSpan {  // slots [j0, j0 + n) of one page of one KV head
@@ -20,16 +28,17 @@ struct PageSpan {  // slots [j0, j0 + n) of one page of one KV head
                     // + num_kv_heads * block_size); else nullptr
   int64_t j0, n;
   int64_t held;  // held index of slot j0
+  int64_t ph;    // page * num_kv_heads + KV head: the int4 scales' (page, head) index
 };
 
-template <typename T>
-static inline void prefetch_rows(const PageSpan<T>* p, int64_t offset, int64_t d, int64_t r0,
+template <typename T>  // rows [r0, r1) of the span, rl elements each, at + offset
+static inline void prefetch_rows(const PageSpan<T>* p, int64_t offset, int64_t rl, int64_t r0,
                                  int64_t r1) {
   if (p == nullptr) return;
   r1 = r1 < p->n ? r1 : p->n;
   if (r1 <= r0) return;
-  const char* base = reinterpret_cast<const char*>(p->k + offset + (p->j0 + r0) * d);
-  const int64_t bytes = (r1 - r0) * d * (int64_t)sizeof(T);
+  const char* base = reinterpret_cast<const char*>(p->k + offset + (p->j0 + r0) * rl);
+  const int64_t bytes = (r1 - r0) * rl * (int64_t)sizeof(T);
   for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(base + o, 0, 3);
 }
 
@@ -39,14 +48,17 @@ static inline void prefetch_rows(const PageSpan<T>* p, int64_t offset, int64_t d
 // Quantized pools: every line of the span's key and value scales is read, a demand load rather
 // than a prefetch: prefetching them changed nothing (41 ns per slot and KV head, int8, one
 // thread, 368 MB of codes), reading them two tiles ahead gave 28 ns (26 with the scales in L1).
+// int4 pools: their key and value scales and zeros are prefetched (touch_int4_scales).
 template <typename T>
-static inline void touch_runs(const PageSpan<T>* spans, int n, int64_t kv_stride, int64_t d) {
+static inline void touch_runs(const DecodeArgs& a, const PageSpan<T>* spans, int n,
+                              int64_t kv_stride, int64_t rl) {
   for (int k = 0; k < n; ++k) {
-    __builtin_prefetch(spans[k].k + spans[k].j0 * d, 0, 3);
-    __builtin_prefetch(spans[k].k + kv_stride + spans[k].j0 * d, 0, 3);
+    __builtin_prefetch(spans[k].k + spans[k].j0 * rl, 0, 3);
+    __builtin_prefetch(spans[k].k + kv_stride + spans[k].j0 * rl, 0, 3);
+    if (kInt4<T> && spans[k].n > 0) touch_int4_scales(a, spans[k].ph, spans[k].j0, spans[k].n);
     if (kQuantized<T> && spans[k].n > 0) {
       const float* ks = spans[k].ks + spans[k].j0;
-      const int64_t vs = kv_stride / d, last = spans[k].n - 1;
+      const int64_t vs = kv_stride / rl, last = spans[k].n - 1;
       volatile float sink;  // forces the loads
       for (int64_t t = 0; t < last; t += 16) sink = ks[t] + ks[vs + t];
       sink = ks[last] + ks[vs + last];
@@ -85,19 +97,22 @@ static inline void dot1(const T* k, const float* q, int64_t d, vf* a) {
 
 // Logits of the span's slots for g heads into sc[h * ss + t], t < span.n (a W-slot group may
 // write up to W - 1 values past n; the caller's buffer has room and overwrites them). Quantized
-// pools: dot(q, codes) times the slot's key scale.
+// pools: dot(q, codes) times the slot's key scale; int4: dot(q, codes) + bias[h], q the query
+// scaled by the page's key scales (int4_page_query).
 template <typename T, int g>
 static inline void span_logits(const PageSpan<T>& sp, const PageSpan<T>* next, int64_t bs,
-                               int64_t d, const float* q, float* sc, int64_t ss) {
+                               int64_t d, const float* q, const float* bias, float* sc,
+                               int64_t ss) {
   const T* K = sp.k;
+  const int64_t rl = row_len<T>(d);
   int64_t j = sp.j0;
   const int64_t j1 = sp.j0 + sp.n;
   for (; j < j1 && j + W <= bs; j += W) {  // W slots at once; rows past j1 are ignored
     vf part[g][W];
     for (int jj = 0; jj < W; jj += 2) {
-      prefetch_rows(next, 0, d, j - sp.j0 + jj, j - sp.j0 + jj + 2);
+      prefetch_rows(next, 0, rl, j - sp.j0 + jj, j - sp.j0 + jj + 2);
       vf a0[g], a1[g];
-      dot2<T, g>(K + (j + jj) * d, K + (j + jj + 1) * d, q, d, a0, a1);
+      dot2<T, g>(K + (j + jj) * rl, K + (j + jj + 1) * rl, q, d, a0, a1);
       for (int h = 0; h < g; ++h) {
         part[h][jj] = a0[h];
         part[h][jj + 1] = a1[h];
@@ -107,43 +122,49 @@ static inline void span_logits(const PageSpan<T>& sp, const PageSpan<T>* next, i
       const vf kscale = loadu(sp.ks + j) * splat(CodeUnit<T>::value);
       for (int h = 0; h < g; ++h)
         storeu(sc + h * ss + (j - sp.j0), reduce_lanes(part[h]) * kscale);
+    } else if (kInt4<T>) {
+      for (int h = 0; h < g; ++h)
+        storeu(sc + h * ss + (j - sp.j0), reduce_lanes(part[h]) + splat(bias[h]));
     } else {
       for (int h = 0; h < g; ++h) storeu(sc + h * ss + (j - sp.j0), reduce_lanes(part[h]));
     }
   }
   for (; j < j1; ++j) {
-    prefetch_rows(next, 0, d, j - sp.j0, j - sp.j0 + 1);
+    prefetch_rows(next, 0, rl, j - sp.j0, j - sp.j0 + 1);
     vf a[g];
-    dot1<T, g>(K + j * d, q, d, a);
+    dot1<T, g>(K + j * rl, q, d, a);
     const float kscale = kQuantized<T> ? sp.ks[j] * CodeUnit<T>::value : 1.0f;
-    for (int h = 0; h < g; ++h) sc[h * ss + (j - sp.j0)] = hsum(a[h]) * kscale;
+    for (int h = 0; h < g; ++h)
+      sc[h * ss + (j - sp.j0)] = hsum(a[h]) * kscale + (kInt4<T> ? bias[h] : 0.0f);
   }
-  prefetch_rows(next, 0, d, sp.n, bs);  // rows the next span has beyond this one's
+  prefetch_rows(next, 0, rl, sp.n, bs);  // rows the next span has beyond this one's
 }
 
-// acc[h] = acc[h] * alpha[h] + sum_t p[h][t] * v[t] over chunk ci of head_dim (2W elements).
+// acc[h] = acc[h] * alpha[h] + sum_t p[h][t] * v[t] over chunk ci of head_dim (2W elements);
+// int4: + zsum[h] (the value zeros' part) on every channel.
 template <typename T, int g>
 static inline void value_pass(const DecodeArgs& a, const PageSpan<T>* cur, int nc,
                               const PageSpan<T>* nxt, int nn, const float* sc,
-                              const int64_t* offs, int64_t ss, const float* alpha, float* state,
-                              int64_t ci, int64_t chunks) {
-  const int64_t d = a.head_dim, st = d + 2, c = ci * 2 * W;
-  const int64_t kv_stride = a.num_kv_heads * a.block_size * d;
+                              const int64_t* offs, int64_t ss, const float* alpha,
+                              const float* zsum, float* state, int64_t ci, int64_t chunks) {
+  const int64_t d = a.head_dim, st = d + 2, c = ci * 2 * W, rl = row_len<T>(d);
+  const int64_t kv_stride = a.num_kv_heads * a.block_size * rl;
   vf ae[g], ao[g];
   for (int h = 0; h < g; ++h) {
-    ae[h] = loadu(state + h * st + 2 + c) * splat(alpha[h]);
-    ao[h] = loadu(state + h * st + 2 + c + W) * splat(alpha[h]);
+    const vf zero_part = splat(kInt4<T> ? zsum[h] : 0.0f);
+    ae[h] = loadu(state + h * st + 2 + c) * splat(alpha[h]) + zero_part;
+    ao[h] = loadu(state + h * st + 2 + c + W) * splat(alpha[h]) + zero_part;
   }
   for (int k = 0; k < nc; ++k) {
     if (k < nn) {  // this chunk's share of the next tile's value rows
       const int64_t rows = nxt[k].n;
-      prefetch_rows(nxt + k, kv_stride, d, ci * rows / chunks, (ci + 1) * rows / chunks);
+      prefetch_rows(nxt + k, kv_stride, rl, ci * rows / chunks, (ci + 1) * rows / chunks);
     }
-    const T* V = cur[k].k + kv_stride + cur[k].j0 * d;
+    const T* V = cur[k].k + kv_stride + cur[k].j0 * rl;
     const float* p = sc + offs[k];
     for (int64_t t = 0; t < cur[k].n; ++t) {
       vf ve, vo;
-      load_chunk(V + t * d, c, ve, vo);
+      load_chunk(V + t * rl, c, ve, vo);
       for (int h = 0; h < g; ++h) {
         const vf pt = splat(p[h * ss + t]);
         ae[h] += pt * ve;
@@ -214,25 +235,37 @@ static inline void value_coefficients(const DecodeArgs& a, int g, const PageSpan
 }
 
 // Online-softmax update of g heads with one tile. state: per head [max, sum, acc[d]] (base 2).
-// vs: scratch of quantized pools (value_coefficients).
+// vs: scratch of quantized pools (value_coefficients); int4 pools: [vs: ss][vz: ss][qs: g * d]
+// (value scales and zeros of the tile, the query scaled for one page).
 template <typename T, int g>
 static void tile_update(const DecodeArgs& a, const PageSpan<T>* cur, int nc,
                         const PageSpan<T>* nxt, int nn, const float* q, float* sc,
                         float* state, float* scores, float* vs) {
   const int64_t d = a.head_dim, bs = a.block_size;
   const int64_t cap = kTileSlots > bs ? kTileSlots : bs, ss = cap + 2 * W;
+  float* vz = vs + ss;
+  float* qs = vz + ss;
+  float bias[g], zsum[g];
   int64_t offs[kMaxTilePages + 1];
   offs[0] = 0;
   for (int k = 0; k < nc; ++k) {
-    span_logits<T, g>(cur[k], k < nn ? nxt + k : nullptr, bs, d, q, sc + offs[k], ss);
+    const PageSpan<T>* next = k < nn ? nxt + k : nullptr;
+    if (kInt4<T>) {
+      int4_page_query<g>(a, cur[k].ph, q, qs, bias);
+      span_logits<T, g>(cur[k], next, bs, d, qs, bias, sc + offs[k], ss);
+      int4_stage_values(a, cur[k].ph, cur[k].j0, cur[k].n, vs + offs[k], vz + offs[k]);
+    } else {
+      span_logits<T, g>(cur[k], next, bs, d, q, nullptr, sc + offs[k], ss);
+    }
     offs[k + 1] = offs[k] + cur[k].n;
   }
   float alpha[g];
   tile_softmax<T>(a, g, cur, nc, offs, sc, ss, state, scores, alpha);
   if (kQuantized<T>) value_coefficients<T>(a, g, cur, nc, offs, sc, ss, vs);
+  if (kInt4<T>) int4_value_coefficients(g, offs[nc], sc, ss, vs, vz, zsum);
   const int64_t chunks = d / (2 * W);
   for (int64_t ci = 0; ci < chunks; ++ci)
-    value_pass<T, g>(a, cur, nc, nxt, nn, sc, offs, ss, alpha, state, ci, chunks);
+    value_pass<T, g>(a, cur, nc, nxt, nn, sc, offs, ss, alpha, zsum, state, ci, chunks);
 }
 
 // Query heads per pass: the largest instantiated block that fits (7 = 4 + 3, 6 = 4 + 2, ...).
@@ -261,9 +294,9 @@ static void tile_update_heads(const DecodeArgs& a, int g, const PageSpan<T>* cur
 // Fill up to one tile of spans starting at block-table entry *pi; returns the span count.
 template <typename T>
 static int next_tile(const DecodeArgs& a, const DecodeItem& it, int64_t* pi, PageSpan<T>* out) {
-  const int64_t bs = a.block_size, d = a.head_dim;
+  const int64_t bs = a.block_size, rl = row_len<T>(a.head_dim);
   const int64_t cap = kTileSlots > bs ? kTileSlots : bs;
-  const int64_t page_stride = 2 * a.num_kv_heads * bs * d;
+  const int64_t page_stride = 2 * a.num_kv_heads * bs * rl;
   const T* pool = static_cast<const T*>(a.pool);
   const int64_t* table = a.block_tables + it.b * a.max_blocks;
   int count = 0;
@@ -273,13 +306,14 @@ static int next_tile(const DecodeArgs& a, const DecodeItem& it, int64_t* pi, Pag
     const int64_t j0 = it.slot_lo > base ? it.slot_lo - base : 0;
     const int64_t j1 = it.slot_hi - base < bs ? it.slot_hi - base : bs;
     if (count > 0 && slots + (j1 - j0) > cap) break;
-    out[count].k = pool + table[*pi] * page_stride + it.kvh * bs * d;
+    out[count].k = pool + table[*pi] * page_stride + it.kvh * bs * rl;
     out[count].ks = a.kv_scales == nullptr
                         ? nullptr
                         : a.kv_scales + table[*pi] * 2 * a.num_kv_heads * bs + it.kvh * bs;
     out[count].j0 = j0;
     out[count].n = j1 - j0;
     out[count].held = *pi * bs + j0;
+    out[count].ph = table[*pi] * a.num_kv_heads + it.kvh;
     slots += j1 - j0;
     ++count;
     ++*pi;
@@ -290,7 +324,9 @@ static int next_tile(const DecodeArgs& a, const DecodeItem& it, int64_t* pi, Pag
 static int64_t decode_scratch(const DecodeArgs& a) {
   const int64_t group = a.num_heads / a.num_kv_heads;
   const int64_t cap = kTileSlots > a.block_size ? kTileSlots : a.block_size;
-  return group * a.head_dim + (kMaxGroupBlock + 1) * (cap + 2 * W) + a.head_dim + group + 2 * W;
+  const int64_t int4 = a.kv_type == kKvInt4 ? (cap + 2 * W) + kMaxGroupBlock * a.head_dim : 0;
+  return group * a.head_dim + (kMaxGroupBlock + 1) * (cap + 2 * W) + a.head_dim + group + 2 * W +
+         int4;
 }
 
 template <typename T>
@@ -300,7 +336,8 @@ static void decode_item_t(const DecodeArgs& a, const DecodeItem& it, float* scra
   const int64_t ss = (kTileSlots > a.block_size ? kTileSlots : a.block_size) + 2 * W;
   float* q = scratch;  // [G][d], scaled to base-2 logits, chunk order
   float* sc = q + G * d;                  // [kMaxGroupBlock][ss]
-  float* vs = sc + kMaxGroupBlock * ss;   // [ss] value coefficients (quantized pools)
+  float* vs = sc + kMaxGroupBlock * ss;   // [ss] value coefficients (quantized pools; int4:
+                                          // and the tile_update scratch after it)
   const int64_t q0 = (it.b * a.num_heads + it.kvh * G) * d;
   const float qscale = a.scale * kLog2e * CodeUnit<T>::value;
   for (int64_t h = 0; h < G; ++h)
@@ -316,18 +353,18 @@ static void decode_item_t(const DecodeArgs& a, const DecodeItem& it, float* scra
   }
   // A ring of three tiles: the current one, the next (prefetched row by row during the
   // current one's logit and value passes) and the one after (runs touched, see touch_runs).
-  const int64_t kv_stride = a.num_kv_heads * a.block_size * d;
+  const int64_t rl = row_len<T>(d), kv_stride = a.num_kv_heads * a.block_size * rl;
   PageSpan<T> tiles[3][kMaxTilePages];
   int count[3];
   int64_t pi = it.page_begin;
   for (int i = 0; i < 2; ++i) {
     count[i] = next_tile<T>(a, it, &pi, tiles[i]);
-    touch_runs(tiles[i], count[i], kv_stride, d);
+    touch_runs(a, tiles[i], count[i], kv_stride, rl);
   }
   for (int cur = 0; count[cur] > 0; cur = (cur + 1) % 3) {
     const int next = (cur + 1) % 3, after = (cur + 2) % 3;
     count[after] = next_tile<T>(a, it, &pi, tiles[after]);
-    touch_runs(tiles[after], count[after], kv_stride, d);
+    touch_runs(a, tiles[after], count[after], kv_stride, rl);
     for (int64_t h0 = 0, g = 0; h0 < G; h0 += g) {
       g = head_block(G - h0);
       float* scores = nullptr;
@@ -352,6 +389,9 @@ static void decode_item(const DecodeArgs& a, const DecodeItem& it, float* scratc
       break;
     case kKvFp8E4M3:
       decode_item_t<fp8_e4m3>(a, it, scratch, state);
+      break;
+    case kKvInt4:
+      decode_item_t<int4x2>(a, it, scratch, state);
       break;
     default:
       decode_item_t<float>(a, it, scratch, state);

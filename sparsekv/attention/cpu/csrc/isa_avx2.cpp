@@ -5,11 +5,16 @@
 
 #if defined(__x86_64__)
 #pragma GCC target("avx2,fma,f16c")
+// Intrinsics are gnu_inline, never emitted out of line: safe here, unlike standard-library
+// headers (see kernels.h).
+#include <immintrin.h>
 namespace sparsekv_cpu {
 namespace isa_avx2 {
+#define SKV_AVX2 1
 #define SKV_W 8
 #include "kernel_impl.h"
 #undef SKV_W
+#undef SKV_AVX2
 }  // namespace isa_avx2
 
 const KernelTable kTableAvx2 = {

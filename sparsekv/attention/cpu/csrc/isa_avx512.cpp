@@ -5,11 +5,16 @@
 
 #if defined(__x86_64__)
 #pragma GCC target("avx512f,avx2,fma,f16c")
+// Intrinsics are gnu_inline, never emitted out of line: safe here, unlike standard-library
+// headers (see kernels.h).
+#include <immintrin.h>
 namespace sparsekv_cpu {
 namespace isa_avx512 {
+#define SKV_AVX512 1
 #define SKV_W 16
 #include "kernel_impl.h"
 #undef SKV_W
+#undef SKV_AVX512
 }  // namespace isa_avx512
 
 const KernelTable kTableAvx512 = {

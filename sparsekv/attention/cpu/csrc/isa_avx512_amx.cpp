@@ -18,10 +18,12 @@ namespace sparsekv_cpu {
 namespace isa_avx512_amx {
 #define SKV_W 16
 #define SKV_AMX 1
+#define SKV_AVX512 1
 #include "kernel_impl.h"
 #include "amx_util.h"
 #include "decode_amx.h"
 #include "window_amx.h"
+#undef SKV_AVX512
 #undef SKV_AMX
 #undef SKV_W
 }  // namespace isa_avx512_amx

@@ -10,6 +10,10 @@
 // are passed as their raw 16-bit patterns, fp8 (e4m3fn) codes as their 8-bit patterns.
 // Quantized pools (int8, fp8) come with scales [num_pages, 2, num_kv_heads, block_size] fp32:
 // element = code * scale of its (page, K/V, head, slot).
+// int4 (KIVI) pools: codes [num_pages, 2, num_kv_heads, block_size, head_dim / 2] bytes (two
+// per byte, the even element in the low nibble), keys per channel (key_scale, key_zero
+// [num_pages, num_kv_heads, head_dim]) and values per slot (value_scale, value_zero
+// [num_pages, num_kv_heads, block_size]), fp16 bit patterns: element = code * scale + zero.
 #pragma once
 
 #include <stdint.h>
@@ -17,12 +21,24 @@
 namespace sparsekv_cpu {
 
 // Element type of a decode pool.
-enum KvType : int32_t { kKvFloat32 = 0, kKvBFloat16 = 1, kKvInt8 = 2, kKvFp8E4M3 = 3 };
+enum KvType : int32_t {
+  kKvFloat32 = 0,
+  kKvBFloat16 = 1,
+  kKvInt8 = 2,
+  kKvFp8E4M3 = 3,
+  kKvInt4 = 4
+};
 
 struct DecodeArgs {
   const void* query;            // [batch, num_heads, head_dim], fp32 or bf16 (query_bf16)
-  const void* pool;             // [num_pages, 2, num_kv_heads, block_size, head_dim], kv_type
+  const void* pool;             // [num_pages, 2, num_kv_heads, block_size, head_dim (int4: / 2)]
   const float* kv_scales;       // [num_pages, 2, num_kv_heads, block_size] (int8, fp8), else null
+  // int4 pools (else null), fp16 bits: [num_pages, num_kv_heads, head_dim] key scales and
+  // zeros, [num_pages, num_kv_heads, block_size] value scales and zeros.
+  const uint16_t* key_scale;
+  const uint16_t* key_zero;
+  const uint16_t* value_scale;
+  const uint16_t* value_zero;
   const int64_t* block_tables;  // [batch, max_blocks]
   int64_t max_blocks;
   int64_t num_heads, num_kv_heads, block_size, head_dim;

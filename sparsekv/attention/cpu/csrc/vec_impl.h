@@ -6,8 +6,9 @@
 // `word & 0xffff0000` the odd ones (one instruction per vector instead of a widening convert),
 // so q and the output accumulators are kept in that permuted order (chunk_pos) and un-permuted
 // when written. fp32 chunks keep their natural order; int8 / fp8 codes have their own (see
-// load_chunk). The AMX unit (SKV_AMX) keeps its bf16 accumulators in the order its value tiles
-// produce instead (see decode_amx.h).
+// load_chunk); int4 codes take bf16's even/odd order in every unit (int4_impl.h). The AMX unit
+// (SKV_AMX) keeps its bf16 accumulators in the order its value tiles produce instead (see
+// decode_amx.h).
 
 typedef float vf __attribute__((vector_size(SKV_W * 4)));
 typedef int32_t vi __attribute__((vector_size(SKV_W * 4)));
@@ -95,8 +96,21 @@ template <>
 struct CodeUnit<fp8_e4m3> {
   static constexpr float value = 0x1p60f;
 };
+// int8 and fp8 codes come with per-slot scales (kQuantized); int4 pages (int4x2: a byte of two
+// codes) with per-channel key and per-slot value scales and zeros (int4_impl.h).
+struct int4x2 {
+  uint8_t bits;
+};
 template <typename T>
-constexpr bool kQuantized = sizeof(T) == 1;  // int8_t, fp8_e4m3: codes with per-slot scales
+constexpr bool kQuantized = false;
+template <>
+constexpr bool kQuantized<int8_t> = true;
+template <>
+constexpr bool kQuantized<fp8_e4m3> = true;
+template <typename T>
+constexpr bool kInt4 = false;
+template <>
+constexpr bool kInt4<int4x2> = true;
 
 static inline float to_float(float x) { return x; }
 static inline float to_float(uint16_t x) {
@@ -121,6 +135,10 @@ static inline void from_float(float x, uint16_t* p) {  // round to nearest even,
 template <typename T>
 static inline int64_t chunk_pos(int64_t e) {
   if (sizeof(T) == 4) return e;
+  if (kInt4<T>) {  // even elements (low nibbles) in the first vector, odd ones in the second
+    const int64_t base = e - e % (2 * W), r = e % (2 * W);
+    return base + ((r & 1) ? W + (r >> 1) : (r >> 1));
+  }
   if (sizeof(T) == 1) {  // codes: byte k of word i of a quad -> vector k (W lanes each), lane i
     const int64_t base = e - e % kCodeQuad, r = e % kCodeQuad;
     return base + (r % 4) * W + r / 4;
