@@ -15,6 +15,10 @@ Window semantics match transformers' sliding mask (``kv_idx > q_idx - sliding_wi
 layer's query sees itself and the ``sliding_window - 1`` tokens before it. Local layers are paged
 as ``LayerSpec("sliding", window)``, so the KV manager frees their pages outside the window and
 they are never compressed; global layers are ``full`` (compressible).
+
+As in ``llama.py``, layers pass the residual stream and their last (post-feedforward-normed)
+output separately, so each residual add runs fused with the next pre-norm; the sums and their
+rounding are those of HF's ``hidden = hidden + post_norm(f(pre_norm(hidden)))``.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ import torch
 from torch import nn
 
 from sparsekv.kv_cache.spec import LayerSpec
-from sparsekv.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+from sparsekv.models.fused import ops as fused
+from sparsekv.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from sparsekv.models.llama import _cat, _get, _load_into
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -77,11 +82,12 @@ class Gemma3Attention(nn.Module):
         num_tokens = hidden.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        # The norms read the strided views and return new contiguous tensors, rotated in place.
         q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim))  # [T, H, d]
         k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))  # [T, KVH, d]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        cos, sin = cos_sin
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        fused.rotary_(q, *cos_sin)
+        fused.rotary_(k, *cos_sin)
         # The window is passed even when the cache pages this layer as full (benchmark
         # baseline): the mask is the model's math, the page spec only the cache's.
         out = ctx.attend(self.layer_idx, q, k, v, self.scale, sliding_window=self.sliding_window)
@@ -102,12 +108,24 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(size, eps, unit_offset=True)
         self.post_feedforward_layernorm = RMSNorm(size, eps, unit_offset=True)
 
-    def forward(self, hidden: torch.Tensor, cos_sin: tuple, ctx) -> torch.Tensor:
-        """``hidden``: ``[num_tokens, hidden_size]`` -> same shape."""
-        attn = self.self_attn(self.input_layernorm(hidden), cos_sin, ctx)
-        hidden = hidden + self.post_attention_layernorm(attn)
-        mlp = self.mlp(self.pre_feedforward_layernorm(hidden))
-        return hidden + self.post_feedforward_layernorm(mlp)
+    def forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, cos_sin: tuple, ctx
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One sandwich-norm block on the residual stream.
+
+        Args:
+            hidden: ``[num_tokens, hidden_size]``, the previous layer's normed MLP output, not
+                yet added to ``residual``; the scaled embeddings when ``residual`` is ``None``.
+            residual: ``[num_tokens, hidden_size]`` residual stream, or ``None`` (first layer).
+
+        Returns:
+            ``(post_feedforward_layernorm(mlp_out), residual)``, to be added by the next layer
+            or the final norm.
+        """
+        residual, x = self.input_layernorm.add_and_norm(residual, hidden)
+        attn = self.post_attention_layernorm(self.self_attn(x, cos_sin, ctx))
+        residual, x = self.pre_feedforward_layernorm.add_and_norm(residual, attn)
+        return self.post_feedforward_layernorm(self.mlp(x)), residual
 
 
 class Gemma3ForCausalLM(nn.Module):
@@ -149,6 +167,7 @@ class Gemma3ForCausalLM(nn.Module):
         self.final_logit_softcap = getattr(config, "final_logit_softcapping", None)
         # Read by the model runner and handed to the attention context (PagedAttention).
         self.attn_logit_softcap = getattr(config, "attn_logit_softcapping", None)
+        fused.prepare_fused_ops()  # compile now, at engine start, not on the first request
 
     @property
     def num_kv_heads(self) -> int:
@@ -184,9 +203,10 @@ class Gemma3ForCausalLM(nn.Module):
         cos_sin = {
             kind: rope.cos_sin(positions, hidden.dtype) for kind, rope in self.rotary.items()
         }
+        residual = None
         for layer in self.layers:
-            hidden = layer(hidden, cos_sin[layer.layer_type], ctx)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, cos_sin[layer.layer_type], ctx)
+        return self.norm.add_and_norm(residual, hidden)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden``: ``[num_rows, hidden]`` -> fp32 logits ``[num_rows, vocab_size]``.

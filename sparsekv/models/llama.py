@@ -4,6 +4,10 @@ Hugging Face's ``LlamaForCausalLM`` defines the math; this file keeps it in one 
 module with fused QKV and gate/up projections, and delegates attention (and everything about
 the paged, possibly compressed KV cache) to the per-step attention context passed in as an
 argument. Runs unchanged on CPU and CUDA.
+
+Layers pass the residual stream and their last output separately, so each residual add runs
+fused with the norm that follows it (``RMSNorm.add_and_norm``), as vLLM's decoder layers do;
+the sums and their rounding are those of the plain ``hidden = hidden + f(norm(hidden))`` form.
 """
 
 from __future__ import annotations
@@ -12,7 +16,8 @@ import torch
 from torch import nn
 
 from sparsekv.kv_cache.spec import LayerSpec
-from sparsekv.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+from sparsekv.models.fused import ops as fused
+from sparsekv.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
 
 class LlamaAttention(nn.Module):
@@ -35,9 +40,9 @@ class LlamaAttention(nn.Module):
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        # Queries and keys are adjacent in the fused projection: rotate them in one pass.
+        # Queries and keys are adjacent in the fused projection: rotate them in one pass, in place.
         qk = qkv[:, : q_size + kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, -1)
-        q, k = apply_rotary(qk, *cos_sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        q, k = fused.rotary_(qk, *cos_sin).split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, q_size + kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = ctx.attend(self.layer_idx, q, k, v, self.scale)  # [T, H, d]
         return self.o_proj(out.reshape(num_tokens, q_size))
@@ -56,9 +61,24 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden: torch.Tensor, cos_sin: tuple, ctx) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos_sin, ctx)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, cos_sin: tuple, ctx
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One pre-norm block on the residual stream.
+
+        Args:
+            hidden: ``[num_tokens, hidden_size]``, the previous layer's MLP output, not yet
+                added to ``residual``; the embeddings when ``residual`` is ``None``.
+            residual: ``[num_tokens, hidden_size]`` residual stream, or ``None`` (first layer).
+
+        Returns:
+            ``(mlp_out, residual)``: this layer's MLP output and the stream it is to be added to
+            (by the next layer, or the final norm).
+        """
+        residual, x = self.input_layernorm.add_and_norm(residual, hidden)
+        attn = self.self_attn(x, cos_sin, ctx)
+        residual, x = self.post_attention_layernorm.add_and_norm(residual, attn)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -81,6 +101,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         head_dim = self.layers[0].self_attn.head_dim
         self.rotary = RotaryEmbedding(config, head_dim)
+        fused.prepare_fused_ops()  # compile now, at engine start, not on the first request
 
     @property
     def num_kv_heads(self) -> int:
@@ -103,11 +124,11 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         """``input_ids``, ``positions``: ``[num_tokens]`` -> hidden ``[num_tokens, hidden]``."""
-        hidden = self.embed_tokens(input_ids)
+        hidden, residual = self.embed_tokens(input_ids), None
         cos_sin = self.rotary.cos_sin(positions, hidden.dtype)
         for layer in self.layers:
-            hidden = layer(hidden, cos_sin, ctx)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, cos_sin, ctx)
+        return self.norm.add_and_norm(residual, hidden)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden``: ``[num_rows, hidden]`` -> fp32 logits ``[num_rows, vocab_size]``."""

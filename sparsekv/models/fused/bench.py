@@ -1,0 +1,96 @@
+"""Micro-benchmark of the fused ops against the eager code they replace.
+
+``python -m sparsekv.models.fused.bench [--threads N] [--rows 4000 8] [--dtype bfloat16]``
+prints, per op and row count, the median milliseconds of the eager code (``reference``) and of
+the native kernel, at SmolLM2-135M's sizes (hidden 576, intermediate 1536, 9 + 3 heads of 64)
+and Gemma 3 270M's GeGLU (intermediate 2048).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+from sparsekv.models.fused import build, reference
+
+HIDDEN, INTERMEDIATE, GEMMA_INTERMEDIATE = 576, 1536, 2048
+HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
+
+
+def median_ms(fn, min_seconds: float = 0.3, max_reps: int = 2000) -> float:
+    """Median wall time of ``fn()`` in milliseconds (after one warm-up call)."""
+    fn()
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < max_reps and (len(times) < 5 or time.perf_counter() - start < min_seconds):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2] * 1e3
+
+
+def cases(rows: int, dtype: torch.dtype, ext) -> dict[str, tuple]:
+    """Op name -> (eager callable, native callable) on fresh random inputs."""
+    x, delta = torch.randn(2, rows, HIDDEN).to(dtype)
+    weight = torch.randn(HIDDEN).to(dtype)
+    gate_up = torch.randn(rows, 2 * INTERMEDIATE).to(dtype)
+    gemma_gate_up = torch.randn(rows, 2 * GEMMA_INTERMEDIATE).to(dtype)
+    qkv = torch.randn(rows, (HEADS + 2 * KV_HEADS) * HEAD_DIM).to(dtype)
+    qk = qkv[:, : (HEADS + KV_HEADS) * HEAD_DIM].view(rows, HEADS + KV_HEADS, HEAD_DIM)
+    # A true rotation: the native op runs in place, and repeated calls must keep |x| (random
+    # tables would shrink it into subnormals, which are slow).
+    angles = torch.rand(rows, 1, HEAD_DIM // 2) * 6.28
+    cos = angles.cos().repeat(1, 1, 2).to(dtype)
+    sin = torch.cat((-angles.sin(), angles.sin()), dim=-1).to(dtype)
+    return {
+        f"rms_norm [{rows}, {HIDDEN}]": (
+            lambda: reference.rms_norm(x, weight, 1e-5),
+            lambda: ext.rms_norm(x, weight, 1e-5, False),
+        ),
+        f"add + rms_norm [{rows}, {HIDDEN}]": (
+            lambda: reference.add_rms_norm(x, delta, weight, 1e-5),
+            lambda: ext.add_rms_norm(x, delta, weight, 1e-5, False),
+        ),
+        f"silu_mul [{rows}, 2x{INTERMEDIATE}]": (
+            lambda: reference.silu_mul(gate_up),
+            lambda: ext.silu_mul(gate_up),
+        ),
+        f"gelu_tanh_mul [{rows}, 2x{GEMMA_INTERMEDIATE}]": (
+            lambda: reference.gelu_tanh_mul(gemma_gate_up),
+            lambda: ext.gelu_tanh_mul(gemma_gate_up),
+        ),
+        f"rotary [{rows}, {HEADS + KV_HEADS}, {HEAD_DIM}]": (
+            lambda: reference.apply_rotary(qk, cos, sin),
+            lambda: ext.rotary_(qk, cos, sin),
+        ),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Print a Markdown table: op, eager ms, fused ms, speed-up."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--rows", type=int, nargs="+", default=[4000, 8], help="token rows")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    ext = build.load_extension()
+    if ext is None:
+        raise SystemExit("fused ops unavailable (disabled or the build failed)")
+    dtype = getattr(torch, args.dtype)
+    load = os.getloadavg()[0]
+    print(f"{args.dtype}, {torch.get_num_threads()} threads, load average {load:.2f}\n")
+    print("| op | eager ms | fused ms | speed-up |\n|---|---:|---:|---:|")
+    with torch.inference_mode():
+        for rows in args.rows:
+            for name, (eager, native) in cases(rows, dtype, ext).items():
+                e, f = median_ms(eager), median_ms(native)
+                print(f"| {name} | {e:.3f} | {f:.3f} | {e / f:.1f}x |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,258 @@
+// Torch operators of the fused elementwise kernels (torch.ops.sparsekv_fused.*): argument
+// checks, row layouts, threading, and the run-time choice of the ISA variant. Compiled for the
+// baseline ISA; registered with TORCH_LIBRARY and light ATen headers (torch/extension.h alone
+// costs ~45 s of compile time).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "fused.h"
+
+namespace fk = sparsekv_fused;
+
+namespace {
+
+bool has_avx512() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl");
+#else
+  return false;
+#endif
+}
+
+bool has_avx2() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  return false;
+#endif
+}
+
+bool always() { return true; }
+
+struct Variant {
+  const char* name;
+  const fk::FusedTable* table;
+  bool (*cpu_runs)();
+};
+
+const Variant kVariants[] = {  // fastest first
+    {"avx512", &fk::kTableAvx512, has_avx512},
+    {"avx2", &fk::kTableAvx2, has_avx2},
+    {"generic", &fk::kTableGeneric, always},
+};
+
+bool usable(const Variant& v) { return v.table->width > 0 && v.cpu_runs(); }
+
+std::string available_isas() {  // comma-separated, fastest first
+  std::string out;
+  for (const auto& v : kVariants)
+    if (usable(v)) out += (out.empty() ? "" : ",") + std::string(v.name);
+  return out;
+}
+
+// `isa` empty: the fastest variant this CPU runs.
+const fk::FusedTable& table_for(c10::string_view isa) {
+  static const fk::FusedTable* fastest = [] {
+    for (const auto& v : kVariants)
+      if (usable(v)) return v.table;
+    return &fk::kTableGeneric;
+  }();
+  if (isa.empty()) return *fastest;
+  for (const auto& v : kVariants)
+    if (isa == v.name && usable(v)) return *v.table;
+  TORCH_CHECK(false, "fused-op variant '", std::string(isa), "' is not supported on this CPU");
+}
+
+// Below this many elements per task a call stays on the calling thread: waking the pool costs
+// more (decode-sized calls), and far more while other processes keep the cores busy.
+constexpr int64_t kMinTaskElements = 1 << 15;
+
+template <typename F>
+void for_rows(int64_t rows, int64_t row_elements, const F& fn) {
+  if (rows == 0) return;
+  const int64_t grain = std::max<int64_t>(1, kMinTaskElements / std::max<int64_t>(1, row_elements));
+  at::parallel_for(0, rows, grain, fn);
+}
+
+void check_input(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.device().is_cpu(), name, " must be on CPU");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, name,
+              " must be float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(x.dim() >= 1, name, " must have at least one dimension");
+}
+
+// x [..., n] as rows of n contiguous elements at two levels of strides (fused.h), if its
+// leading dimensions collapse into at most two; else false.
+bool row_layout(const at::Tensor& x, fk::RowLayout& layout) {
+  if (x.size(-1) > 1 && x.stride(-1) != 1) return false;
+  std::vector<std::pair<int64_t, int64_t>> groups;  // (size, stride), outermost first
+  for (int64_t d = 0; d < x.dim() - 1; ++d) {
+    if (x.size(d) == 1) continue;
+    if (!groups.empty() && groups.back().second == x.stride(d) * x.size(d)) {
+      groups.back() = {groups.back().first * x.size(d), x.stride(d)};
+    } else {
+      groups.emplace_back(x.size(d), x.stride(d));
+    }
+  }
+  if (groups.size() > 2) return false;
+  if (groups.size() == 2) {
+    layout = {groups[1].first, groups[0].second, groups[1].second};
+  } else {
+    layout = {1, groups.empty() ? 0 : groups[0].second, 0};
+  }
+  return true;
+}
+
+// x itself when row_layout describes it, else a contiguous copy.
+at::Tensor with_row_layout(const at::Tensor& x, fk::RowLayout& layout) {
+  if (row_layout(x, layout)) return x;
+  at::Tensor copy = x.contiguous();
+  row_layout(copy, layout);
+  return copy;
+}
+
+// The norm's scale as fp32: weight, or 1 + weight (Gemma), added in fp32 as eager does.
+std::vector<float> norm_scale(const at::Tensor& weight, int64_t n, bool unit_offset) {
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == n, "weight must be [", n, "], got ",
+              weight.sizes());
+  TORCH_CHECK(weight.device().is_cpu(), "weight must be on CPU");
+  const at::Tensor w = weight.contiguous();
+  std::vector<float> scale(n);
+  if (w.scalar_type() == at::kFloat) {
+    std::copy_n(w.const_data_ptr<float>(), n, scale.data());
+  } else {
+    TORCH_CHECK(w.scalar_type() == at::kBFloat16, "weight must be float32 or bfloat16, got ",
+                w.scalar_type());
+    const c10::BFloat16* p = w.const_data_ptr<c10::BFloat16>();
+    for (int64_t i = 0; i < n; ++i) scale[i] = static_cast<float>(p[i]);
+  }
+  if (unit_offset)
+    for (auto& s : scale) s = 1.0f + s;
+  return scale;
+}
+
+void run_norm(fk::NormArgs& args, const at::Tensor& x, const at::Tensor& weight, double eps,
+              bool unit_offset, c10::string_view isa) {
+  const auto& table = table_for(isa);
+  const int64_t n = x.size(-1), rows = n == 0 ? 0 : x.numel() / n;
+  const std::vector<float> scale = norm_scale(weight, n, unit_offset);
+  args.weight = scale.data();
+  args.n = n;
+  args.eps = static_cast<float>(eps);
+  args.bf16 = x.scalar_type() == at::kBFloat16;
+  for_rows(rows, n, [&](int64_t begin, int64_t end) { table.rms_norm(args, begin, end); });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool unit_offset,
+                    c10::string_view isa) {
+  check_input(x, "x");
+  fk::NormArgs args{};
+  const at::Tensor input = with_row_layout(x, args.x_rows);
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  args.x = input.const_data_ptr();
+  args.out = out.mutable_data_ptr();
+  run_norm(args, input, weight, eps, unit_offset, isa);
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& hidden, const at::Tensor& delta,
+                                                const at::Tensor& weight, double eps,
+                                                bool unit_offset, c10::string_view isa) {
+  check_input(hidden, "hidden");
+  TORCH_CHECK(delta.sizes() == hidden.sizes(), "delta must have hidden's shape ",
+              hidden.sizes(), ", got ", delta.sizes());
+  TORCH_CHECK(delta.scalar_type() == hidden.scalar_type() && delta.device().is_cpu(),
+              "delta must be on CPU with hidden's dtype ", hidden.scalar_type());
+  fk::NormArgs args{};
+  const at::Tensor h = with_row_layout(hidden, args.x_rows);
+  const at::Tensor d = with_row_layout(delta, args.delta_rows);
+  at::Tensor sum = at::empty(hidden.sizes(), hidden.options());
+  at::Tensor out = at::empty(hidden.sizes(), hidden.options());
+  args.x = h.const_data_ptr();
+  args.delta = d.const_data_ptr();
+  args.sum_out = sum.mutable_data_ptr();
+  args.out = out.mutable_data_ptr();
+  run_norm(args, h, weight, eps, unit_offset, isa);
+  return {sum, out};
+}
+
+using GluKernel = void (*)(const fk::GluArgs&, int64_t, int64_t);
+
+at::Tensor run_glu(const at::Tensor& x, GluKernel kernel) {
+  check_input(x, "x");
+  TORCH_CHECK(x.size(-1) % 2 == 0, "x's last dimension must be even (gate and up halves), got ",
+              x.size(-1));
+  fk::RowLayout layout{};
+  at::Tensor input = x;
+  if (!row_layout(x, layout) || layout.inner != 1) {
+    input = x.contiguous();
+    row_layout(input, layout);
+  }
+  const int64_t n = x.size(-1) / 2, rows = n == 0 ? 0 : x.numel() / (2 * n);
+  std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
+  sizes.back() = n;
+  at::Tensor out = at::empty(sizes, x.options());
+  const fk::GluArgs args{input.const_data_ptr(), n, layout.stride_outer,
+                         x.scalar_type() == at::kBFloat16, out.mutable_data_ptr()};
+  for_rows(rows, 2 * n, [&](int64_t begin, int64_t end) { kernel(args, begin, end); });
+  return out;
+}
+
+at::Tensor silu_mul(const at::Tensor& x, c10::string_view isa) {
+  return run_glu(x, table_for(isa).silu_mul);
+}
+
+at::Tensor gelu_tanh_mul(const at::Tensor& x, c10::string_view isa) {
+  return run_glu(x, table_for(isa).gelu_tanh_mul);
+}
+
+void rotary_(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+             c10::string_view isa) {
+  check_input(x, "x");
+  TORCH_CHECK(x.dim() == 3, "x must be [num_tokens, num_heads, head_dim], got ", x.sizes());
+  const int64_t tokens = x.size(0), heads = x.size(1), head_dim = x.size(2);
+  TORCH_CHECK(head_dim % 2 == 0, "head_dim must be even, got ", head_dim);
+  TORCH_CHECK(x.stride(2) == 1 || head_dim <= 1,
+              "x must be contiguous in its last dimension (rotated in place)");
+  for (const auto* table : {&cos, &sin}) {
+    TORCH_CHECK(table->scalar_type() == x.scalar_type() && table->device().is_cpu(),
+                "cos and signed_sin must be on CPU with x's dtype ", x.scalar_type());
+    TORCH_CHECK(table->numel() == tokens * head_dim,
+                "cos and signed_sin must hold [num_tokens, head_dim] = [", tokens, ", ",
+                head_dim, "] elements, got ", table->sizes());
+  }
+  const at::Tensor c = cos.contiguous(), s = sin.contiguous();
+  const fk::RotaryArgs args{x.data_ptr(), c.const_data_ptr(), s.const_data_ptr(), heads,
+                            head_dim, x.stride(0), x.stride(1), head_dim,
+                            x.scalar_type() == at::kBFloat16};
+  const auto& table = table_for(isa);
+  for_rows(tokens, heads * head_dim,
+           [&](int64_t begin, int64_t end) { table.rotary(args, begin, end); });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(sparsekv_fused, m) {
+  m.def("available_isas", &available_isas);
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, bool unit_offset, str isa=\"\") -> Tensor",
+        &rms_norm);
+  m.def(
+      "add_rms_norm(Tensor hidden, Tensor delta, Tensor weight, float eps, bool unit_offset, "
+      "str isa=\"\") -> (Tensor, Tensor)",
+      &add_rms_norm);
+  m.def("silu_mul(Tensor x, str isa=\"\") -> Tensor", &silu_mul);
+  m.def("gelu_tanh_mul(Tensor x, str isa=\"\") -> Tensor", &gelu_tanh_mul);
+  m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor signed_sin, str isa=\"\") -> ()", &rotary_);
+}
