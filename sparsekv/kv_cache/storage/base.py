@@ -129,17 +129,10 @@ class KVStorage:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """One query per request over its pages; arguments and results as
         ``backend.decode_attention`` (``block_tables`` hold global ids)."""
-        return backend.decode_attention(
-            query,
-            self.tensors[0],
-            self._local_tables(block_tables),
-            seq_lens,
-            scale,
-            first_slots=first_slots,
-            sliding_window=sliding_window,
-            logit_softcap=logit_softcap,
-            return_attn_mass=return_attn_mass,
-        )
+        return dense_decode(
+            query, self.tensors[0], self._local_tables(block_tables), seq_lens, first_slots, scale, sliding_window,
+            logit_softcap, return_attn_mass,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ swap
     def read_pages(self, pages: list[int]) -> tuple[torch.Tensor, ...]:
@@ -154,6 +147,24 @@ class KVStorage:
         index = self.local(pages)
         for tensor, saved in zip(self.tensors, copy):
             tensor.index_copy_(0, index, saved.to(self.device))
+
+
+def dense_decode(
+    query, pool, tables, seq_lens, first_slots, scale, sliding_window, logit_softcap, mass
+):
+    """``backend.decode_attention`` over a dense pool with local page ids (the shared tail of
+    every format's ``decode_attention``)."""
+    return backend.decode_attention(
+        query,
+        pool,
+        tables,
+        seq_lens,
+        scale,
+        first_slots=first_slots,
+        sliding_window=sliding_window,
+        logit_softcap=logit_softcap,
+        return_attn_mass=mass,
+    )
 
 
 def materialize(dequantize_pages, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

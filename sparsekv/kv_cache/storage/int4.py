@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from sparsekv.attention import backend
+from sparsekv.attention.cpu import ops as native_ops
 from sparsekv.attention.torch_ref import gather_kv
 from sparsekv.kv_cache import quant
-from sparsekv.kv_cache.storage.base import KVStorage, materialize
+from sparsekv.kv_cache.storage.base import KVStorage, dense_decode, materialize
 
 
 class Int4Storage(KVStorage):
@@ -108,8 +108,7 @@ class Int4Storage(KVStorage):
         tables = self._local_tables(block_tables)
         native = _native_int4()
         if (
-            native is None
-            or sliding_window is not None
+            sliding_window is not None
             or return_attn_mass
             or not native.supports_int4(query, *self.tensors)
         ):
@@ -186,21 +185,12 @@ class Int4Storage(KVStorage):
                 page = remapped[i, held_now[i] // self.block_size]
                 dense[page, 0, :, :num] = state.residual[0]
                 dense[page, 1, :, :num] = state.residual[1]
-        return backend.decode_attention(
-            query,
-            dense,
-            remapped,
-            seq_lens,
-            scale,
-            first_slots=first_slots,
-            sliding_window=sliding_window,
-            logit_softcap=logit_softcap,
-            return_attn_mass=return_attn_mass,
-        )
+        return dense_decode(
+            query, dense, remapped, seq_lens, first_slots, scale, sliding_window,
+            logit_softcap, return_attn_mass,
+        )  # fmt: skip
 
 
 def _native_int4():
-    """The native ops module when it offers int4 decode, else None."""
-    from sparsekv.attention.cpu import ops
-
-    return ops if hasattr(ops, "supports_int4") else None
+    """The native ops module (a seam tests replace with a reference kernel)."""
+    return native_ops

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from sparsekv.attention import backend
+from sparsekv.attention.cpu import ops as native_ops
 from sparsekv.attention.torch_ref import gather_kv, write_kv, write_leading_slots
 from sparsekv.kv_cache import quant
 from sparsekv.kv_cache.request_kv import LayerKV
 from sparsekv.kv_cache.spec import cdiv
-from sparsekv.kv_cache.storage.base import KVStorage, materialize
+from sparsekv.kv_cache.storage.base import KVStorage, dense_decode, materialize
 
 
 class ScaledStorage(KVStorage):
@@ -87,7 +87,7 @@ class ScaledStorage(KVStorage):
     ):
         tables = self._local_tables(block_tables)
         native = _native_quantized()
-        if native is not None and native.supports_quantized(query, self.codes, self.scales):
+        if native.supports_quantized(query, self.codes, self.scales):
             return native.paged_decode_attention_quantized(
                 query,
                 self.codes,
@@ -101,17 +101,10 @@ class ScaledStorage(KVStorage):
                 return_attn_mass,
             )
         dense, remapped = materialize(self.dequantize_pages, tables)
-        return backend.decode_attention(
-            query,
-            dense,
-            remapped,
-            seq_lens,
-            scale,
-            first_slots=first_slots,
-            sliding_window=sliding_window,
-            logit_softcap=logit_softcap,
-            return_attn_mass=return_attn_mass,
-        )
+        return dense_decode(
+            query, dense, remapped, seq_lens, first_slots, scale, sliding_window,
+            logit_softcap, return_attn_mass,
+        )  # fmt: skip
 
 
 def _quantize_fp8_bits(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,7 +117,5 @@ def _dequantize_fp8_bits(bits: torch.Tensor, scale: torch.Tensor, dtype) -> torc
 
 
 def _native_quantized():
-    """The native ops module when it offers quantized decode, else None."""
-    from sparsekv.attention.cpu import ops
-
-    return ops if hasattr(ops, "supports_quantized") else None
+    """The native ops module (a seam tests replace with a reference kernel)."""
+    return native_ops
