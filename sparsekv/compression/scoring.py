@@ -15,10 +15,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from sparsekv.attention import backend
+from sparsekv.attention.cpu import ops as native
 from sparsekv.attention.torch_ref import causal_mask
 
 # Logit elements per chunk (64 MiB of fp32): bounds memory for long prompts.
 _MAX_CHUNK_ELEMENTS = 1 << 24
+# Page size of the pool the native window kernel reads gathered keys through.
+_POOL_BLOCK = 16
 
 
 def attention_mass_per_head(
@@ -89,8 +93,63 @@ def window_attention_scores(
 
     Returns:
         ``[num_heads, n]`` fp32 summed window attention (not yet pooled or GQA-aggregated).
+
+    Runs on the native window-score kernel (``attention/cpu``, AMX for bf16) when it takes
+    these tensors, else on :func:`attention_mass_per_head`; both equal the dense definition
+    (``tests/unit/test_scoring_native.py``). ``SPARSEKV_DISABLE_NATIVE=1`` forces the latter.
     """
+    if _native_window_ready(keys, window_queries):
+        return _native_window_scores(keys, window_queries, window_lse, scale)
     return attention_mass_per_head(keys, window_queries, window_lse, scale)
+
+
+def _native_window_ready(keys: torch.Tensor, window_queries: torch.Tensor) -> bool:
+    num_kv_heads, n, head_dim = keys.shape
+    return (
+        0 < window_queries.shape[1] <= n
+        and window_queries.dtype == keys.dtype
+        and native.supports(window_queries, keys.new_empty(1, 2, 1, 1, head_dim))
+    )
+
+
+def _native_window_scores(
+    keys: torch.Tensor, window_queries: torch.Tensor, window_lse: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """``window_attention_scores`` on the native kernel: the keys become a page pool of
+    ``_POOL_BLOCK``-slot pages (value halves left unset: the kernel reads keys only), and missing
+    log-sum-exps come from the flash kernel with each group's rows folded onto its KV head."""
+    num_kv_heads, n, head_dim = keys.shape
+    num_blocks = -(-n // _POOL_BLOCK)
+    pool = keys.new_empty(num_blocks, 2, num_kv_heads, _POOL_BLOCK, head_dim)
+    # Padding slots lie past num_slots; zeroed so no NaN is ever read.
+    padded = F.pad(keys, (0, 0, 0, num_blocks * _POOL_BLOCK - n))
+    pool[:, 0] = padded.view(num_kv_heads, num_blocks, _POOL_BLOCK, head_dim).transpose(0, 1)
+    if window_lse is None:
+        window_lse = _window_lse(keys, window_queries, scale)
+    table = torch.arange(num_blocks, dtype=torch.int64)
+    return backend.window_scores_paged(window_queries, window_lse.float(), pool, table, n, scale)
+
+
+def _window_lse(keys: torch.Tensor, window_queries: torch.Tensor, scale: float) -> torch.Tensor:
+    """``[num_heads, w]`` fp32 log-sum-exp of the window rows over the slots each one sees.
+
+    Every row sees the first ``n - w`` slots: one unmasked flash call covers them, with a KV
+    head's ``group x w`` query rows folded into one query matrix (no copy of the keys per query
+    head; the keys stand in for the values, whose output is discarded). The causal ``w x w``
+    corner is exact fp32 logits; the two parts merge by ``logaddexp``.
+    """
+    num_kv_heads, n, head_dim = keys.shape
+    num_heads, w, _ = window_queries.shape
+    group = num_heads // num_kv_heads
+    folded = window_queries.reshape(num_kv_heads, group * w, head_dim)
+    corner = torch.matmul(folded.float(), keys[:, n - w :].float().transpose(1, 2)) * scale
+    visible = causal_mask(w, w).repeat(group, 1)
+    lse = torch.logsumexp(corner.masked_fill_(~visible, float("-inf")), dim=-1)
+    if n > w:
+        head = keys[None, :, : n - w]
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        lse = torch.logaddexp(lse, flash(folded[None], head, head, scale=scale)[1][0].float())
+    return lse.reshape(num_heads, w)
 
 
 def prefill_attention_mass(
