@@ -398,3 +398,72 @@ def window_scores_paged(
         float(scale),
         isa or pick_isa(kv_pool.shape[-1]) or "generic",
     )
+
+
+PREFILL_ISA = "avx512_amx"  # the only variant with a prefill kernel
+
+
+def supports_prefill(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None = None
+) -> bool:
+    """True when :func:`prefill_attention` takes these tensors: CPU bf16 query
+    ``[num_heads, num_queries, head_dim]`` and key (and value, if given) ``[num_kv_heads,
+    num_keys, head_dim]`` with ``num_queries <= num_keys``, ``num_heads`` a multiple of
+    ``num_kv_heads`` (at most 64 query heads per KV head), ``head_dim`` a multiple of 32, no
+    autograd, and the AMX kernel variant available (not ruled out by ``SPARSEKV_KERNEL_ISA``).
+    """
+    tensors = (query, key) if value is None else (query, key, value)
+    if any(t.device.type != "cpu" or t.dtype != torch.bfloat16 or t.dim() != 3 for t in tensors):
+        return False
+    if value is not None and value.shape != key.shape:
+        return False
+    num_heads, num_queries, head_dim = query.shape
+    num_kv_heads, num_keys, key_dim = key.shape
+    if (
+        key_dim != head_dim
+        or head_dim == 0
+        or head_dim % 32
+        or num_kv_heads == 0
+        or num_heads % num_kv_heads
+        or num_heads // num_kv_heads > 64
+        or num_queries > num_keys
+        or any(t.requires_grad for t in tensors)
+    ):
+        return False
+    forced = os.environ.get(ISA_ENV, "").strip()
+    if forced and forced != PREFILL_ISA:
+        return False
+    ext = build.load_extension()
+    return ext is not None and _prefill_available(ext)
+
+
+@functools.cache
+def _prefill_available(ext) -> bool:
+    # The kernel is compiled and the CPU / kernel grant AMX; fixed per process.
+    return bool(ext.prefill_available())
+
+
+def prefill_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of the last ``num_queries`` of ``num_keys`` positions on AMX tiles,
+    with the log-sum-exp of every query row; the semantics of ``torch_ref.attention_with_lse``
+    without window or soft-cap (query row ``i`` sees keys ``j <= num_keys - num_queries + i``;
+    query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``).
+
+    Args:
+        query: ``[num_heads, num_queries, head_dim]`` bf16 (any strides).
+        key, value: ``[num_kv_heads, num_keys, head_dim]`` bf16, ``num_keys >= num_queries``.
+        scale: softmax scale.
+
+    Returns:
+        out ``[num_heads, num_queries, head_dim]`` bf16, lse ``[num_heads, num_queries]`` fp32
+        (natural log). Logits are exact bf16 products summed in fp32; probabilities enter the
+        value product rounded to bf16.
+
+    Raises:
+        RuntimeError: the extension or its AMX kernel is unavailable, or it rejects the
+            arguments (see :func:`supports_prefill`).
+    """
+    out, lse = _extension().prefill_attention(query, key, value, float(scale))
+    return out, lse

@@ -1,0 +1,336 @@
+// Causal prefill (flash) attention on AMX tiles, bf16 in, fp32 accumulation (included by
+// isa_avx512_amx.cpp after amx_util.h; interface in prefill.h).
+//
+// Why: PyTorch's CPU flash kernel spends about twice the FLOP bound of a 4k-token prompt
+// (GQA heads expanded with repeat_interleave, the softmax on generic vector code), and a
+// chunk of a chunked prefill (fewer queries than keys) has no causal fast path at all.
+//
+// One work item is a block of query rows of every query head of one KV head (the GQA group
+// folded into the columns), so each K and V tile is loaded once for the group. Everything is
+// computed transposed, keys along rows and queries along columns, as in decode_amx.h:
+//   S^T[16 keys][16 queries] += K[16 keys][32 elements] * Qpairs[16 element pairs][16 queries]
+// with the query tile packed once per item, and
+//   O^T[16 dims][16 queries] += V^T[16 dims][32 keys] * Ppairs[16 key pairs][16 queries]
+// with K and V^T cut into contiguous tiles once per call by the binding (prefill.h). A query's
+// softmax then runs down a column: the running max, the sum and the rescaling of O^T are
+// lane-wise vector operations on 16 queries at once, with no horizontal reduction anywhere.
+// Probabilities are rounded to bf16 for the PV product; the denominator sums them unrounded
+// in fp32 (as decode_amx.h does). Every buffer is laid out in whole tiles, so that each tile
+// load or store moves 1 KiB of contiguous memory.
+//
+// Causality: key blocks entirely above a column tile's diagonal are skipped, and only the
+// blocks that cross it are masked. Logits are in base 2 (log2(e) folded into the scale).
+//
+// Cost (SmolLM2-135M layer, 4000 tokens, one thread, ~33 ms): about 2/3 tile work, where the
+// tile loads and stores between the products cost as much as the products, 1/3 the softmax
+// (~7 cycles per vector of 16 probabilities). Measured and rejected: interleaving the two in a
+// software pipeline (no faster), key blocks of 32 or 128 and query blocks of 32 (slower: more
+// per-block overhead, or a working set past L1).
+//
+// Tile registers: 0-3 accumulators (two key or dim tiles x two column tiles), 4, 5 key or
+// value tiles, 6, 7 query or probability pairs. All tiles are 16 rows x 64 bytes.
+
+constexpr int64_t kPKeys = kPrefillKeyBlock;   // keys per block (a multiple of 32)
+constexpr int64_t kPMaxTiles = 64;             // column tiles per item (group x query block)
+
+static void configure_prefill_tiles(TileConfig* cfg) {
+  __builtin_memset(cfg, 0, sizeof(*cfg));
+  cfg->palette = 1;
+  for (int t = 0; t < 8; ++t) {
+    cfg->rows[t] = 16;
+    cfg->colsb[t] = 64;
+  }
+  _tile_loadconfig(cfg);
+}
+
+// Scratch of one item; columns are (head h of the group, query row r): col = h * BQ + r.
+struct PrefillScratch {
+  TileConfig* cfg;
+  uint32_t* qpairs;  // [tiles][d / 32][16 pairs][16 columns] query element pairs
+  float* s;          // [tiles][kPKeys][16 columns] logits of the current key block
+  uint32_t* p;       // [tiles][kPKeys / 32][16 key pairs][16 columns] bf16 probabilities
+  float* o;          // [tiles][d][16 columns] unnormalised output, transposed
+  float* m;          // [cols] running max of the base-2 logits
+  float* l;          // [cols] running sum of exp2(logit - m)
+  int32_t* thr;      // [cols] last key index the column sees
+};
+
+static int64_t prefill_columns(const PrefillArgs& a) {
+  return a.num_heads / a.num_kv_heads * a.query_block;
+}
+
+// Floats of PrefillScratch (carved from `base` into `out` when given), parts 64-byte aligned
+// relative to base.
+static int64_t prefill_layout(const PrefillArgs& a, float* base, PrefillScratch* out) {
+  const int64_t cols = prefill_columns(a), d = a.head_dim;
+  const int64_t sizes[8] = {16, cols * d / 2, kPKeys * cols, cols * kPKeys / 2, d * cols,
+                            cols, cols, cols};
+  float* parts[8];
+  int64_t used = 0;
+  for (int i = 0; i < 8; ++i) {
+    parts[i] = base == nullptr ? nullptr : base + used;
+    used += (sizes[i] + 15) / 16 * 16;
+  }
+  if (out != nullptr)
+    *out = {reinterpret_cast<TileConfig*>(parts[0]), reinterpret_cast<uint32_t*>(parts[1]),
+            parts[2], reinterpret_cast<uint32_t*>(parts[3]), parts[4], parts[5], parts[6],
+            reinterpret_cast<int32_t*>(parts[7])};
+  return used;
+}
+
+static int64_t prefill_scratch_amx(const PrefillArgs& a) {
+  return prefill_layout(a, nullptr, nullptr) + 16;  // + 16: room to align the base
+}
+
+// 2^t for finite t, ~3e-6 relative error: 2^(t - floor t) by a degree-4 polynomial on [0, 1)
+// (least-squares fit of the relative error), times 2^floor(t) by scalef, which floors its
+// exponent operand itself (and gives 0 or inf past the ends of the range). vreduceps gives
+// t - floor(t) in one instruction: 6 vector instructions in all. The probabilities are rounded
+// to bf16 (2^-9) anyway, and the error moves the lse by ~3e-6.
+static inline __m512 prefill_exp2(__m512 t) {
+  const __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.013520609587430954f), f,
+                             _mm512_set1_ps(0.052037473767995834f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24142742156982422f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6930066347122192f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000025033950806f));
+  return _mm512_scalef_ps(p, t);
+}
+
+// Query pairs of the item's columns (zero past nq) and each column's last visible key.
+static void pack_queries(const PrefillArgs& a, int64_t kvh, int64_t q0,
+                         const PrefillScratch& w) {
+  const int64_t G = a.num_heads / a.num_kv_heads, BQ = a.query_block, half = a.head_dim / 2;
+  const int64_t chunks = a.head_dim / kAmxChunk;
+  const uint32_t* q = reinterpret_cast<const uint32_t*>(a.query);
+  for (int64_t h = 0; h < G; ++h)
+    for (int64_t r = 0; r < BQ; ++r) {
+      const int64_t col = h * BQ + r, row = q0 + r;
+      // Padding columns see every key: their logits (zero) stay finite, and are never written.
+      w.thr[col] = (int32_t)(row < a.nq ? a.nk - a.nq + row : a.nk - 1);
+      uint32_t* dst = w.qpairs + col / 16 * chunks * 256 + col % 16;
+      const uint32_t* src = row < a.nq ? q + ((kvh * G + h) * a.nq + row) * half : nullptr;
+      for (int64_t e = 0; e < half; ++e) dst[e / 16 * 256 + e % 16 * 16] = src ? src[e] : 0;
+    }
+}
+
+// Raw logits of key block [k0, k0 + kPKeys) for the listed column tiles into w.s: two key
+// tiles by two column tiles at a time (each key and query tile loaded serves two products,
+// four independent accumulators), a lone last column tile with two key tiles.
+static void block_logits(const PrefillArgs& a, const uint16_t* K, int64_t k0, const int* tiles,
+                         int nt, const PrefillScratch& w) {
+  const int64_t chunks = a.head_dim / kAmxChunk;
+  for (int i = 0; i < nt; i += 2) {
+    const bool two = i + 1 < nt;
+    const int t0 = tiles[i], t1 = two ? tiles[i + 1] : t0;
+    const uint32_t* qp0 = w.qpairs + t0 * chunks * 256;
+    const uint32_t* qp1 = w.qpairs + t1 * chunks * 256;
+    for (int64_t kt = 0; kt < kPKeys; kt += 32) {
+      const uint16_t* rows = K + (k0 + kt) / 16 * chunks * 512;  // two key tiles
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t c = 0; c < chunks; ++c) {
+        _tile_loadd(4, rows + c * 512, 64);
+        _tile_loadd(6, qp0 + c * 256, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(5, rows + (chunks + c) * 512, 64);
+        _tile_dpbf16ps(1, 5, 6);
+        if (two) {
+          _tile_loadd(7, qp1 + c * 256, 64);
+          _tile_dpbf16ps(2, 4, 7);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      float* s0 = w.s + (t0 * kPKeys + kt) * 16;
+      float* s1 = w.s + (t1 * kPKeys + kt) * 16;
+      _tile_stored(0, s0, 64);
+      _tile_stored(1, s0 + 256, 64);
+      if (two) {
+        _tile_stored(2, s1, 64);
+        _tile_stored(3, s1 + 256, 64);
+      }
+    }
+  }
+}
+
+// Online softmax of column tile t over the block's logits: updates m and l, writes the bf16
+// probability pairs and returns alpha = exp2(m_old - m_new) per column. `masked`: the block
+// crosses the tile's diagonal, keys past a column's threshold get probability 0.
+static __m512 block_softmax(int64_t k0, int t, bool masked, float scale2,
+                            const PrefillScratch& w) {
+  const float* s = w.s + t * kPKeys * 16;
+  const __m512i thr = _mm512_loadu_si512(w.thr + t * 16);
+  const __m512 m_old = _mm512_loadu_ps(w.m + t * 16);
+  // Row max: four chains, as vmaxps has a 4-cycle latency.
+  __m512 mx[4];
+  for (int j = 0; j < 4; ++j) mx[j] = _mm512_set1_ps(kNegInf);
+  if (!masked) {
+    for (int64_t k = 0; k < kPKeys; k += 4)
+      for (int j = 0; j < 4; ++j) mx[j] = _mm512_max_ps(mx[j], _mm512_loadu_ps(s + (k + j) * 16));
+  } else {
+    for (int64_t k = 0; k < kPKeys; k += 4)
+      for (int j = 0; j < 4; ++j) {
+        const __mmask16 see = _mm512_cmpge_epi32_mask(thr, _mm512_set1_epi32((int)(k0 + k + j)));
+        mx[j] = _mm512_mask_max_ps(mx[j], see, mx[j], _mm512_loadu_ps(s + (k + j) * 16));
+      }
+  }
+  const __m512 block_max =
+      _mm512_max_ps(_mm512_max_ps(mx[0], mx[1]), _mm512_max_ps(mx[2], mx[3]));
+  const __m512 m_new = _mm512_max_ps(m_old, _mm512_mul_ps(block_max, _mm512_set1_ps(scale2)));
+  // alpha by the accurate vexp2 (2e-7 relative; exactly 0 for the first block's m_old = -inf):
+  // its error would add up in l over a row's rescales, and l gives the lse. (Every column sees
+  // key 0, so m_new is finite from the first block on.)
+  const __m512 alpha = vexp2(_mm512_sub_ps(m_old, m_new));
+  const __m512 neg_m = _mm512_sub_ps(_mm512_setzero_ps(), m_new), sc = _mm512_set1_ps(scale2);
+  // (p[k], p[k + 1]) of each column as one 32-bit word, the pair order of a B tile: the high
+  // halves of the fp32 words of p0 and p1 (indices from 32 select from the second source),
+  // rounded to nearest (ties away) by adding half a bf16 unit first. Three instructions per
+  // two vectors, ~5% faster than vcvtne2ps2bf16 + vpermw.
+  const __m512i interleave = _mm512_set_epi16(63, 31, 61, 29, 59, 27, 57, 25, 55, 23, 53, 21, 51,
+                                              19, 49, 17, 47, 15, 45, 13, 43, 11, 41, 9, 39, 7, 37,
+                                              5, 35, 3, 33, 1);
+  const __m512i half_unit = _mm512_set1_epi32(0x8000);
+  __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+  uint32_t* p = w.p + t * (kPKeys / 32) * 256;
+  for (int64_t k = 0; k < kPKeys; k += 2) {
+    __m512 p0 = prefill_exp2(_mm512_fmadd_ps(_mm512_loadu_ps(s + k * 16), sc, neg_m));
+    __m512 p1 = prefill_exp2(_mm512_fmadd_ps(_mm512_loadu_ps(s + (k + 1) * 16), sc, neg_m));
+    if (masked) {  // masked logits may be anything finite: their exp2 is dropped, inf included
+      p0 = _mm512_maskz_mov_ps(_mm512_cmpge_epi32_mask(thr, _mm512_set1_epi32((int)(k0 + k))), p0);
+      p1 = _mm512_maskz_mov_ps(
+          _mm512_cmpge_epi32_mask(thr, _mm512_set1_epi32((int)(k0 + k + 1))), p1);
+    }
+    sum0 = _mm512_add_ps(sum0, p0);
+    sum1 = _mm512_add_ps(sum1, p1);
+    const __m512i pair = _mm512_permutex2var_epi16(
+        _mm512_add_epi32(_mm512_castps_si512(p0), half_unit), interleave,
+        _mm512_add_epi32(_mm512_castps_si512(p1), half_unit));
+    _mm512_storeu_si512(p + k * 8, pair);
+  }
+  const __m512 l = _mm512_loadu_ps(w.l + t * 16);
+  _mm512_storeu_ps(w.l + t * 16, _mm512_fmadd_ps(l, alpha, _mm512_add_ps(sum0, sum1)));
+  _mm512_storeu_ps(w.m + t * 16, m_new);
+  return alpha;
+}
+
+// O^T columns of tile t times alpha, skipped when the max did not move (alpha all 1, the
+// common case once a few blocks are in).
+static void rescale_output(__m512 alpha, int t, int64_t d, const PrefillScratch& w) {
+  if (_mm512_cmp_ps_mask(alpha, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ) == 0) return;
+  float* o = w.o + t * d * 16;
+  for (int64_t e = 0; e < d; ++e)
+    _mm512_storeu_ps(o + e * 16, _mm512_mul_ps(_mm512_loadu_ps(o + e * 16), alpha));
+}
+
+// O^T[:, tile t] += V^T[:, block] * P[block, tile t] for the listed column tiles, two column
+// tiles by two tiles of 16 output dims at a time: each value and probability tile loaded
+// serves two products, and the four accumulators are independent (measured 18 -> 12 ns per
+// product against one column tile by four dim tiles, whose reloads wait on the products).
+static void block_values(const PrefillArgs& a, const uint16_t* Vt, int64_t k0, const int* tiles,
+                         int nt, const PrefillScratch& w) {
+  const int64_t d = a.head_dim;
+  for (int i = 0; i < nt; i += 2) {
+    const bool two = i + 1 < nt;
+    const int t0 = tiles[i], t1 = two ? tiles[i + 1] : t0;
+    const uint32_t* p0 = w.p + t0 * (kPKeys / 32) * 256;
+    const uint32_t* p1 = w.p + t1 * (kPKeys / 32) * 256;
+    for (int64_t e0 = 0; e0 < d; e0 += 32) {
+      float* o0 = w.o + (t0 * d + e0) * 16;
+      float* o1 = w.o + (t1 * d + e0) * 16;
+      _tile_loadd(0, o0, 64);
+      _tile_loadd(1, o0 + 256, 64);
+      if (two) {
+        _tile_loadd(2, o1, 64);
+        _tile_loadd(3, o1 + 256, 64);
+      }
+      for (int64_t ks = 0; ks < kPKeys / 32; ++ks) {
+        const uint16_t* v = Vt + ((k0 / 32 + ks) * d + e0) * 32;  // [dims][32 keys] tiles
+        _tile_loadd(4, v, 64);
+        _tile_loadd(6, p0 + ks * 256, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(5, v + 512, 64);
+        _tile_dpbf16ps(1, 5, 6);
+        if (two) {
+          _tile_loadd(7, p1 + ks * 256, 64);
+          _tile_dpbf16ps(2, 4, 7);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      _tile_stored(0, o0, 64);
+      _tile_stored(1, o0 + 256, 64);
+      if (two) {
+        _tile_stored(2, o1, 64);
+        _tile_stored(3, o1 + 256, 64);
+      }
+    }
+  }
+}
+
+// out = O / l (bf16, rounded to nearest even) and lse = (m + log2 l) * ln 2 of the item's rows.
+static void write_rows(const PrefillArgs& a, int64_t kvh, int64_t q0, int64_t rows, int64_t cols,
+                       const PrefillScratch& w) {
+  const int64_t G = a.num_heads / a.num_kv_heads, BQ = a.query_block, d = a.head_dim;
+  float tile[16 * 16];
+  for (int64_t h = 0; h < G; ++h) {
+    const int64_t head = kvh * G + h;
+    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+      const int64_t col0 = h * BQ + r0, n = rows - r0 < 16 ? rows - r0 : 16;
+      const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_loadu_ps(w.l + col0));
+      for (int64_t e0 = 0; e0 < d; e0 += 16) {
+        // 16 dims x 16 rows of O^T, normalised, transposed through a small buffer.
+        const float* o = w.o + (col0 / 16 * d + e0) * 16;
+        for (int64_t e = 0; e < 16; ++e)
+          _mm512_storeu_ps(tile + e * 16, _mm512_mul_ps(_mm512_loadu_ps(o + e * 16), inv));
+        const __m512i column = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160,
+                                                 176, 192, 208, 224, 240);
+        for (int64_t r = 0; r < n; ++r) {
+          const __m512 row = _mm512_i32gather_ps(column, tile + r, 4);
+          uint16_t* dst = a.out + (head * a.nq + q0 + r0 + r) * d + e0;
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(row));
+        }
+      }
+      for (int64_t r = 0; r < n; ++r)
+        a.lse[head * a.nq + q0 + r0 + r] =
+            (w.m[col0 + r] + __builtin_log2f(w.l[col0 + r])) * kLn2;
+    }
+  }
+}
+
+static void prefill_item_amx(const PrefillArgs& a, int64_t kvh, int64_t qb, float* scratch) {
+  PrefillScratch w;
+  prefill_layout(a, scratch + (16 - (reinterpret_cast<uintptr_t>(scratch) / 4) % 16) % 16, &w);
+  const int64_t cols = prefill_columns(a), ntiles = cols / 16, d = a.head_dim;
+  const int64_t q0 = qb * a.query_block;
+  const int64_t rows = a.nq - q0 < a.query_block ? a.nq - q0 : a.query_block;
+  pack_queries(a, kvh, q0, w);
+  for (int64_t c = 0; c < cols; ++c) {
+    w.m[c] = kNegInf;
+    w.l[c] = 0.0f;
+  }
+  __builtin_memset(w.o, 0, d * cols * sizeof(float));
+  const uint16_t* K = a.key + kvh * a.nkp * d;
+  const uint16_t* Vt = a.value_t + kvh * a.nkp * d;
+  const float scale2 = a.scale * kLog2e;
+  const int64_t last_key = a.nk - a.nq + q0 + rows - 1;
+  configure_prefill_tiles(w.cfg);
+  for (int64_t k0 = 0; k0 <= last_key; k0 += kPKeys) {
+    // Column tiles that see some key of the block, and whether the block crosses their
+    // diagonal (thresholds rise along a tile, padding rows last).
+    int tiles[kPMaxTiles];
+    bool masked[kPMaxTiles];
+    int nt = 0;
+    for (int t = 0; t < ntiles; ++t) {
+      if (k0 > w.thr[t * 16 + 15]) continue;
+      masked[nt] = k0 + kPKeys - 1 > w.thr[t * 16];
+      tiles[nt++] = t;
+    }
+    block_logits(a, K, k0, tiles, nt, w);
+    for (int i = 0; i < nt; ++i)
+      rescale_output(block_softmax(k0, tiles[i], masked[i], scale2, w), tiles[i], d, w);
+    block_values(a, Vt, k0, tiles, nt, w);
+  }
+  _tile_release();  // see decode_item_amx
+  write_rows(a, kvh, q0, rows, cols, w);
+}

@@ -1,0 +1,191 @@
+"""Native causal prefill attention on AMX tiles (``ops.prefill_attention``) against
+``torch_ref.attention_with_lse`` computed in fp32 from the same bf16 inputs, and the dispatch of
+``backend.prefill_attention`` (the kernel for bf16, the PyTorch paths otherwise).
+
+Cases: GQA groups 1, 3 and 4; head_dim 64, 128 and 256 (96 too: any multiple of 32); whole
+prompts (queries = keys) and chunks of a chunked prefill (the last queries of more keys);
+lengths around the 16-row tiles and 64-key blocks, page-unaligned ones, and no query at all.
+Where the AMX kernel is unavailable (no AMX, or an AVX2-only CI machine) only the fallback
+tests run.
+
+Tolerances (CONTRACTS.md §4 for bf16): out rtol 1.6e-2 + atol 1e-2 (the kernel rounds the
+probabilities to bf16 for the value product, as SDPA does); lse 1e-2 absolute (it is computed
+in fp32 from fp32 logits: errors measured ~1e-5).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparsekv.attention import backend, torch_ref
+from sparsekv.attention.cpu import build, ops
+
+OUT_TOL = {"atol": 1e-2, "rtol": 1.6e-2}
+LSE_ATOL = 1e-2
+LENGTHS = [1, 15, 16, 17, 100, 333]
+GROUPS = pytest.mark.parametrize(
+    "num_heads,num_kv_heads", [(2, 2), (6, 2), (8, 2)], ids=["g1", "g3", "g4"]
+)
+
+
+@pytest.fixture(scope="module")
+def amx() -> None:
+    if build.native_disabled():
+        pytest.skip("SPARSEKV_DISABLE_NATIVE is set")
+    ext = build.load_extension()
+    assert ext is not None, "the native extension failed to build"
+    if not ext.prefill_available():
+        pytest.skip(f"no AMX prefill kernel: {ext.amx_status()}")
+
+
+def make_qkv(num_heads, num_kv_heads, num_queries, num_keys, head_dim, seed=0, std=1.0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return (torch.randn(*shape, generator=gen) * std).to(torch.bfloat16)
+
+    return (
+        rand(num_heads, num_queries, head_dim),
+        rand(num_kv_heads, num_keys, head_dim),
+        rand(num_kv_heads, num_keys, head_dim),
+    )
+
+
+def check(query, key, value, out, lse, scale):
+    ref_out, ref_lse = torch_ref.attention_with_lse(
+        query.float(), key.float(), value.float(), scale
+    )
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    assert out.shape == query.shape and lse.shape == query.shape[:2]
+    torch.testing.assert_close(out.float(), ref_out, **OUT_TOL)
+    torch.testing.assert_close(lse, ref_lse, atol=LSE_ATOL, rtol=0)
+
+
+def run_kernel(query, key, value):
+    scale = query.shape[-1] ** -0.5
+    assert ops.supports_prefill(query, key, value)
+    out, lse = ops.prefill_attention(query, key, value, scale)
+    check(query, key, value, out, lse, scale)
+
+
+@GROUPS
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("length", LENGTHS)
+def test_prefill_whole_prompt(amx, num_heads, num_kv_heads, head_dim, length):
+    run_kernel(*make_qkv(num_heads, num_kv_heads, length, length, head_dim, seed=length))
+
+
+@GROUPS
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("length", LENGTHS)
+def test_prefill_chunk_after_earlier_keys(amx, num_heads, num_kv_heads, head_dim, length):
+    # The chunk's queries are the last `length` of `length + 77` keys (bottom-right causal).
+    qkv = make_qkv(num_heads, num_kv_heads, length, length + 77, head_dim, seed=length)
+    run_kernel(*qkv)
+
+
+@pytest.mark.parametrize(
+    "num_queries,num_keys", [(1, 333), (64, 64), (65, 130), (512, 1000), (1000, 1000)]
+)
+def test_prefill_block_boundaries_and_long(amx, num_queries, num_keys):
+    run_kernel(*make_qkv(9, 3, num_queries, num_keys, 64, seed=num_keys))
+
+
+def test_prefill_head_dim_96_and_strided_query(amx):
+    query, key, value = make_qkv(4, 1, 50, 90, 96)
+    run_kernel(query, key, value)
+    # A transposed view, as the model's [tokens, heads, dim] projections give.
+    strided = query.transpose(0, 1).contiguous().transpose(0, 1)
+    assert not strided.is_contiguous()
+    run_kernel(strided, key, value)
+
+
+def test_prefill_large_logits_and_growing_max(amx):
+    # Large logits and key norms growing along the sequence: the running max moves at almost
+    # every block, so the output is rescaled often; the lse must stay exact.
+    query, key, value = make_qkv(6, 2, 300, 300, 64, std=3.0)
+    growth = torch.linspace(0.2, 2.0, 300)[None, :, None]
+    run_kernel(query, (key.float() * growth).bfloat16(), value)
+
+
+def test_prefill_no_queries(amx):
+    query, key, value = make_qkv(6, 2, 0, 5, 64)
+    out, lse = ops.prefill_attention(query, key, value, 0.125)
+    assert out.shape == (6, 0, 64) and lse.shape == (6, 0)
+    out, lse = backend.prefill_attention(query, key, value, 0.125)
+    assert out.shape == (6, 0, 64) and lse.shape == (6, 0)
+
+
+def test_prefill_rejects_bad_arguments(amx):
+    query, key, value = make_qkv(6, 2, 20, 10, 64)
+    assert not ops.supports_prefill(query, key, value)  # more queries than keys
+    with pytest.raises(RuntimeError, match="more queries"):
+        ops.prefill_attention(query, key, value, 0.125)
+    query, key, value = make_qkv(6, 4, 10, 10, 64)
+    assert not ops.supports_prefill(query, key, value)  # 6 heads over 4 KV heads
+    with pytest.raises(RuntimeError, match="multiple of num_kv_heads"):
+        ops.prefill_attention(query, key, value, 0.125)
+    query, key, value = make_qkv(6, 2, 10, 10, 48)
+    assert not ops.supports_prefill(query, key, value)  # head_dim not a multiple of 32
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        ops.prefill_attention(query, key, value, 0.125)
+    query, key, value = make_qkv(6, 2, 10, 10, 64)
+    assert not ops.supports_prefill(query.float(), key.float(), value.float())
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        ops.prefill_attention(query.float(), key.float(), value.float(), 0.125)
+
+
+class _Spy:
+    """Counts calls of ``ops.prefill_attention`` made through the backend."""
+
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        real = ops.prefill_attention
+
+        def spy(*args, **kwargs):
+            self.calls += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(ops, "prefill_attention", spy)
+
+
+def test_backend_picks_the_kernel_for_bf16(amx, monkeypatch):
+    spy = _Spy(monkeypatch)
+    query, key, value = make_qkv(9, 3, 40, 100, 64)
+    out, lse = backend.prefill_attention(query, key, value, 0.125)
+    assert spy.calls == 1
+    check(query, key, value, out, lse, 0.125)
+
+
+def test_backend_falls_back_for_fp32_window_softcap_and_head_dim(monkeypatch):
+    # Runs with or without AMX: none of these may reach the kernel.
+    spy = _Spy(monkeypatch)
+    query, key, value = make_qkv(6, 2, 30, 30, 64)
+    out, lse = backend.prefill_attention(query.float(), key.float(), value.float(), 0.125)
+    check(query, key, value, out.bfloat16(), lse, 0.125)
+    backend.prefill_attention(query, key, value, 0.125, sliding_window=8)
+    backend.prefill_attention(query, key, value, 0.125, logit_softcap=30.0)
+    query, key, value = make_qkv(6, 2, 30, 30, 48)  # head_dim the kernel does not take
+    out, lse = backend.prefill_attention(query, key, value, 48**-0.5)
+    check(query, key, value, out, lse, 48**-0.5)
+    assert spy.calls == 0
+
+
+def test_backend_falls_back_when_native_is_disabled(monkeypatch):
+    spy = _Spy(monkeypatch)
+    monkeypatch.setenv("SPARSEKV_DISABLE_NATIVE", "1")
+    assert not ops.supports_prefill(*make_qkv(6, 2, 30, 30, 64))
+    query, key, value = make_qkv(6, 2, 30, 30, 64)
+    out, lse = backend.prefill_attention(query, key, value, 0.125)
+    check(query, key, value, out, lse, 0.125)
+    assert spy.calls == 0
+
+
+def test_backend_honours_a_forced_isa(amx, monkeypatch):
+    spy = _Spy(monkeypatch)
+    monkeypatch.setenv(ops.ISA_ENV, "avx512")
+    backend.prefill_attention(*make_qkv(6, 2, 30, 30, 64), 0.125)
+    monkeypatch.setenv(ops.ISA_ENV, "avx512_amx")
+    backend.prefill_attention(*make_qkv(6, 2, 30, 30, 64), 0.125)
+    assert spy.calls == 1
