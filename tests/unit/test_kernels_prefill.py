@@ -99,6 +99,10 @@ def test_prefill_head_dim_96_and_strided_query(amx):
     strided = query.transpose(0, 1).contiguous().transpose(0, 1)
     assert not strided.is_contiguous()
     run_kernel(strided, key, value)
+    # Every other element: copied by the binding first.
+    spread = torch.stack((query, query), dim=-1).flatten(-2)[..., ::2]
+    assert spread.stride(-1) == 2
+    run_kernel(spread, key[:, 10:], value[:, 10:])
 
 
 def test_prefill_large_logits_and_growing_max(amx):

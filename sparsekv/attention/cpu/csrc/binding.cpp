@@ -466,8 +466,9 @@ std::vector<at::Tensor> prefill_attention(const at::Tensor& query_in, const at::
   TORCH_CHECK(nk < (int64_t(1) << 30), "too many keys");
   const int64_t group = H / kvh, block = prefill_query_block(group);
   TORCH_CHECK(group * block <= 1024, "GQA group too large for the prefill kernel: ", group);
-  auto query = query_in.contiguous();
-  auto out = at::empty_like(query);
+  // Rows are read with their strides: the model's queries are a transposed view.
+  auto query = query_in.stride(2) == 1 ? query_in : query_in.contiguous();
+  auto out = at::empty({H, nq, d}, query.options());
   auto lse = at::empty({H, nq}, query.options().dtype(at::kFloat));
   if (nq == 0 || H == 0) return {out, lse};
 
@@ -492,6 +493,8 @@ std::vector<at::Tensor> prefill_attention(const at::Tensor& query_in, const at::
 
   skv::PrefillArgs args{};
   args.query = reinterpret_cast<const uint16_t*>(query.data_ptr());
+  args.query_head_stride = query.stride(0);
+  args.query_row_stride = query.stride(1);
   args.key = reinterpret_cast<const uint16_t*>(kp.data_ptr());
   args.value_t = reinterpret_cast<const uint16_t*>(vt.data_ptr());
   args.num_heads = H;

@@ -17,7 +17,8 @@ namespace sparsekv_cpu {
 constexpr int64_t kPrefillKeyBlock = 64;  // keys per online-softmax step
 
 struct PrefillArgs {
-  const uint16_t* query;   // [num_heads, nq, head_dim] bf16 bits, contiguous
+  const uint16_t* query;    // [num_heads, nq, head_dim] bf16 bits, element stride 1
+  int64_t query_head_stride, query_row_stride;  // in elements (a transposed view is fine)
   const uint16_t* key;      // bf16 bits, tiles as above
   const uint16_t* value_t;  // bf16 bits, tiles as above
   int64_t num_heads, num_kv_heads, nq, nk, nkp, head_dim;

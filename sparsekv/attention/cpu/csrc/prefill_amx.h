@@ -102,15 +102,20 @@ static void pack_queries(const PrefillArgs& a, int64_t kvh, int64_t q0,
                          const PrefillScratch& w) {
   const int64_t G = a.num_heads / a.num_kv_heads, BQ = a.query_block, half = a.head_dim / 2;
   const int64_t chunks = a.head_dim / kAmxChunk;
-  const uint32_t* q = reinterpret_cast<const uint32_t*>(a.query);
+  const uint16_t* q = a.query;
   for (int64_t h = 0; h < G; ++h)
     for (int64_t r = 0; r < BQ; ++r) {
       const int64_t col = h * BQ + r, row = q0 + r;
       // Padding columns see every key: their logits (zero) stay finite, and are never written.
       w.thr[col] = (int32_t)(row < a.nq ? a.nk - a.nq + row : a.nk - 1);
       uint32_t* dst = w.qpairs + col / 16 * chunks * 256 + col % 16;
-      const uint32_t* src = row < a.nq ? q + ((kvh * G + h) * a.nq + row) * half : nullptr;
-      for (int64_t e = 0; e < half; ++e) dst[e / 16 * 256 + e % 16 * 16] = src ? src[e] : 0;
+      const uint16_t* src =
+          row < a.nq ? q + (kvh * G + h) * a.query_head_stride + row * a.query_row_stride : nullptr;
+      for (int64_t e = 0; e < half; ++e) {  // element pairs as 32-bit words
+        uint32_t pair = 0;
+        if (src != nullptr) __builtin_memcpy(&pair, src + 2 * e, 4);
+        dst[e / 16 * 256 + e % 16 * 16] = pair;
+      }
     }
 }
 
