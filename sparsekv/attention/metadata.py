@@ -59,6 +59,11 @@ class DecodeBatch:
         block_tables: ``[batch, max_blocks]`` int64 (padded with page 0, masked).
         seq_lens: ``[batch]`` int64 logical slot count after the write.
         first_slots: ``[batch]`` int64.
+        all_rows: the batch's rows are the step's every row, in order (a decode-only step
+            without compaction groups): the layer reads and writes ``q``/``k``/``v`` and its
+            output whole, without gathering rows.
+        need_mass: some request on the path accumulates attention mass (H2O).
+        budgeted: some request's layer state keeps a budget (recent queries to remember).
     """
 
     slices: list[RequestSlice]
@@ -67,6 +72,9 @@ class DecodeBatch:
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
     first_slots: torch.Tensor
+    all_rows: bool = False
+    need_mass: bool = False
+    budgeted: bool = True
 
 
 @dataclass
@@ -119,13 +127,19 @@ def build_metadata(
             groups.setdefault(members, []).append(layer)
     for members, layers in groups.items():
         on_decode = [slices[i] for i in members]
-        for layer, batch in zip(layers, _decode_batches(on_decode, layers, block_size, device)):
+        all_rows = len(members) == num_tokens and all(s.start == i for i, s in enumerate(on_decode))
+        batches = _decode_batches(on_decode, layers, block_size, device, all_rows)
+        for layer, batch in zip(layers, batches):
             decode[layer] = batch
     return AttentionMetadata(slices, decode, general, num_tokens)
 
 
 def _decode_batches(
-    slices: list[RequestSlice], layers: list[int], block_size: int, device: torch.device
+    slices: list[RequestSlice],
+    layers: list[int],
+    block_size: int,
+    device: torch.device,
+    all_rows: bool,
 ) -> list[DecodeBatch]:
     """One ``DecodeBatch`` per layer of ``layers``, all over the same ``slices``."""
     steps = [[s.layers[layer] for s in slices] for layer in layers]
@@ -143,6 +157,7 @@ def _decode_batches(
     tables_t = torch.from_numpy(tables).to(device)
     slot_t, seq_t, first_t = torch.from_numpy(counts).to(device)
     rows = torch.tensor([s.start for s in slices], dtype=torch.long, device=device)
+    need_mass = any(s.needs_attention_mass for s in slices)
     return [
         DecodeBatch(
             slices=slices,
@@ -151,6 +166,9 @@ def _decode_batches(
             block_tables=tables_t[i],
             seq_lens=seq_t[i],
             first_slots=first_t[i],
+            all_rows=all_rows,
+            need_mass=need_mass,
+            budgeted=any(s.kv.layers[layer].budget is not None for s in slices),
         )
-        for i in range(len(layers))
+        for i, layer in enumerate(layers)
     ]

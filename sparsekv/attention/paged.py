@@ -86,41 +86,61 @@ class PagedAttention:
         Returns:
             ``[num_tokens, num_heads, head_dim]`` in the query dtype.
         """
-        out = torch.empty_like(q)
         spec_window = self.layer_specs[layer].sliding_window
         assert sliding_window is None or spec_window is None or sliding_window <= spec_window
         window = sliding_window if sliding_window is not None else spec_window
         batch = self.metadata.decode[layer]
         storage = self.storages[layer]
+        if batch is not None and batch.all_rows:
+            # Decode-only step: every row is on the decode path, in order; no row gathers.
+            return self._decode(batch, layer, q, k, v, scale, window, storage)
+        out = torch.empty_like(q)
         if batch is not None:
-            states = [request.kv.layers[layer] for request in batch.slices]
-            storage.write_decode(batch.slot_mapping, states, k[batch.rows], v[batch.rows])
-            need_mass = any(s.needs_attention_mass for s in batch.slices)
             queries = q[batch.rows]
-            result, _, mass = storage.decode_attention(
-                queries,
-                batch.block_tables,
-                batch.seq_lens,
-                batch.first_slots,
-                states,
-                scale,
-                window,
-                self.logit_softcap,
-                need_mass,
+            out[batch.rows] = self._decode(
+                batch, layer, queries, k[batch.rows], v[batch.rows], scale, window, storage
             )
-            out[batch.rows] = result
-            for i, request in enumerate(batch.slices):
-                state = request.kv.layers[layer]
-                _remember_queries(state, queries[i : i + 1], request.window)
-                if request.needs_attention_mass and state.budget is not None:
-                    held = request.layers[layer].num_held + 1
-                    _accumulate(state, mass[i, :, :held])
-                if request.layers[layer].decode_compaction:
-                    self._pending.append((request, layer, scale))
         for request in self.metadata.general[layer]:
             rows = slice(request.start, request.start + request.num_new)
             out[rows] = self._general(request, layer, q[rows], k[rows], v[rows], scale, window)
         return out
+
+    def _decode(
+        self,
+        batch,
+        layer: int,
+        queries: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        scale: float,
+        window: int | None,
+        storage: KVStorage,
+    ) -> torch.Tensor:
+        """The decode path of one layer: ``queries`` ``[batch, H, d]`` (one row per request of
+        ``batch``, in its order) and their new keys and values -> ``[batch, H, d]``."""
+        states = [request.kv.layers[layer] for request in batch.slices]
+        storage.write_decode(batch.slot_mapping, states, keys, values)
+        result, _, mass = storage.decode_attention(
+            queries,
+            batch.block_tables,
+            batch.seq_lens,
+            batch.first_slots,
+            states,
+            scale,
+            window,
+            self.logit_softcap,
+            batch.need_mass,
+        )
+        if batch.budgeted or batch.need_mass:
+            for i, (request, state) in enumerate(zip(batch.slices, states)):
+                _remember_queries(state, queries[i : i + 1], request.window)
+                if request.needs_attention_mass and state.budget is not None:
+                    held = request.layers[layer].num_held + 1
+                    _accumulate(state, mass[i, :, :held])
+        for request in batch.slices:
+            if request.layers[layer].decode_compaction:
+                self._pending.append((request, layer, scale))
+        return result
 
     def _general(
         self,
@@ -264,8 +284,10 @@ def _remember_queries(state: LayerKV, q: torch.Tensor, window: int) -> None:
     if state.budget is None:
         return
     new = q[-window:].transpose(0, 1)
-    if state.recent_queries is not None and new.shape[1] < window:
-        new = torch.cat([state.recent_queries, new], dim=1)[:, -window:]
+    recent = state.recent_queries
+    if recent is not None and new.shape[1] < window:
+        # Only the kept tail of the old window is copied (one op; the result is contiguous).
+        new = torch.cat([recent[:, new.shape[1] - window :], new], dim=1)
     state.recent_queries = new.contiguous()
 
 

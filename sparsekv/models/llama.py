@@ -34,16 +34,19 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, qkv_size, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
         self.scale = self.head_dim**-0.5
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
 
     def forward(self, hidden: torch.Tensor, cos_sin: tuple, ctx) -> torch.Tensor:
         """``hidden``: ``[num_tokens, hidden_size]`` -> ``[num_tokens, hidden_size]``."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q_size, qk_size = self.q_size, self.q_size + self.kv_size
         # Queries and keys are adjacent in the fused projection: rotate them in one pass, in place.
-        qk = qkv[:, : q_size + kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, -1)
-        q, k = fused.rotary_(qk, *cos_sin).split([self.num_heads, self.num_kv_heads], dim=1)
-        v = qkv[:, q_size + kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        qk = qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, -1)
+        fused.rotary_(qk, *cos_sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = ctx.attend(self.layer_idx, q, k, v, self.scale)  # [T, H, d]
         return self.o_proj(out.reshape(num_tokens, q_size))
 

@@ -21,6 +21,12 @@ logger = logging.getLogger(__name__)
 # Row count oneDNN tunes the packed layout for; any row count works with it.
 BATCH_HINT = 16
 
+# Weights up to this size also keep their plain row-major copy for the native batch-1 GEMV
+# (``models.fused``, AVX512-BF16): oneDNN's per-call setup (~30 us on the 2-core test VM) costs
+# as much as reading such a weight, while larger ones are bandwidth-bound either way and are not
+# worth a second copy (SmolLM2-135M: every layer but the lm_head, +208 MB; a 1B model: none).
+GEMV_MAX_WEIGHT_BYTES = 8 << 20
+
 
 class PackedLinear(nn.Module):
     """``y = x W^T + b`` with ``W`` stored in oneDNN's blocked layout (inference only).
@@ -29,7 +35,9 @@ class PackedLinear(nn.Module):
         linear: the bf16 ``nn.Linear`` to pack (its weight is copied into the packed layout).
 
     ``forward``: ``x`` ``[..., in_features]`` bf16 -> ``[..., out_features]`` bf16, bit-identical
-    to ``linear(x)``.
+    to ``linear(x)``. A single row (decode at batch 1) of a small bias-free layer goes through the
+    native GEMV instead where the CPU has AVX512-BF16 (same fp32 accumulation and final rounding;
+    checked equal at packing time).
     """
 
     def __init__(self, linear: nn.Linear) -> None:
@@ -41,9 +49,30 @@ class PackedLinear(nn.Module):
         )
         bias = None if linear.bias is None else linear.bias.detach().clone()
         self.register_buffer("bias", bias)
+        # The overload itself: calling the packet re-resolves it on every call (121 per step).
+        self._linear = torch.ops.mkldnn._linear_pointwise.default
+        self._gemv, self._plain_weight = None, None
+        gemv = _gemv_op()
+        small = weight.numel() * weight.element_size() <= GEMV_MAX_WEIGHT_BYTES
+        if gemv is not None and small and bias is None:
+            # Not a buffer: a second copy of the same parameter, kept out of the state dict.
+            self._plain_weight = weight.contiguous()
+            self._gemv = gemv
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        if self._gemv is not None and x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous():
+            return self._gemv(x, self._plain_weight)
+        return self._linear(x, self.packed_weight, self.bias, "none", [], "")
+
+
+def _gemv_op():
+    """The native bf16 GEMV (``torch.ops.sparsekv_fused.gemv_bf16``) where this CPU runs it."""
+    from sparsekv.models.fused import build
+
+    ext = build.load_extension()
+    if ext is None or not hasattr(ext, "gemv_bf16") or not ext.has_gemv_bf16():
+        return None
+    return ext.gemv_bf16.default
 
 
 def can_prepack(dtype: torch.dtype, device: str, native_bf16: bool) -> bool:
@@ -85,7 +114,11 @@ def _packing_is_exact(linear: nn.Linear) -> bool:
     try:
         with torch.no_grad():
             x = torch.randn(3, linear.in_features, dtype=linear.weight.dtype)
-            same = torch.equal(PackedLinear(linear)(x), linear(x))
+            packed = PackedLinear(linear)
+            same = torch.equal(packed(x), linear(x))
+            same = same and all(
+                torch.equal(packed(x[i : i + 1]), linear(x[i : i + 1])) for i in range(3)
+            )
     except RuntimeError as exc:  # an oneDNN build without bf16 packing
         logger.warning("bf16 weight prepacking unavailable (%s); using nn.Linear", exc)
         return False

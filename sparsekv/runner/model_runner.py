@@ -15,6 +15,7 @@ from sparsekv.attention.metadata import RequestSlice, build_metadata
 from sparsekv.attention.paged import PagedAttention
 from sparsekv.engine.scheduler_output import SchedulerOutput
 from sparsekv.kv_cache.manager import KVCacheManager
+from sparsekv.models.fused import ops as fused
 from sparsekv.outputs import Logprob
 from sparsekv.sampling.sampler import Sampler, SamplingBatch
 
@@ -88,8 +89,9 @@ class ModelRunner:
         ctx = PagedAttention(storages, metadata, self.layer_specs, self.logit_softcap)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, pos, ctx)
-        ctx.finish()
+        with fused.native_scope():  # the fused ops' checks once per step, not per call
+            hidden = self.model(ids, pos, ctx)
+            ctx.finish()
         sampling = [(s, item) for s, item in zip(slices, out.scheduled) if item.samples]
         if not sampling:
             return result

@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 
 from sparsekv.attention import backend
-from sparsekv.attention.torch_ref import gather_kv, write_kv, write_leading_slots
+from sparsekv.attention.torch_ref import gather_kv, write_leading_slots
 from sparsekv.kv_cache.request_kv import LayerKV
 from sparsekv.kv_cache.spec import cdiv
+from sparsekv.models.fused import ops as fused
 
 
 class KVStorage:
@@ -76,11 +77,13 @@ class KVStorage:
             states: the requests' layer states (formats with a residual append there).
             key, value: ``[batch, num_kv_heads, head_dim]``.
         """
-        local = slot_mapping - self.page_offset * self.block_size
+        local = slot_mapping
+        if self.page_offset:
+            local = slot_mapping - self.page_offset * self.block_size
         self._scatter(local, key, value)
 
     def _scatter(self, local_slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        write_kv(self.tensors[0], local_slots, key, value)
+        fused.write_kv_(self.tensors[0], local_slots, key.to(self.dtype), value.to(self.dtype))
 
     def write_slots(
         self, state: LayerKV, table: list[int], start: int, key: torch.Tensor, value: torch.Tensor

@@ -29,7 +29,13 @@ from sparsekv.attention.cpu.build import native_disabled
 
 EXTENSION_NAME = "sparsekv_fused_ops"
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("binding.cpp", "isa_avx512.cpp", "isa_avx2.cpp", "isa_generic.cpp")
+SOURCES = (
+    "binding.cpp",
+    "isa_avx512.cpp",
+    "isa_avx2.cpp",
+    "isa_generic.cpp",
+    "gemv_avx512bf16.cpp",
+)
 # -ffp-contract=off: no fused multiply-adds, so products round where eager PyTorch's do.
 # -fopenmp: at::parallel_for is a header template over OpenMP in PyTorch's CPU builds; without
 # the flag its pragma is ignored and every call runs on one thread.

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from sparsekv.attention import torch_ref
 from sparsekv.models.fused import build, reference
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
@@ -26,9 +27,31 @@ def prepare_fused_ops() -> bool:
     return build.load_extension() is not None
 
 
+class native_scope:
+    """Within the ``with`` block, the fused ops use the extension resolved on entry instead of
+    checking the environment and the build on every call (a model's forward calls them a few
+    times per layer; those checks cost more than a decode-sized kernel). Reentrant."""
+
+    __slots__ = ("_saved",)
+
+    def __enter__(self) -> native_scope:
+        global _scope_active, _scope_ext
+        self._saved = (_scope_active, _scope_ext)
+        _scope_ext, _scope_active = build.load_extension(), True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _scope_active, _scope_ext
+        _scope_active, _scope_ext = self._saved
+
+
+_scope_active = False
+_scope_ext = None
+
+
 def _native(*tensors: torch.Tensor):
     """The operator namespace if the native kernels take ``tensors``, else ``None``."""
-    ext = build.load_extension()
+    ext = _scope_ext if _scope_active else build.load_extension()
     if ext is None:
         return None
     grad = torch.is_grad_enabled()
@@ -117,3 +140,24 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
         return x.copy_(reference.apply_rotary(x, cos, signed_sin))
     ext.rotary_(x, cos, signed_sin)
     return x
+
+
+def write_kv_(
+    kv_pool: torch.Tensor, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> None:
+    """``attention.torch_ref.write_kv`` in one native call where it applies (a contiguous CPU
+    pool, ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` of the pool's dtype with a
+    contiguous last dimension): the decode path's per-layer write without index tensors."""
+    ext = _scope_ext if _scope_active else build.load_extension()
+    if (
+        ext is None
+        or kv_pool.device.type != "cpu"
+        or key.dtype != kv_pool.dtype
+        or value.dtype != kv_pool.dtype
+        or key.stride(-1) != 1
+        or value.stride(-1) != 1
+        or not kv_pool.is_contiguous()
+    ):
+        torch_ref.write_kv(kv_pool, slot_mapping, key, value)
+        return
+    ext.write_kv_(kv_pool, slot_mapping, key, value)

@@ -9,6 +9,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -40,6 +41,15 @@ bool has_avx2() {
 }
 
 bool always() { return true; }
+
+bool has_avx512_bf16() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  return fk::kGemvAvx512Bf16Compiled && has_avx512() && __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
 
 struct Variant {
   const char* name;
@@ -242,6 +252,76 @@ void rotary_(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
            [&](int64_t begin, int64_t end) { table.rotary(args, begin, end); });
 }
 
+// pool [num_pages, 2, num_kv_heads, block_size, head_dim] (contiguous) <- key, value
+// [batch, num_kv_heads, head_dim] (same dtype, last dimension contiguous) at physical slots
+// ``slots`` [batch] int64 (page * block_size + offset): torch_ref.write_kv without its index
+// tensors (a decode step writes one slot per request and layer; the copies are raw bytes).
+void write_kv_(const at::Tensor& pool, const at::Tensor& slots, const at::Tensor& key,
+               const at::Tensor& value) {
+  TORCH_CHECK(pool.device().is_cpu() && pool.dim() == 5 && pool.size(1) == 2 &&
+                  pool.is_contiguous(),
+              "pool must be a contiguous CPU [num_pages, 2, num_kv_heads, block_size, head_dim]");
+  const int64_t pages = pool.size(0), heads = pool.size(2), block = pool.size(3),
+                dim = pool.size(4);
+  TORCH_CHECK(slots.device().is_cpu() && slots.scalar_type() == at::kLong && slots.dim() == 1,
+              "slots must be a CPU int64 vector");
+  const int64_t batch = slots.size(0);
+  for (const auto* t : {&key, &value}) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == pool.scalar_type(),
+                "key and value must be on CPU with the pool's dtype ", pool.scalar_type());
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == batch && t->size(1) == heads &&
+                    t->size(2) == dim && (t->stride(2) == 1 || dim <= 1),
+                "key and value must be [", batch, ", ", heads, ", ", dim,
+                "] with a contiguous last dimension, got ", t->sizes());
+  }
+  const at::Tensor index = slots.contiguous();
+  const int64_t* slot = index.const_data_ptr<int64_t>();
+  const int64_t item = pool.element_size(), row_bytes = dim * item;
+  char* base = static_cast<char*>(pool.data_ptr());
+  const char* sources[2] = {static_cast<const char*>(key.const_data_ptr()),
+                            static_cast<const char*>(value.const_data_ptr())};
+  const int64_t strides[2][2] = {{key.stride(0), key.stride(1)}, {value.stride(0), value.stride(1)}};
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t page = slot[b] / block, offset = slot[b] % block;
+    TORCH_CHECK(slot[b] >= 0 && page < pages, "slot ", slot[b], " outside the pool");
+    for (int kv = 0; kv < 2; ++kv) {
+      for (int64_t h = 0; h < heads; ++h) {
+        char* dst = base + (((page * 2 + kv) * heads + h) * block + offset) * row_bytes;
+        const char* src = sources[kv] + (b * strides[kv][0] + h * strides[kv][1]) * item;
+        std::memcpy(dst, src, row_bytes);
+      }
+    }
+  }
+}
+
+bool has_gemv() {
+  static const bool available = has_avx512_bf16();
+  return available;
+}
+
+// x [1, k] bf16 (contiguous) times weight [n, k]^T bf16 (contiguous) -> [1, n] bf16: a linear
+// layer without bias at batch 1, for weights small enough that oneDNN's per-call setup costs
+// as much as reading them. Rows are split across the intra-op threads.
+at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(has_gemv(), "gemv_bf16 needs a CPU with AVX512-BF16");
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu() &&
+                  x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
+              "x and weight must be bf16 CPU tensors");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "weight must be a contiguous [n, k]");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.size(1) == k && x.is_contiguous(),
+              "x must be a contiguous [1, ", k, "], got ", x.sizes());
+  at::Tensor out = at::empty({1, n}, x.options());
+  const fk::GemvArgs args{reinterpret_cast<const uint16_t*>(weight.const_data_ptr()),
+                          reinterpret_cast<const uint16_t*>(x.const_data_ptr()), k,
+                          reinterpret_cast<uint16_t*>(out.mutable_data_ptr())};
+  // ~64 KiB of weights per task: small layers stay on the calling thread.
+  const int64_t grain = std::max<int64_t>(4, (int64_t{1} << 15) / std::max<int64_t>(1, k));
+  at::parallel_for(0, n, grain,
+                   [&](int64_t begin, int64_t end) { fk::gemv_bf16_avx512(args, begin, end); });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(sparsekv_fused, m) {
@@ -254,5 +334,8 @@ TORCH_LIBRARY(sparsekv_fused, m) {
       &add_rms_norm);
   m.def("silu_mul(Tensor x, str isa=\"\") -> Tensor", &silu_mul);
   m.def("gelu_tanh_mul(Tensor x, str isa=\"\") -> Tensor", &gelu_tanh_mul);
+  m.def("has_gemv_bf16", &has_gemv);
+  m.def("gemv_bf16(Tensor x, Tensor weight) -> Tensor", &gemv_bf16);
+  m.def("write_kv_(Tensor(a!) pool, Tensor slots, Tensor key, Tensor value) -> ()", &write_kv_);
   m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor signed_sin, str isa=\"\") -> ()", &rotary_);
 }

@@ -63,6 +63,19 @@ struct FusedTable {
   void (*rotary)(const RotaryArgs&, int64_t begin, int64_t end);  // rows are tokens
 };
 
+// y [n] = W [n, k] x [k] in bf16 (raw 16-bit patterns), fp32 accumulation; rows [begin, end).
+struct GemvArgs {
+  const uint16_t* w;  // [n, k] contiguous
+  const uint16_t* x;  // [k]
+  int64_t k;
+  uint16_t* y;  // [n]
+};
+
+// gemv_avx512bf16.cpp: runs only where the CPU has AVX512-BF16 (and the compiler targets it:
+// kGemvAvx512Bf16Compiled).
+void gemv_bf16_avx512(const GemvArgs& args, int64_t begin, int64_t end);
+extern const bool kGemvAvx512Bf16Compiled;
+
 extern const FusedTable kTableAvx512;
 extern const FusedTable kTableAvx2;
 extern const FusedTable kTableGeneric;

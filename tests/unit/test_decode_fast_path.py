@@ -1,0 +1,104 @@
+"""The batch-1 decode fast path: native KV write, bf16 GEMV, packed linears at one row, the
+fused ops' per-step scope and the recent-query window, each against the code it replaces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparsekv.attention import paged
+from sparsekv.attention.torch_ref import write_kv
+from sparsekv.kv_cache.request_kv import LayerKV
+from sparsekv.models import prepack
+from sparsekv.models.fused import build, ops
+
+
+def _ext():
+    ext = build.load_extension()
+    if ext is None:
+        pytest.skip("fused ops disabled or not built")
+    return ext
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int8])
+def test_write_kv_native_equals_reference(dtype):
+    _ext()
+    torch.manual_seed(0)
+    pool = (torch.randn(6, 2, 3, 16, 8) * 20).to(dtype)
+    expected = pool.clone()
+    fused = (torch.randn(5, 9, 8) * 20).to(dtype)  # strided views, as split from a fused QKV
+    key, value = fused[:, 2:5], fused[:, 6:9]
+    slots = torch.tensor([0, 17, 95, 40, 63])
+    write_kv(expected, slots, key, value)
+    ops.write_kv_(pool, slots, key, value)
+    assert torch.equal(pool, expected)
+
+
+def test_write_kv_falls_back_for_other_dtypes():
+    pool = torch.zeros(2, 2, 1, 4, 8, dtype=torch.bfloat16)
+    expected = pool.clone()
+    key, value = torch.randn(1, 1, 8), torch.randn(1, 1, 8)  # fp32 into a bf16 pool
+    slots = torch.tensor([5])
+    write_kv(expected, slots, key, value)
+    ops.write_kv_(pool, slots, key, value)
+    assert torch.equal(pool, expected)
+
+
+@pytest.mark.parametrize("shape", [(7, 33), (64, 64), (576, 576), (832, 576), (576, 1536)])
+def test_gemv_equals_linear(shape):
+    ext = _ext()
+    if not ext.has_gemv_bf16():
+        pytest.skip("no AVX512-BF16")
+    torch.manual_seed(0)
+    weight = torch.randn(shape, dtype=torch.bfloat16)
+    x = torch.randn(1, shape[1], dtype=torch.bfloat16)
+    assert torch.equal(ext.gemv_bf16(x, weight), torch.nn.functional.linear(x, weight))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_rows_equal_linear(bias):
+    if not prepack.can_prepack(torch.bfloat16, "cpu", True):
+        pytest.skip("no oneDNN packing")
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(576, 832, bias=bias).bfloat16()
+    try:
+        packed = prepack.PackedLinear(linear)
+    except RuntimeError:
+        pytest.skip("oneDNN without bf16 packing")
+    x = torch.randn(4, 576, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(packed(x), linear(x))
+        assert torch.equal(packed(x[1:2]), linear(x[1:2]))
+
+
+def test_native_scope_resolves_once_and_restores(monkeypatch):
+    ext = _ext()
+    with ops.native_scope():
+        assert ops._scope_active and ops._scope_ext is ext
+        with ops.native_scope():
+            pass
+        assert ops._scope_active
+    assert not ops._scope_active and ops._scope_ext is None
+    monkeypatch.setenv("SPARSEKV_DISABLE_FUSED_OPS", "1")
+    with ops.native_scope():
+        assert ops._native(torch.zeros(1)) is None
+
+
+def _old_remember(recent, q, window):
+    new = q[-window:].transpose(0, 1)
+    if recent is not None and new.shape[1] < window:
+        new = torch.cat([recent, new], dim=1)[:, -window:]
+    return new.contiguous()
+
+
+@pytest.mark.parametrize("held,new", [(0, 1), (3, 1), (8, 1), (8, 3), (2, 20), (5, 8)])
+def test_remember_queries_window(held, new):
+    torch.manual_seed(0)
+    window = 8
+    state = LayerKV(budget=16)
+    recent = torch.randn(4, held, 2) if held else None
+    state.recent_queries = recent
+    q = torch.randn(new, 4, 2)
+    paged._remember_queries(state, q, window)
+    expected = _old_remember(recent, q, window)
+    assert torch.equal(state.recent_queries, expected) and state.recent_queries.is_contiguous()
