@@ -11,6 +11,10 @@ this CPU does not run it).
 and per-slot scales) in place; its oracle is ``cpu.reference.dequantize_pool`` followed by
 ``torch_ref.paged_decode_attention``. ``paged_decode_attention_int4`` does the same for KIVI int4
 pages (``kv_cache.storage.Int4Storage``), against ``cpu.reference.dequantize_int4_pool``.
+
+``prefill_attention`` is the causal attention of a prompt, or of a chunk after its earlier keys,
+on AMX tiles (bf16 only, ``avx512_amx`` CPUs; ``supports_prefill``), against
+``torch_ref.attention_with_lse``.
 """
 
 from __future__ import annotations
