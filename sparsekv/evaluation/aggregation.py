@@ -27,6 +27,8 @@ FWE_PROMPT = (
     "{context}\n\n"
     "Question: what are the 3 most frequent coded words in the text above?"
 )
+CWE_ANSWER_PREFIX = "Answer: the {num_common} most common words in the list above are:"
+FWE_ANSWER_PREFIX = "Answer: the 3 most frequent coded words in the text above are:"
 
 
 def common_word_counts(
@@ -81,7 +83,8 @@ def common_words(
         random.Random(f"{seed}:{num_items}").shuffle(items)
         context = "\n".join(f"{i + 1}. {w}" for i, w in enumerate(items))
         prompt = CWE_PROMPT.format(context=context, num_common=num_common)
-        return Draft(prompt, list(common), {"freq_common": f_common, "freq_uncommon": f_uncommon})
+        counts = {"freq_common": f_common, "freq_uncommon": f_uncommon}
+        return Draft(prompt, list(common), counts, CWE_ANSWER_PREFIX.format(num_common=num_common))
 
     min_items = num_common * (freq_uncommon + 1)
     return make_sample(
@@ -143,6 +146,7 @@ def frequent_words(tokenizer: Any, length: int, *, seed: int = 0, alpha: float =
         vocab = _coded_words(seed, len(counts))
         items = [w for w, c in zip(vocab, counts) for _ in range(c)]
         random.Random(f"{seed}:{num_words}").shuffle(items)
-        return Draft(FWE_PROMPT.format(context=" ".join(items)), vocab[:3], {"counts": counts})
+        prompt = FWE_PROMPT.format(context=" ".join(items))
+        return Draft(prompt, vocab[:3], {"counts": counts}, FWE_ANSWER_PREFIX)
 
     return make_sample("fwe", build, tokenizer, length, seed=seed, metric="all", min_units=16)

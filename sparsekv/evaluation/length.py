@@ -21,11 +21,15 @@ class Draft:
         prompt: the user message text.
         answers: the reference strings a perfect reader outputs.
         metadata: task details worth keeping (needle positions, keys, counts).
+        answer_prefix: the start of the answer, written into the prompt after the assistant
+            header (RULER's answer prefix: it asks for the answer without a preamble, and lets
+            base models without chat training answer at all).
     """
 
     prompt: str
     answers: list[str]
     metadata: dict[str, Any] = field(default_factory=dict)
+    answer_prefix: str = ""
 
     @property
     def messages(self) -> list[dict[str, str]]:
@@ -73,9 +77,18 @@ def prompt_token_ids(tokenizer: Any, messages: Sequence[Mapping[str, str]]) -> l
     return list(tokenizer.encode(text))
 
 
+def answer_prefix_ids(tokenizer: Any, answer_prefix: str) -> list[int]:
+    """Token ids of an answer prefix, encoded without special tokens (empty for ``""``)."""
+    if not answer_prefix:
+        return []
+    return list(tokenizer.encode(answer_prefix, add_special_tokens=False))
+
+
 def count_tokens(tokenizer: Any, draft: Draft) -> tuple[int, int]:
-    """``(prompt_tokens, answer_tokens)`` of a draft; the answer is encoded without specials."""
+    """``(prompt_tokens, answer_tokens)`` of a draft (the prompt counts its answer prefix); the
+    answer is encoded without specials."""
     num_prompt = len(prompt_token_ids(tokenizer, draft.messages))
+    num_prompt += len(answer_prefix_ids(tokenizer, draft.answer_prefix))
     num_answer = len(tokenizer.encode(draft.answer_text, add_special_tokens=False))
     return num_prompt, num_answer
 

@@ -49,6 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="max_tokens = answer tokens + this; room for the preamble models write first "
         "(\"The special magic numbers for X are: ...\" is ~20 tokens)",
     )  # fmt: skip
+    parser.add_argument(
+        "--prompt-format",
+        choices=runner.PROMPT_FORMATS,
+        default="chat",
+        help="chat: chat template + answer prefix; completion: plain text ending in the answer "
+        "prefix (base models, e.g. gemma3-270m)",
+    )
     parser.add_argument("--output-dir", default="reports/eval")
     parser.add_argument("--quick", action="store_true", help="a couple of minutes on SmolLM2")
     parser.add_argument("--fidelity", action="store_true", help="also run bench fidelity")
@@ -95,7 +102,7 @@ def main(argv: list[str] | None = None, *, checkpoint=None) -> int:
     cells = runner.build_cells(grid["methods"], grid["ratios"], config.compression)
     cases = runner.build_cases(
         checkpoint.tokenizer, grid["tasks"], grid["lengths"], grid["samples"], grid["depths"],
-        args.seed,
+        args.seed, args.prompt_format,
     )  # fmt: skip
     engine = common.build_engine(config, checkpoint)
     work = sum(

@@ -31,6 +31,8 @@ NIAH_PROMPT = (
     "{context}\n\n"
     "What are all the special magic numbers for {query} mentioned in the text above?"
 )
+PASSKEY_ANSWER_PREFIX = "I remember it. The pass key is"
+NIAH_ANSWER_PREFIX = "The special magic numbers for {query} mentioned in the text above are:"
 
 
 def passkey(
@@ -56,7 +58,8 @@ def passkey(
 
     def build(num_words: int) -> Draft:
         context = hay.text(num_words, [needle])
-        return Draft(PASSKEY_PROMPT.format(context=context), [key], {"haystack": hay.name})
+        prompt = PASSKEY_PROMPT.format(context=context)
+        return Draft(prompt, [key], {"haystack": hay.name}, PASSKEY_ANSWER_PREFIX)
 
     return make_sample(
         "passkey", build, tokenizer, length, seed=seed, metric="passkey", depth=depth
@@ -149,6 +152,8 @@ def niah(
     def build(num_words: int) -> Draft:
         context = hay.text(num_words, needles)
         prompt = NIAH_PROMPT.format(context=context, query=_join_keys(queries))
-        return Draft(prompt, answers, metadata)
+        return Draft(
+            prompt, answers, metadata, NIAH_ANSWER_PREFIX.format(query=_join_keys(queries))
+        )
 
     return make_sample(task, build, tokenizer, length, seed=seed, metric="all", depth=depth)

@@ -18,6 +18,7 @@ from typing import Any
 
 from sparsekv.config import CompressionConfig
 from sparsekv.engine.prompts import encode_prompt
+from sparsekv.evaluation.length import answer_prefix_ids
 from sparsekv.evaluation.sample import Sample
 from sparsekv.evaluation.scoring import score
 from sparsekv.evaluation.tasks import RETRIEVAL_TASKS, TASKS, generate
@@ -81,16 +82,23 @@ def build_cases(
     num_samples: int,
     depths: Sequence[float] | None = None,
     seed: int = 0,
+    prompt_format: str = "chat",
 ) -> list[Case]:
     """Generate every sample of the grid.
+
+    ``prompt_format`` ``chat`` renders each sample with the chat template and appends its answer
+    prefix after the assistant header; ``completion`` gives the user text, a blank line and the
+    answer prefix as plain text (base models such as Gemma 3 270M answer only this way).
 
     Retrieval tasks get ``depths`` x ``num_samples`` samples (a needle grid), or, without
     ``depths``, ``num_samples`` samples at :func:`default_depths`; other tasks get
     ``num_samples`` samples. Seeds differ per sample and depth, so keys and values differ.
 
     Raises:
-        ValueError: an unknown task, or a length too short for a task.
+        ValueError: an unknown task or prompt format, or a length too short for a task.
     """
+    if prompt_format not in PROMPT_FORMATS:
+        raise ValueError(f"prompt_format: {prompt_format!r} is not one of {PROMPT_FORMATS}")
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
         raise ValueError(f"tasks: unknown {unknown}; choose from {sorted(TASKS)}")
@@ -99,8 +107,22 @@ def build_cases(
         for length in lengths:
             for index, depth, case_seed in _sample_plan(task, num_samples, depths, seed):
                 sample = generate(task, tokenizer, length, depth=depth, seed=case_seed)
-                cases.append(Case(sample, index, encode_prompt(tokenizer, sample.messages)))
+                ids = sample_prompt_ids(tokenizer, sample, prompt_format)
+                cases.append(Case(sample, index, ids))
     return cases
+
+
+PROMPT_FORMATS = ("chat", "completion")
+
+
+def sample_prompt_ids(tokenizer: Any, sample: Sample, prompt_format: str = "chat") -> list[int]:
+    """Prompt token ids of ``sample``, ending with its answer prefix (see :func:`build_cases`)."""
+    if prompt_format == "completion":
+        text = sample.prompt_text + ("\n\n" + sample.answer_prefix if sample.answer_prefix else "")
+        return encode_prompt(tokenizer, text)
+    return encode_prompt(tokenizer, sample.messages) + answer_prefix_ids(
+        tokenizer, sample.answer_prefix
+    )
 
 
 def _sample_plan(task: str, num_samples: int, depths: Sequence[float] | None, seed: int):

@@ -22,6 +22,8 @@ class Sample:
         metric: scoring rule name in :data:`sparsekv.evaluation.scoring.METRICS`.
         metadata: ``target_length``, ``num_prompt_tokens``, ``num_answer_tokens``, ``seed``,
             ``num_units`` (builder size), ``haystack`` and task-specific details.
+        answer_prefix: the start of the answer the prompt ends with (RULER), e.g.
+            ``"The pass key is"``; counted in ``length``.
     """
 
     task: str
@@ -31,6 +33,7 @@ class Sample:
     depth: float | None
     metric: str
     metadata: dict[str, Any] = field(default_factory=dict)
+    answer_prefix: str = ""
 
     @property
     def prompt_text(self) -> str:
@@ -73,6 +76,7 @@ def make_sample(
         depth=depth,
         metric=metric,
         metadata=metadata,
+        answer_prefix=fit.draft.answer_prefix,
     )
 
 

@@ -20,6 +20,10 @@ VT_PROMPT = (
     "{context}\n\n"
     "Question: find all variables that are assigned the value {value} in the text above."
 )
+VT_ANSWER_PREFIX = (
+    "Answer: according to the chain of variable assignments in the text above, the variables "
+    "assigned the value {value} are:"
+)
 
 
 def _draw_names(rng: random.Random, count: int) -> list[str]:
@@ -83,6 +87,7 @@ def variable_tracking(
 
     def build(num_words: int) -> Draft:
         prompt = VT_PROMPT.format(context=hay.text(num_words, needles), value=values[0])
-        return Draft(prompt, list(chains[0]), metadata)
+        prefix = VT_ANSWER_PREFIX.format(value=values[0])
+        return Draft(prompt, list(chains[0]), metadata, prefix)
 
     return make_sample("vt", build, tokenizer, length, seed=seed, metric="all")

@@ -9,8 +9,9 @@ import pytest
 
 from sparsekv.evaluation.fidelity import long_texts
 from sparsekv.evaluation.haystack import NOISE_SENTENCES
-from sparsekv.evaluation.length import prompt_token_ids
+from sparsekv.evaluation.length import answer_prefix_ids, prompt_token_ids
 from sparsekv.evaluation.retrieval import NEEDLE_SENTENCE, PASSKEY_SENTENCE
+from sparsekv.evaluation.runner import build_cases, sample_prompt_ids
 from sparsekv.evaluation.scoring import score
 from sparsekv.evaluation.tasks import RETRIEVAL_TASKS, TASKS, generate
 
@@ -34,7 +35,9 @@ def context_of(sample) -> str:
 def test_length_hits_target_with_chat_template(tokenizer, task, target):
     sample = generate(task, tokenizer, target, seed=3)
     ids = prompt_token_ids(tokenizer, sample.messages)
+    ids += answer_prefix_ids(tokenizer, sample.answer_prefix)
     answer = tokenizer.encode(", ".join(sample.answers), add_special_tokens=False)
+    assert sample.answer_prefix, "every task ends its prompt with an answer prefix (RULER)"
     assert len(ids) == sample.metadata["num_prompt_tokens"]
     assert len(ids) + len(answer) == sample.length
     assert abs(sample.length - target) <= TOLERANCE
@@ -167,3 +170,19 @@ def test_long_texts_are_real_and_cut(tokenizer):
     for _, text in texts:
         assert abs(len(tokenizer.encode(text, add_special_tokens=False)) - 600) <= 2
     assert long_texts(tokenizer, min_tokens=600, count=4) == texts
+
+
+@pytest.mark.parametrize("prompt_format", ["chat", "completion"])
+def test_prompts_end_with_the_answer_prefix(tokenizer, prompt_format):
+    """Both prompt formats end with the task's answer prefix; chat puts it after the assistant
+    header, completion after the question as plain text."""
+    sample = generate("passkey", tokenizer, 500, depth=0.5, seed=1)
+    ids = sample_prompt_ids(tokenizer, sample, prompt_format)
+    prefix = answer_prefix_ids(tokenizer, sample.answer_prefix)
+    assert prefix and ids[-len(prefix) :] == prefix
+    text = tokenizer.decode(ids)
+    assert text.rstrip().endswith("I remember it. The pass key is")
+    has_header = "<|im_start|>assistant" in text
+    assert has_header == (prompt_format == "chat")
+    with pytest.raises(ValueError, match="prompt_format"):
+        build_cases(tokenizer, ["passkey"], [500], 1, prompt_format="raw")

@@ -258,10 +258,19 @@ def test_prefill_attention_equals_reference(dtype, num_queries):
     query = torch.randn(9, num_queries, 64).to(dtype)
     key, value = torch.randn(3, 300, 64).to(dtype), torch.randn(3, 300, 64).to(dtype)
     out, lse = backend.prefill_attention(query, key, value, 0.125)
-    ref_out, ref_lse = torch_ref.attention_with_lse(query, key, value, 0.125)
+    # The fp32 oracle on the same values: bf16 runs on the native AMX kernel where the CPU has
+    # one (lse ~3e-6 from exact), else on PyTorch's bf16 flash kernel (lse up to ~7e-5 off).
+    ref_out, ref_lse = torch_ref.attention_with_lse(
+        query.float(), key.float(), value.float(), 0.125
+    )
+    ref_out = ref_out.to(dtype)
     assert out.dtype == dtype and lse.dtype == torch.float32
-    torch.testing.assert_close(out, ref_out, atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=0)
-    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=0)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=0)
+        torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=0)
+    else:  # CONTRACTS.md §4 for the output
+        torch.testing.assert_close(out, ref_out, atol=1e-2, rtol=1.6e-2)
+        torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=0)
 
 
 def test_kernel_variants_match_cpu_flags(isas):
