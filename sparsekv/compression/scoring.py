@@ -15,7 +15,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from sparsekv.attention import backend
 from sparsekv.attention.cpu import ops as native
 from sparsekv.attention.torch_ref import causal_mask
 
@@ -127,7 +126,9 @@ def _native_window_scores(
     if window_lse is None:
         window_lse = _window_lse(keys, window_queries, scale)
     table = torch.arange(num_blocks, dtype=torch.int64)
-    return backend.window_scores_paged(window_queries, window_lse.float(), pool, table, n, scale)
+    # Support was checked by _native_window_ready: the kernel directly, not the dispatching
+    # backend (which would check it again).
+    return native.window_scores_paged(window_queries, window_lse.float(), pool, table, n, scale)
 
 
 def _window_lse(keys: torch.Tensor, window_queries: torch.Tensor, scale: float) -> torch.Tensor:

@@ -163,6 +163,43 @@ def _empty_decode(
     return query.clone(), lse, mass if return_attn_mass else None
 
 
+def _run_decode(
+    op_name: str,
+    query: torch.Tensor,
+    pages: tuple[torch.Tensor, ...],
+    num_kv_heads: int,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    first_slots: torch.Tensor | None,
+    sliding_window: int | None,
+    logit_softcap: float | None,
+    return_attn_mass: bool,
+    isa: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    # The plumbing every paged-decode format shares: the empty batch, the default first slots,
+    # the scalar arguments in the kernel's types and the optional mass; ``pages`` are the
+    # format's page tensors as its operator takes them.
+    ext = _extension()
+    if query.shape[0] == 0:
+        return _empty_decode(query, num_kv_heads, return_attn_mass)
+    if first_slots is None:
+        first_slots = torch.zeros_like(seq_lens)
+    out, lse, mass = getattr(ext, op_name)(
+        query,
+        *pages,
+        block_tables,
+        seq_lens,
+        first_slots,
+        float(scale),
+        int(sliding_window or 0),
+        float(logit_softcap or 0.0),
+        bool(return_attn_mass),
+        isa,
+    )
+    return out, lse, (mass if return_attn_mass else None)
+
+
 def paged_decode_attention(
     query: torch.Tensor,
     kv_pool: torch.Tensor,
@@ -197,26 +234,20 @@ def paged_decode_attention(
     Raises:
         RuntimeError: the extension is unavailable or rejects the arguments.
     """
-    ext = _extension()
-    batch = query.shape[0]
-    num_kv_heads = kv_pool.shape[2]
-    if batch == 0:
-        return _empty_decode(query, num_kv_heads, return_attn_mass)
-    if first_slots is None:
-        first_slots = torch.zeros_like(seq_lens)
-    out, lse, mass = ext.paged_decode(
+    return _run_decode(
+        "paged_decode",
         query,
-        kv_pool,
+        (kv_pool,),
+        kv_pool.shape[2],
         block_tables,
         seq_lens,
+        scale,
         first_slots,
-        float(scale),
-        int(sliding_window or 0),
-        float(logit_softcap or 0.0),
-        bool(return_attn_mass),
+        sliding_window,
+        logit_softcap,
+        return_attn_mass,
         isa or pick_isa(query.shape[-1]) or "generic",
     )
-    return out, lse, (mass if return_attn_mass else None)
 
 
 def paged_decode_attention_quantized(
@@ -264,27 +295,20 @@ def paged_decode_attention_quantized(
         RuntimeError: the extension is unavailable or rejects the arguments (dtypes, a scales
             shape other than ``kv_data.shape[:4]``, a non-contiguous pool, ...).
     """
-    ext = _extension()
-    batch = query.shape[0]
-    num_kv_heads = kv_data.shape[2]
-    if batch == 0:
-        return _empty_decode(query, num_kv_heads, return_attn_mass)
-    if first_slots is None:
-        first_slots = torch.zeros_like(seq_lens)
-    out, lse, mass = ext.paged_decode_quantized(
+    return _run_decode(
+        "paged_decode_quantized",
         query,
-        kv_data,
-        kv_scales,
+        (kv_data, kv_scales),
+        kv_data.shape[2],
         block_tables,
         seq_lens,
+        scale,
         first_slots,
-        float(scale),
-        int(sliding_window or 0),
-        float(logit_softcap or 0.0),
-        bool(return_attn_mass),
+        sliding_window,
+        logit_softcap,
+        return_attn_mass,
         isa or pick_isa(query.shape[-1], quantized=True) or "generic",
     )
-    return out, lse, (mass if return_attn_mass else None)
 
 
 def paged_decode_attention_int4(
@@ -340,30 +364,20 @@ def paged_decode_attention_int4(
         RuntimeError: the extension is unavailable or rejects the arguments (dtypes, shapes of
             the scales and zeros other than the codes imply, a non-contiguous tensor, ...).
     """
-    ext = _extension()
-    batch = query.shape[0]
-    num_kv_heads = codes.shape[2]
-    if batch == 0:
-        return _empty_decode(query, num_kv_heads, return_attn_mass)
-    if first_slots is None:
-        first_slots = torch.zeros_like(seq_lens)
-    out, lse, mass = ext.paged_decode_int4(
+    return _run_decode(
+        "paged_decode_int4",
         query,
-        codes,
-        key_scale,
-        key_zero,
-        value_scale,
-        value_zero,
+        (codes, key_scale, key_zero, value_scale, value_zero),
+        codes.shape[2],
         block_tables,
         seq_lens,
+        scale,
         first_slots,
-        float(scale),
-        int(sliding_window or 0),
-        float(logit_softcap or 0.0),
-        bool(return_attn_mass),
+        sliding_window,
+        logit_softcap,
+        return_attn_mass,
         isa or pick_isa(query.shape[-1]) or "generic",
     )
-    return out, lse, (mass if return_attn_mass else None)
 
 
 def window_scores_paged(
@@ -469,5 +483,4 @@ def prefill_attention(
         RuntimeError: the extension or its AMX kernel is unavailable, or it rejects the
             arguments (see :func:`supports_prefill`).
     """
-    out, lse = _extension().prefill_attention(query, key, value, float(scale))
-    return out, lse
+    return _extension().prefill_attention(query, key, value, float(scale))

@@ -49,9 +49,15 @@ _scope_active = False
 _scope_ext = None
 
 
+def _extension():
+    """The operator namespace (the one resolved by an enclosing :class:`native_scope`), or
+    ``None`` when the extension is disabled or unavailable."""
+    return _scope_ext if _scope_active else build.load_extension()
+
+
 def _native(*tensors: torch.Tensor):
     """The operator namespace if the native kernels take ``tensors``, else ``None``."""
-    ext = _scope_ext if _scope_active else build.load_extension()
+    ext = _extension()
     if ext is None:
         return None
     grad = torch.is_grad_enabled()
@@ -148,7 +154,7 @@ def write_kv_(
     """``attention.torch_ref.write_kv`` in one native call where it applies (a contiguous CPU
     pool, ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` of the pool's dtype with a
     contiguous last dimension): the decode path's per-layer write without index tensors."""
-    ext = _scope_ext if _scope_active else build.load_extension()
+    ext = _extension()
     if (
         ext is None
         or kv_pool.device.type != "cpu"
