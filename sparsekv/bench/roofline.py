@@ -117,7 +117,9 @@ def time_workload(engine, batch: int, context: int, steps: int, vocab: int, avoi
         and ``slots`` (K/V slots held before each timed step).
     """
     prompts = common.random_prompts(batch, context, vocab, seed=batch, avoid=avoid)
-    params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+    # Requests prefilled early decode while later ones prefill: room for every prefill step, so
+    # that all ``batch`` requests are still running in the timed steps (aborted afterwards).
+    params = SamplingParams(max_tokens=steps + batch + 16, temperature=0.0, ignore_eos=True)
     ids = [f"roofline-{batch}-{i}" for i in range(batch)]
     for request_id, prompt in zip(ids, prompts):
         engine.add_request(request_id, prompt, params, None)
@@ -139,8 +141,11 @@ def time_workload(engine, batch: int, context: int, steps: int, vocab: int, avoi
             break
         slots.append(held_slots(engine, ids))
         decode_s.append(step())
-    while engine.has_unfinished_requests():
-        step()
+    running = sum(1 for request_id in ids if engine.kv.has(request_id))
+    for request_id in ids:
+        engine.abort_request(request_id)
+    if running < batch:
+        raise RuntimeError(f"only {running} of {batch} requests held KV in the timed steps")
     return {"prefill_s": prefill_s, "decode_s": decode_s, "slots": slots}
 
 

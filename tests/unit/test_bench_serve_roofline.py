@@ -49,3 +49,19 @@ def test_roofline_rows_and_bounds(tmp_path, smollm2_tokenizer, monkeypatch):
             batch * (2 * model["body_params"] * 40 + 2 * 3 * 4 * 16 * 40 * 41
                      + 2 * model["head_params"]) / 1e11
         )  # fmt: skip
+
+
+def test_roofline_keeps_the_whole_batch_running(tmp_path, smollm2_tokenizer, monkeypatch):
+    """Prefill over several steps (requests prefilled first decode meanwhile): every request
+    still runs, and holds its prompt's slots, in every timed step."""
+    monkeypatch.setattr(kernels, "measure_machine", lambda repeats: MACHINE)
+    checkpoint, _ = tiny_checkpoint(tiny_llama_config(), smollm2_tokenizer, seed=5)
+    out = tmp_path / "roofline.json"
+    argv = ["--batch", "4", "--context", "40", "--steps", "3", "--kv-compression", "none"]
+    argv += ["--dtype", "float32", "--threads", "1", "--kv-cache-memory", "0.05"]
+    argv += ["--max-num-batched-tokens", "40", "--output", str(out)]
+    assert roofline.main(argv, checkpoint=checkpoint) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    slots = row["decode_kv_mb"] * 1e6 / (2 * 2 * 16 * 4)
+    # 4 prefill steps: the first request has decoded 3 tokens more than the last one.
+    assert 3 * 4 * 41 <= slots <= 3 * (4 * 43 + 3 + 2 + 1)
