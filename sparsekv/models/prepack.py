@@ -21,11 +21,20 @@ logger = logging.getLogger(__name__)
 # Row count oneDNN tunes the packed layout for; any row count works with it.
 BATCH_HINT = 16
 
-# Weights up to this size also keep their plain row-major copy for the native batch-1 GEMV
-# (``models.fused``, AVX512-BF16): oneDNN's per-call setup (~30 us on the 2-core test VM) costs
-# as much as reading such a weight, while larger ones are bandwidth-bound either way and are not
-# worth a second copy (SmolLM2-135M: every layer but the lm_head, +208 MB; a 1B model: none).
+# Weights up to this size also keep their plain row-major copy for the native kernels of few
+# rows (``models.fused``: the batch-1 GEMV, AVX512-BF16, and the small-M GEMM, AMX): oneDNN's
+# per-call setup (~30 us on the 2-core test VM) costs as much as reading such a weight, while
+# larger ones gain 5-10% and are not worth a second copy (SmolLM2-135M: every layer but the
+# lm_head, +208 MB; a 1B model: none). A weight shared with an embedding (a tied lm_head) needs
+# no copy, and uses the native kernels at any size.
 GEMV_MAX_WEIGHT_BYTES = 8 << 20
+
+# Row counts from 2 up to this go through the native small-M GEMM (AMX) instead of oneDNN. It
+# reads the plain weight once for up to 32 rows, with no per-call setup: on the 2-core test VM
+# (one thread, SmolLM2 shapes) 1.1-2.7x faster than the packed oneDNN linear at 2-16 rows and
+# 1.05-1.6x at 32 (``python -m sparsekv.models.fused.bench --gemm``); above 32 rows it would
+# read each weight tile twice while oneDNN's blocking starts to pay.
+SMALL_GEMM_MAX_ROWS = 32
 
 
 class PackedLinear(nn.Module):
@@ -33,14 +42,20 @@ class PackedLinear(nn.Module):
 
     Args:
         linear: the bf16 ``nn.Linear`` to pack (its weight is copied into the packed layout).
+        shared_weight: ``linear.weight`` is also held elsewhere (a tied lm_head): keeping it for
+            the native kernels costs no memory, whatever its size.
+        native: allow the native kernels (False: oneDNN for every row count).
 
     ``forward``: ``x`` ``[..., in_features]`` bf16 -> ``[..., out_features]`` bf16, bit-identical
-    to ``linear(x)``. A single row (decode at batch 1) of a small bias-free layer goes through the
-    native GEMV instead where the CPU has AVX512-BF16 (same fp32 accumulation and final rounding;
-    checked equal at packing time).
+    to ``linear(x)`` through oneDNN. A bias-free layer whose plain weight is kept (see
+    ``GEMV_MAX_WEIGHT_BYTES``) runs decode-sized inputs ``[rows, in_features]`` natively
+    instead: one row through the GEMV where the CPU has AVX512-BF16, 2 to
+    ``SMALL_GEMM_MAX_ROWS`` rows through the small-M GEMM where it has AMX. Both accumulate
+    exact bf16 products in fp32 and round once, as oneDNN does (equal to it on the test VM;
+    checked within bf16 tolerance at packing time).
     """
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, shared_weight: bool = False, native: bool = True) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
@@ -51,28 +66,40 @@ class PackedLinear(nn.Module):
         self.register_buffer("bias", bias)
         # The overload itself: calling the packet re-resolves it on every call (121 per step).
         self._linear = torch.ops.mkldnn._linear_pointwise.default
-        self._gemv, self._plain_weight = None, None
-        gemv = _gemv_op()
+        self._gemv, self._small_gemm, self._plain_weight = None, None, None
+        gemv, small_gemm = _native_ops() if native else (None, None)
         small = weight.numel() * weight.element_size() <= GEMV_MAX_WEIGHT_BYTES
-        if gemv is not None and small and bias is None:
+        keep_plain = (small or shared_weight) and weight.is_contiguous()
+        if (gemv is not None or small_gemm is not None) and keep_plain and bias is None:
             # Not a buffer: a second copy of the same parameter, kept out of the state dict.
-            self._plain_weight = weight.contiguous()
-            self._gemv = gemv
+            self._plain_weight = weight
+            self._gemv, self._small_gemm = gemv, small_gemm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._gemv is not None and x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous():
-            return self._gemv(x, self._plain_weight)
+        if self._plain_weight is not None and x.dim() == 2:
+            rows = x.shape[0]
+            if rows == 1 and self._gemv is not None and x.is_contiguous():
+                return self._gemv(x, self._plain_weight)
+            if 1 <= rows <= SMALL_GEMM_MAX_ROWS and self._small_gemm is not None:
+                return self._small_gemm(x, self._plain_weight)
+        return self.onednn(x)
+
+    def onednn(self, x: torch.Tensor) -> torch.Tensor:
+        """``linear(x)`` through oneDNN's packed weight, for any row count."""
         return self._linear(x, self.packed_weight, self.bias, "none", [], "")
 
 
-def _gemv_op():
-    """The native bf16 GEMV (``torch.ops.sparsekv_fused.gemv_bf16``) where this CPU runs it."""
+def _native_ops():
+    """(GEMV, small-M GEMM): the native bf16 kernels (``torch.ops.sparsekv_fused.gemv_bf16``,
+    ``gemm_bf16_small``), each ``None`` where this CPU (or the build) does not run it."""
     from sparsekv.models.fused import build
 
     ext = build.load_extension()
-    if ext is None or not hasattr(ext, "gemv_bf16") or not ext.has_gemv_bf16():
-        return None
-    return ext.gemv_bf16.default
+    if ext is None:
+        return None, None
+    gemv = ext.gemv_bf16.default if ext.has_gemv_bf16() else None
+    small_gemm = ext.gemm_bf16_small.default if ext.has_gemm_bf16_small() else None
+    return gemv, small_gemm
 
 
 def can_prepack(dtype: torch.dtype, device: str, native_bf16: bool) -> bool:
@@ -90,8 +117,10 @@ def can_prepack(dtype: torch.dtype, device: str, native_bf16: bool) -> bool:
 def prepack_linears(model: nn.Module) -> int:
     """Replace every bf16 ``nn.Linear`` of ``model`` by a ``PackedLinear``, in place.
 
-    A tied ``lm_head`` gets its own packed copy (the embedding keeps the plain weight). If the
-    first packed layer does not reproduce ``nn.Linear`` exactly, nothing is replaced.
+    A tied ``lm_head`` gets its own packed copy (the embedding keeps the plain weight, which the
+    native kernels then read). If the first packed layer does not reproduce ``nn.Linear``
+    exactly through oneDNN, nothing is replaced; if the native kernels are off by more than bf16
+    rounding on it, only oneDNN is used.
 
     Returns:
         The number of layers packed (0 when packing is unavailable or failed its check).
@@ -102,26 +131,47 @@ def prepack_linears(model: nn.Module) -> int:
         for name, child in parent.named_children()
         if isinstance(child, nn.Linear) and child.weight.dtype == torch.bfloat16
     ]
-    if not targets or not _packing_is_exact(targets[0][2]):
+    if not targets:
         return 0
+    exact, native = _check_packing(targets[0][2])
+    if not exact:
+        return 0
+    embedded = {
+        module.weight.data_ptr() for module in model.modules() if isinstance(module, nn.Embedding)
+    }
     with torch.no_grad():
         for parent, name, child in targets:
-            setattr(parent, name, PackedLinear(child))
+            shared = child.weight.data_ptr() in embedded
+            setattr(parent, name, PackedLinear(child, shared_weight=shared, native=native))
     return len(targets)
 
 
-def _packing_is_exact(linear: nn.Linear) -> bool:
+# Row counts the packing check runs: the GEMV, the small-M GEMM at one and at two x tiles.
+_CHECK_ROWS = (1, 2, 3, 17)
+
+
+def _check_packing(linear: nn.Linear) -> tuple[bool, bool]:
+    """(oneDNN's packed linear equals ``linear`` exactly, the native kernels are within bf16
+    rounding of an fp32 reference) on random inputs of a few row counts."""
     try:
         with torch.no_grad():
-            x = torch.randn(3, linear.in_features, dtype=linear.weight.dtype)
+            x = torch.randn(max(_CHECK_ROWS), linear.in_features, dtype=linear.weight.dtype)
             packed = PackedLinear(linear)
-            same = torch.equal(packed(x), linear(x))
-            same = same and all(
-                torch.equal(packed(x[i : i + 1]), linear(x[i : i + 1])) for i in range(3)
+            exact = all(
+                torch.equal(packed.onednn(x[:rows]), linear(x[:rows])) for rows in _CHECK_ROWS
+            )
+            reference = nn.functional.linear(x.float(), linear.weight.float())
+            if linear.bias is not None:
+                reference += linear.bias.float()
+            native = all(
+                torch.allclose(packed(x[:rows]).float(), reference[:rows], rtol=1.6e-2, atol=1e-2)
+                for rows in _CHECK_ROWS
             )
     except RuntimeError as exc:  # an oneDNN build without bf16 packing
         logger.warning("bf16 weight prepacking unavailable (%s); using nn.Linear", exc)
-        return False
-    if not same:
+        return False, False
+    if not exact:
         logger.warning("bf16 weight prepacking changed results; using nn.Linear")
-    return same
+    elif not native:
+        logger.warning("native bf16 linear kernels off by more than rounding; using oneDNN")
+    return exact, native

@@ -35,6 +35,7 @@ SOURCES = (
     "isa_avx2.cpp",
     "isa_generic.cpp",
     "gemv_avx512bf16.cpp",
+    "gemm_amx_bf16.cpp",
 )
 # -ffp-contract=off: no fused multiply-adds, so products round where eager PyTorch's do.
 # -fopenmp: at::parallel_for is a header template over OpenMP in PyTorch's CPU builds; without

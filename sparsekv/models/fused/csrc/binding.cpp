@@ -17,6 +17,12 @@
 
 #include "fused.h"
 
+#if defined(__x86_64__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace fk = sparsekv_fused;
 
 namespace {
@@ -322,6 +328,58 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& weight) {
   return out;
 }
 
+// AMX-BF16 in the CPU (CPUID.(7,0):EDX bits 22 and 24) and the tile state granted to this
+// process by Linux (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA; oneDNN asks too,
+// asking again is harmless). Without the grant the first tile instruction kills the process.
+bool has_small_gemm() {
+  static const bool available = [] {
+#if defined(__x86_64__) && defined(SYS_arch_prctl)
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!fk::kGemmAmxCompiled || !has_avx512() || !__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx))
+      return false;
+    if (!(edx & (1u << 22)) || !(edx & (1u << 24))) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+#else
+    return false;
+#endif
+  }();
+  return available;
+}
+
+// x [m, k] bf16 (last dimension contiguous, any row stride) times weight [n, k]^T bf16
+// (contiguous) -> [m, n] bf16: a bias-free linear layer at a few rows (decode batches), reading
+// each weight row once for all of them. Groups of 64 output features are split across the
+// intra-op threads; x is rearranged once on the calling thread.
+at::Tensor gemm_bf16_small(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(has_small_gemm(), "gemm_bf16_small needs a CPU with AMX-BF16");
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu() &&
+                  x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
+              "x and weight must be bf16 CPU tensors");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "weight must be a contiguous [n, k]");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "x must be [m, ", k, "], got ", x.sizes());
+  const at::Tensor input = x.stride(1) == 1 || k <= 1 ? x : x.contiguous();
+  const int64_t m = input.size(0);
+  at::Tensor out = at::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return out;
+  if (k == 0) return out.zero_();
+  const int64_t chunks = (k + 31) / 32, m_blocks = (m + 15) / 16;
+  at::Tensor packed = at::empty({m_blocks * chunks * 16 * 32}, x.options());
+  auto* xv = reinterpret_cast<uint16_t*>(packed.mutable_data_ptr());
+  fk::pack_x_vnni(reinterpret_cast<const uint16_t*>(input.const_data_ptr()), m, k,
+                  input.stride(0), xv);
+  const fk::SmallGemmArgs args{reinterpret_cast<const uint16_t*>(weight.const_data_ptr()), xv,
+                               m, n, k, reinterpret_cast<uint16_t*>(out.mutable_data_ptr()), n};
+  const int64_t groups = (n + fk::kSmallGemmGroup - 1) / fk::kSmallGemmGroup;
+  // ~64 KiB of weights per task, as the GEMV: small layers stay on the calling thread.
+  const int64_t grain =
+      std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, fk::kSmallGemmGroup * k));
+  at::parallel_for(0, groups, grain,
+                   [&](int64_t begin, int64_t end) { fk::gemm_bf16_amx(args, begin, end); });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(sparsekv_fused, m) {
@@ -336,6 +394,8 @@ TORCH_LIBRARY(sparsekv_fused, m) {
   m.def("gelu_tanh_mul(Tensor x, str isa=\"\") -> Tensor", &gelu_tanh_mul);
   m.def("has_gemv_bf16", &has_gemv);
   m.def("gemv_bf16(Tensor x, Tensor weight) -> Tensor", &gemv_bf16);
+  m.def("has_gemm_bf16_small", &has_small_gemm);
+  m.def("gemm_bf16_small(Tensor x, Tensor weight) -> Tensor", &gemm_bf16_small);
   m.def("write_kv_(Tensor(a!) pool, Tensor slots, Tensor key, Tensor value) -> ()", &write_kv_);
   m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor signed_sin, str isa=\"\") -> ()", &rotary_);
 }

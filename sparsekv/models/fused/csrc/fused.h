@@ -76,6 +76,24 @@ struct GemvArgs {
 void gemv_bf16_avx512(const GemvArgs& args, int64_t begin, int64_t end);
 extern const bool kGemvAvx512Bf16Compiled;
 
+// y [m, n] = x [m, k] W [n, k]^T in bf16 for a few rows of x (gemm_amx_bf16.cpp), fp32
+// accumulation; x arrives rearranged by pack_x_vnni.
+struct SmallGemmArgs {
+  const uint16_t* w;   // [n, k] contiguous
+  const uint16_t* xv;  // x in pack_x_vnni's layout
+  int64_t m, n, k;
+  uint16_t* y;  // [m, n], row stride y_stride
+  int64_t y_stride;
+};
+
+// Runs only where the CPU has AMX-BF16 and the OS granted this process the tile state (and the
+// compiler targets it: kGemmAmxCompiled). gemm_bf16_amx handles output-feature groups
+// [begin, end) of kSmallGemmGroup rows, configuring the tiles of the calling thread.
+constexpr int64_t kSmallGemmGroup = 64;
+void pack_x_vnni(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, uint16_t* xv);
+void gemm_bf16_amx(const SmallGemmArgs& args, int64_t begin, int64_t end);
+extern const bool kGemmAmxCompiled;
+
 extern const FusedTable kTableAvx512;
 extern const FusedTable kTableAvx2;
 extern const FusedTable kTableGeneric;
