@@ -4,6 +4,12 @@
 prints, per op and row count, the median milliseconds of the eager code (``reference``) and of
 the native kernel, at SmolLM2-135M's sizes (hidden 576, intermediate 1536, 9 + 3 heads of 64)
 and Gemma 3 270M's GeGLU (intermediate 2048).
+
+``python -m sparsekv.models.fused.bench --gemm [--threads N]`` instead times SmolLM2-135M's
+linear layers at decode row counts: oneDNN's packed linear (what ``PackedLinear`` runs above
+``SMALL_GEMM_MAX_ROWS`` rows) against the native small-M GEMM and, at one row, the GEMV; best of
+repeated calls in microseconds (the weights stay in cache between calls: a model's decode step
+reads them from memory).
 """
 
 from __future__ import annotations
@@ -69,12 +75,50 @@ def cases(rows: int, dtype: torch.dtype, ext) -> dict[str, tuple]:
     }
 
 
+# SmolLM2-135M's linear layers (out, in): fused QKV, o_proj, gate_up, down, lm_head; and one
+# K / V projection of an unfused model.
+GEMM_SHAPES = ((960, 576), (576, 576), (192, 576), (3072, 576), (576, 1536), (49152, 576))
+GEMM_ROWS = (1, 2, 4, 8, 16, 32, 48)
+
+
+def best_us(fn, *args, reps: int = 50) -> float:
+    """Fastest of ``reps`` calls of ``fn(*args)`` in microseconds (after two warm-up calls)."""
+    fn(*args)
+    fn(*args)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn(*args)
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e6
+
+
+def gemm_table(ext) -> None:
+    """Print a Markdown table: shape, rows, oneDNN us, small-M GEMM us, GEMV us, speed-up."""
+    onednn = torch.ops.mkldnn._linear_pointwise.default
+    print("| out x in | rows | oneDNN us | small-M GEMM us | GEMV us | best native speed-up |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for n, k in GEMM_SHAPES:
+        weight = torch.randn(n, k).to(torch.bfloat16)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 16)
+        for rows in GEMM_ROWS:
+            x = torch.randn(rows, k).to(torch.bfloat16)
+            base = best_us(onednn, x, packed, None, "none", [], "")
+            gemm = best_us(ext.gemm_bf16_small, x, weight)
+            gemv = best_us(ext.gemv_bf16, x, weight) if rows == 1 else float("nan")
+            best = min(gemm, gemv) if rows == 1 else gemm
+            print(
+                f"| {n}x{k} | {rows} | {base:.0f} | {gemm:.0f} | {gemv:.0f} | {base / best:.2f}x |"
+            )
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Print a Markdown table: op, eager ms, fused ms, speed-up."""
+    """Print a Markdown table: op, eager ms, fused ms, speed-up (or ``gemm_table``)."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--rows", type=int, nargs="+", default=[4000, 8], help="token rows")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--gemm", action="store_true", help="time the linear layers instead")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -83,6 +127,13 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("fused ops unavailable (disabled or the build failed)")
     dtype = getattr(torch, args.dtype)
     load = os.getloadavg()[0]
+    if args.gemm:
+        if not ext.has_gemm_bf16_small() or not ext.has_gemv_bf16():
+            raise SystemExit("the native bf16 GEMM / GEMV need AMX-BF16 and AVX512-BF16")
+        print(f"bf16, {torch.get_num_threads()} threads, load average {load:.2f}\n")
+        with torch.inference_mode():
+            gemm_table(ext)
+        return
     print(f"{args.dtype}, {torch.get_num_threads()} threads, load average {load:.2f}\n")
     print("| op | eager ms | fused ms | speed-up |\n|---|---:|---:|---:|")
     with torch.inference_mode():

@@ -10,6 +10,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -206,7 +208,27 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& hidden, const 
 
 using GluKernel = void (*)(const fk::GluArgs&, int64_t, int64_t);
 
-at::Tensor run_glu(const at::Tensor& x, GluKernel kernel) {
+// The bf16 activation table of `kernel` (GluArgs::lut) for the AVX-512 variant, built on first
+// use by the kernel itself on every bf16 bit pattern (times up = 1, exact), so a lookup returns
+// what the evaluation would; nullptr for the other variants (they do not use it).
+const uint16_t* activation_lut(const fk::FusedTable& table, GluKernel kernel) {
+  if (table.width != 16) return nullptr;
+  static std::mutex mutex;
+  static std::map<GluKernel, std::vector<uint16_t>> tables;
+  std::lock_guard<std::mutex> lock(mutex);
+  std::vector<uint16_t>& lut = tables[kernel];
+  if (lut.empty()) {
+    constexpr int64_t kCodes = 1 << 16;
+    std::vector<uint16_t> input(2 * kCodes, 0x3f80);  // gate: every pattern; up: 1.0
+    for (int64_t i = 0; i < kCodes; ++i) input[i] = static_cast<uint16_t>(i);
+    lut.assign(kCodes + 1, 0);
+    const fk::GluArgs args{input.data(), kCodes, 2 * kCodes, true, lut.data(), nullptr};
+    kernel(args, 0, 1);
+  }
+  return lut.data();
+}
+
+at::Tensor run_glu(const at::Tensor& x, const fk::FusedTable& table, GluKernel kernel) {
   check_input(x, "x");
   TORCH_CHECK(x.size(-1) % 2 == 0, "x's last dimension must be even (gate and up halves), got ",
               x.size(-1));
@@ -220,18 +242,21 @@ at::Tensor run_glu(const at::Tensor& x, GluKernel kernel) {
   std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
   sizes.back() = n;
   at::Tensor out = at::empty(sizes, x.options());
-  const fk::GluArgs args{input.const_data_ptr(), n, layout.stride_outer,
-                         x.scalar_type() == at::kBFloat16, out.mutable_data_ptr()};
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const fk::GluArgs args{input.const_data_ptr(), n, layout.stride_outer, bf16,
+                         out.mutable_data_ptr(), bf16 ? activation_lut(table, kernel) : nullptr};
   for_rows(rows, 2 * n, [&](int64_t begin, int64_t end) { kernel(args, begin, end); });
   return out;
 }
 
 at::Tensor silu_mul(const at::Tensor& x, c10::string_view isa) {
-  return run_glu(x, table_for(isa).silu_mul);
+  const auto& table = table_for(isa);
+  return run_glu(x, table, table.silu_mul);
 }
 
 at::Tensor gelu_tanh_mul(const at::Tensor& x, c10::string_view isa) {
-  return run_glu(x, table_for(isa).gelu_tanh_mul);
+  const auto& table = table_for(isa);
+  return run_glu(x, table, table.gelu_tanh_mul);
 }
 
 void rotary_(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,

@@ -41,9 +41,15 @@ static inline vf load(const float* p) {
   return v;
 }
 static inline vf load(const uint16_t* p) {  // bf16 bit patterns -> fp32 (exact)
+#if FK_W == 16
+  // One widening load (vpmovzxwd); GCC splits the generic form into two halves.
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
+  return (vf)_mm512_slli_epi32(wide, 16);
+#else
   vh h;
   __builtin_memcpy(&h, p, sizeof(h));
   return (vf)(__builtin_convertvector(h, vu) << 16);
+#endif
 }
 // Round to nearest even bf16 as torch does (NaN -> 0x7fc0); the result in the upper 16 bits.
 static inline vu bf16_bits(vf v) {
@@ -53,8 +59,24 @@ static inline vu bf16_bits(vf v) {
 }
 static inline void store(float* p, vf v) { __builtin_memcpy(p, &v, sizeof(v)); }
 static inline void store(uint16_t* p, vf v) {
+#if FK_W == 16
+  // One narrowing store (vpmovdw) instead of GCC's word permute of the generic form.
+  _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16((__m512i)(bf16_bits(v) >> 16)));
+#else
   const vh h = __builtin_convertvector(bf16_bits(v) >> 16, vh);
   __builtin_memcpy(p, &h, sizeof(h));
+#endif
+}
+// Stores v, whose values are already of the element type (round_to's results): for bf16 the
+// upper halves as they are, without store's second rounding.
+static inline void store_exact(float* p, vf v) { store(p, v); }
+static inline void store_exact(uint16_t* p, vf v) {
+#if FK_W == 16
+  _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16((__m512i)((vu)v >> 16)));
+#else
+  const vh h = __builtin_convertvector((vu)v >> 16, vh);
+  __builtin_memcpy(p, &h, sizeof(h));
+#endif
 }
 // v rounded to the element type T (the value an eager op in dtype T would hold).
 static inline vf round_to(const float*, vf v) { return v; }
@@ -73,6 +95,13 @@ static inline void store_n(T* p, vf v, int64_t count) {
   if (count == W) return store(p, v);
   T buf[W];
   store(buf, v);
+  __builtin_memcpy(p, buf, count * sizeof(T));
+}
+template <typename T>
+static inline void store_exact_n(T* p, vf v, int64_t count) {
+  if (count == W) return store_exact(p, v);
+  T buf[W];
+  store_exact(buf, v);
   __builtin_memcpy(p, buf, count * sizeof(T));
 }
 
@@ -138,7 +167,8 @@ static inline vf vtanh(vf y) {
   return (vf)((vu)t | ((vu)y & 0x80000000u));
 }
 
-// PyTorch's SiLU: x / (1 + e^-x) in fp32.
+// PyTorch's SiLU: x / (1 + e^-x) in fp32. (A reciprocal-and-correction form without vdivps
+// measured slower: the kernel is bound by its instruction count, not the divider.)
 static inline vf silu(vf x) { return x / (splat(1.0f) + vexp(-x)); }
 
 // PyTorch's tanh GELU, operation for operation:
@@ -157,7 +187,7 @@ static inline vf norm_input(const T* x, const T* delta, T* sum, int64_t i, int64
   const vf s = load_n(x + i, count);
   if (delta == nullptr) return s;
   const vf rounded = round_to(sum, s + load_n(delta + i, count));
-  store_n(sum + i, rounded, count);
+  store_exact_n(sum + i, rounded, count);
   return rounded;
 }
 
@@ -236,15 +266,49 @@ static void rotary_rows(const RotaryArgs& a, int64_t begin, int64_t end) {
   }
 }
 
+#if FK_W == 16
+// glu_rows for bf16 with the activation from a.lut (see GluArgs): a 32-bit gather of
+// lut[gate bits] replaces exp and the rounding of the activation. The table (128 KiB) stays in
+// L2, and the values of a real activation tensor hit few of its lines.
+static inline vf lut_act(const uint16_t* lut, const uint16_t* gate) {
+  const __m512i index = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)gate));
+  const __m512i bits = _mm512_i32gather_epi32(index, (const void*)lut, 2);  // low half: entry
+  return (vf)_mm512_slli_epi32(bits, 16);
+}
+
+static void glu_rows_lut(const GluArgs& a, int64_t begin, int64_t end) {
+  const int64_t n = a.n;
+  for (int64_t r = begin; r < end; ++r) {
+    const uint16_t* gate = static_cast<const uint16_t*>(a.x) + r * a.x_stride;
+    const uint16_t* up = gate + n;
+    uint16_t* out = static_cast<uint16_t*>(a.out) + r * n;
+    int64_t i = 0;
+    for (; i + W <= n; i += W) store(out + i, lut_act(a.lut, gate + i) * load(up + i));
+    if (i < n) {
+      uint16_t tail[W] = {};  // gate 0 -> act(0), multiplied by up's zero padding
+      __builtin_memcpy(tail, gate + i, (n - i) * sizeof(uint16_t));
+      store_n(out + i, lut_act(a.lut, tail) * load_n(up + i, n - i), n - i);
+    }
+  }
+}
+#endif
+
+template <typename T, vf (*Act)(vf)>
+static void glu(const GluArgs& a, int64_t begin, int64_t end) {
+#if FK_W == 16
+  if (sizeof(T) == 2 && a.lut != nullptr) return glu_rows_lut(a, begin, end);
+#endif
+  glu_rows<T, Act>(a, begin, end);
+}
+
 static void rms_norm(const NormArgs& a, int64_t begin, int64_t end) {
   a.bf16 ? norm_rows<uint16_t>(a, begin, end) : norm_rows<float>(a, begin, end);
 }
 static void silu_mul(const GluArgs& a, int64_t begin, int64_t end) {
-  a.bf16 ? glu_rows<uint16_t, silu>(a, begin, end) : glu_rows<float, silu>(a, begin, end);
+  a.bf16 ? glu<uint16_t, silu>(a, begin, end) : glu<float, silu>(a, begin, end);
 }
 static void gelu_tanh_mul(const GluArgs& a, int64_t begin, int64_t end) {
-  a.bf16 ? glu_rows<uint16_t, gelu_tanh>(a, begin, end)
-         : glu_rows<float, gelu_tanh>(a, begin, end);
+  a.bf16 ? glu<uint16_t, gelu_tanh>(a, begin, end) : glu<float, gelu_tanh>(a, begin, end);
 }
 static void rotary(const RotaryArgs& a, int64_t begin, int64_t end) {
   a.bf16 ? rotary_rows<uint16_t>(a, begin, end) : rotary_rows<float>(a, begin, end);
