@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from sparsekv.attention import backend
+from sparsekv.attention import backend, compaction
 from sparsekv.attention.metadata import AttentionMetadata, RequestSlice
 from sparsekv.compression.base import LayerView
 from sparsekv.compression.scoring import prefill_attention_mass
@@ -188,7 +188,9 @@ class PagedAttention:
                 key = (step.num_held, step.compress_to, scale, id(self.storages[layer]))
                 groups.setdefault(key, []).append(layer)
             for (_, _, scale, _), layers in groups.items():
-                if request.compressor.stackable:
+                if compaction.applies(request, layers, self.storages):
+                    compaction.compact_from_pages(request, layers, self.storages, scale)
+                elif request.compressor.stackable:
                     self._compact_decode_stacked(request, layers, scale)
                 else:
                     for layer in layers:

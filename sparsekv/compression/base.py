@@ -76,6 +76,10 @@ class Compressor(abc.ABC):
     # ``select`` treats KV heads independently (no shared random stream), so the layers of a
     # request can be scored as one view whose heads are the layers' heads stacked.
     stackable: ClassVar[bool] = True
+    # ``score`` depends on the view only through the summed window attention
+    # (``scoring.window_attention_scores``): such methods implement ``score_window`` and can
+    # be scored straight from the pages (``attention.compaction``).
+    window_scored: ClassVar[bool] = False
 
     window: int = 32
     pooling: str = "max"
@@ -120,15 +124,33 @@ class Compressor(abc.ABC):
             ``[num_kv_heads, k]`` int64 slot indices, ascending per row, ``k = min(budget, n)``.
         """
         num_kv_heads, n = view.num_kv_heads, view.num_tokens
-        device = view.keys.device
         if n <= budget:
-            return torch.arange(n, device=device).expand(num_kv_heads, n).clone()
-        num_recent = min(self.num_recent(budget, window), budget)
-        num_older = n - num_recent
+            return torch.arange(n, device=view.keys.device).expand(num_kv_heads, n).clone()
         scores = self.score(view).float()
         assert scores.shape == (num_kv_heads, n), (scores.shape, num_kv_heads, n)
+        return self.keep_top(scores, budget, window)
+
+    def score_window(self, summed: torch.Tensor, num_kv_heads: int, num_window: int):
+        """``score`` of a ``window_scored`` method from the summed window attention.
+
+        Args:
+            summed: ``[num_heads, n]`` fp32 ``scoring.window_attention_scores`` of the view.
+            num_kv_heads: KV heads of the view.
+            num_window: window rows ``w`` the sums ran over.
+
+        Returns:
+            ``[num_kv_heads, n]`` fp32, as ``score``.
+        """
+        raise NotImplementedError(f"{self.name} is not scored from window attention alone")
+
+    def keep_top(self, scores: torch.Tensor, budget: int, window: int) -> torch.Tensor:
+        """``select``'s rule on given scores ``[num_kv_heads, n]`` with ``n > budget``:
+        ``[num_kv_heads, budget]`` int64 kept slots, ascending per row."""
+        num_kv_heads, n = scores.shape
+        num_recent = min(self.num_recent(budget, window), budget)
+        num_older = n - num_recent
         chosen = top_indices_prefer_recent(scores[:, :num_older], budget - num_recent)
-        recent = torch.arange(num_older, n, device=device).expand(num_kv_heads, num_recent)
+        recent = torch.arange(num_older, n, device=scores.device).expand(num_kv_heads, num_recent)
         kept = torch.cat([chosen, recent], dim=1)
         return kept.sort(dim=1).values
 

@@ -21,16 +21,20 @@ class SnapKVCompressor(Compressor):
     """SnapKV scores (kvpress order: window mean -> pooling per query head -> group mean/max)."""
 
     name = "snapkv"
+    window_scored = True
 
     def score(self, view: LayerView) -> torch.Tensor:
         """``[num_kv_heads, n]`` fp32; the last ``w`` (window) slots score ``+inf``."""
-        n, w = view.num_tokens, view.num_window
-        num_prefix = n - w
-        # [num_heads, n] summed weights; only the prefix columns are ranked.
         summed = window_attention_scores(
             view.keys, view.window_queries, view.window_lse, view.scale
         )
-        per_head = pool_scores(summed[:, :num_prefix] / w, self.pooling, self.kernel_size)
-        prefix = aggregate_gqa(per_head, view.num_kv_heads, self.gqa_agg)
-        window = prefix.new_full((view.num_kv_heads, w), float("inf"))
+        return self.score_window(summed, view.num_kv_heads, view.num_window)
+
+    def score_window(self, summed: torch.Tensor, num_kv_heads: int, num_window: int):
+        """Scores from ``[num_heads, n]`` summed window weights: ``[num_kv_heads, n]`` fp32."""
+        num_prefix = summed.shape[1] - num_window
+        # Only the prefix columns are ranked.
+        per_head = pool_scores(summed[:, :num_prefix] / num_window, self.pooling, self.kernel_size)
+        prefix = aggregate_gqa(per_head, num_kv_heads, self.gqa_agg)
+        window = prefix.new_full((num_kv_heads, num_window), float("inf"))
         return torch.cat([prefix, window], dim=1)
