@@ -49,8 +49,9 @@ class PackedLinear(nn.Module):
     ``forward``: ``x`` ``[..., in_features]`` bf16 -> ``[..., out_features]`` bf16, bit-identical
     to ``linear(x)`` through oneDNN. A bias-free layer whose plain weight is kept (see
     ``GEMV_MAX_WEIGHT_BYTES``) runs decode-sized inputs ``[rows, in_features]`` natively
-    instead: one row through the GEMV where the CPU has AVX512-BF16, 2 to
-    ``SMALL_GEMM_MAX_ROWS`` rows through the small-M GEMM where it has AMX. Both accumulate
+    instead: one row through the GEMV where the CPU has AVX512-BF16 (weights up to
+    ``GEMV_MAX_WEIGHT_BYTES``), up to ``SMALL_GEMM_MAX_ROWS`` rows through the small-M GEMM
+    where it has AMX. Both accumulate
     exact bf16 products in fp32 and round once, as oneDNN does (equal to it on the test VM;
     checked within bf16 tolerance at packing time).
     """
@@ -73,7 +74,11 @@ class PackedLinear(nn.Module):
         if (gemv is not None or small_gemm is not None) and keep_plain and bias is None:
             # Not a buffer: a second copy of the same parameter, kept out of the state dict.
             self._plain_weight = weight
-            self._gemv, self._small_gemm = gemv, small_gemm
+            # The GEMV only up to the size it was tuned and checked for: on a larger (tied)
+            # weight one row goes through the small-M GEMM, which matched oneDNN bit for bit on
+            # the test VM where the GEMV's order of sums did not (49152 x 576).
+            self._gemv = gemv if small else None
+            self._small_gemm = small_gemm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._plain_weight is not None and x.dim() == 2:

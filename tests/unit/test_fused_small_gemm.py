@@ -146,9 +146,11 @@ def test_tied_lm_head_reads_the_embedding(tied):
     head = model.lm_head
     if tied:  # the native kernels read the embedding table itself: no copy
         assert head._plain_weight.data_ptr() == model.embed_tokens.weight.data_ptr()
+        assert head._gemv is None  # one row: the small-M GEMM
         x = torch.randn(4, 576, dtype=torch.bfloat16)
         with torch.inference_mode():
             assert_bf16_linear(head(x), x, model.embed_tokens.weight.detach())
+            assert_bf16_linear(head(x[:1]), x[:1], model.embed_tokens.weight.detach())
     else:  # an untied large weight is not kept twice
         assert head._plain_weight is None
     assert model.proj._plain_weight is not None
