@@ -132,8 +132,10 @@ class PagedAttention:
             batch.need_mass,
         )
         if batch.budgeted or batch.need_mass:
+            rows = queries.unbind(0)
             for i, (request, state) in enumerate(zip(batch.slices, states)):
-                _remember_queries(state, queries[i : i + 1], request.window)
+                if state.budget is not None:
+                    state.remember_query(rows[i], request.window)
                 if request.needs_attention_mass and state.budget is not None:
                     held = request.layers[layer].num_held + 1
                     _accumulate(state, mass[i, :, :held])
@@ -163,7 +165,8 @@ class PagedAttention:
         out, lse = backend.prefill_attention(
             queries, keys, values, scale, sliding_window=window, logit_softcap=self.logit_softcap
         )
-        _remember_queries(state, q, request.window)
+        if state.budget is not None:
+            state.remember_queries(q, request.window)
         if request.needs_attention_mass and state.budget is not None:
             _accumulate(state, prefill_attention_mass(keys, queries, lse, scale))
         if step.compress_to is None or step.keep_uncompressed:
@@ -279,18 +282,6 @@ class PagedAttention:
         self.storages[layer].write_leading(state, table, keys[heads, kept], values[heads, kept])
         if state.accumulated is not None:
             state.accumulated = state.accumulated.gather(1, kept)
-
-
-def _remember_queries(state: LayerKV, q: torch.Tensor, window: int) -> None:
-    """Keep the last ``window`` queries ``[H, <=window, d]`` of a budgeted layer."""
-    if state.budget is None:
-        return
-    new = q[-window:].transpose(0, 1)
-    recent = state.recent_queries
-    if recent is not None and new.shape[1] < window:
-        # Only the kept tail of the old window is copied (one op; the result is contiguous).
-        new = torch.cat([recent[:, new.shape[1] - window :], new], dim=1)
-    state.recent_queries = new.contiguous()
 
 
 def _accumulate(state: LayerKV, mass: torch.Tensor) -> None:

@@ -23,7 +23,8 @@ class LayerKV:
         num_evicted: tokens removed by compression so far.
         budget: slots kept after compression, or ``None`` for a layer that is never compressed.
         recent_queries: ``[num_heads, <= window, head_dim]`` queries of the latest tokens
-            (post-RoPE), used to re-score at decode time; ``None`` for uncompressed layers.
+            (post-RoPE), used to re-score at decode time; ``None`` for uncompressed layers
+            (a property over ``remember_queries`` / ``remember_query``).
         accumulated: ``[num_kv_heads, num_held]`` fp32 attention mass per slot (H2O).
         compact_table: fresh pages allocated for a compaction in flight (copy-on-write); they
             replace ``block_table`` when the step commits.
@@ -37,14 +38,53 @@ class LayerKV:
     first_slot: int = 0
     num_evicted: int = 0
     budget: int | None = None
-    recent_queries: torch.Tensor | None = None
     accumulated: torch.Tensor | None = None
     compact_table: list[int] | None = None
     residual: tuple[torch.Tensor, torch.Tensor] | None = None
+    # The window: consolidated rows [num_heads, <= window, head_dim], then decode rows
+    # [num_heads, head_dim] appended since (views of the step's queries; stacked on read).
+    _queries: torch.Tensor | None = field(default=None, repr=False)
+    _pending: list[torch.Tensor] = field(default_factory=list, repr=False)
+    _window: int = field(default=0, repr=False)
 
     @property
     def num_held(self) -> int:
         return self.num_slots - self.first_slot
+
+    @property
+    def recent_queries(self) -> torch.Tensor | None:
+        if self._pending:
+            self._consolidate()
+        return self._queries
+
+    @recent_queries.setter
+    def recent_queries(self, value: torch.Tensor | None) -> None:
+        self._queries, self._pending = value, []
+
+    def remember_queries(self, q: torch.Tensor, window: int) -> None:
+        """Keep the last ``window`` of these queries ``[m, num_heads, head_dim]`` (after the
+        ones kept before)."""
+        if self._pending:
+            self._consolidate()
+        new = q[-window:].transpose(0, 1)
+        recent = self._queries
+        if recent is not None and new.shape[1] < window:
+            # Only the kept tail of the old window is copied (one op; the result is contiguous).
+            new = torch.cat([recent[:, new.shape[1] - window :], new], dim=1)
+        self._queries = new.contiguous()
+
+    def remember_query(self, row: torch.Tensor, window: int) -> None:
+        """Append one decode query ``[num_heads, head_dim]`` to the window: a list append per
+        (request, layer, step); the rows are stacked when read or every ``window`` rows."""
+        self._pending.append(row)
+        self._window = window
+        if len(self._pending) >= window:
+            self._consolidate()
+
+    def _consolidate(self) -> None:
+        rows, window = self._pending, self._window
+        self._pending = []
+        self.remember_queries(torch.stack(rows), window)
 
 
 @dataclass

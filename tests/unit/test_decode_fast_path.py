@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparsekv.attention import paged
 from sparsekv.attention.torch_ref import write_kv
 from sparsekv.kv_cache.request_kv import LayerKV
 from sparsekv.models import prepack
@@ -99,6 +98,27 @@ def test_remember_queries_window(held, new):
     recent = torch.randn(4, held, 2) if held else None
     state.recent_queries = recent
     q = torch.randn(new, 4, 2)
-    paged._remember_queries(state, q, window)
+    state.remember_queries(q, window)
     expected = _old_remember(recent, q, window)
     assert torch.equal(state.recent_queries, expected) and state.recent_queries.is_contiguous()
+
+
+@pytest.mark.parametrize("held,steps", [(0, 1), (0, 5), (8, 3), (3, 8), (8, 20), (2, 17)])
+def test_remember_query_rows_equal_one_shot(held, steps):
+    """Decode rows appended one at a time (stacked when read or every ``window`` rows) give
+    the window ``remember_queries`` gives, read at any point."""
+    torch.manual_seed(1)
+    window = 8
+    state, expected = LayerKV(budget=16), LayerKV(budget=16)
+    recent = torch.randn(4, held, 2) if held else None
+    state.recent_queries = expected.recent_queries = recent
+    for step in range(steps):
+        q = torch.randn(1, 4, 2)
+        state.remember_query(q[0], window)
+        expected.remember_queries(q, window)
+        if step % 3 == 2:  # reads in between
+            assert torch.equal(state.recent_queries, expected.recent_queries)
+    assert torch.equal(state.recent_queries, expected.recent_queries)
+    assert state.recent_queries.is_contiguous() and state.recent_queries.shape[1] <= window
+    state.recent_queries = None
+    assert state.recent_queries is None
