@@ -33,7 +33,7 @@ def assert_bf16_linear(actual: torch.Tensor, x: torch.Tensor, weight: torch.Tens
     assert bool((error <= bound).all()), (error - bound).max().item()
 
 
-ROWS = [1, 2, 3, 5, 8, 15, 16, 17, 31, 32, 33]
+ROWS = [1, 2, 3, 5, 8, 15, 16, 17, 31, 32, 33, 48, 100]
 
 
 @pytest.mark.parametrize(
