@@ -47,6 +47,9 @@ def test_greedy_ties_go_to_the_lowest_id():
     logits[:, [7, 3, 40]] = 5.0
     greedy = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, logprobs=0)]
     assert sample(logits, greedy).token_ids.tolist() == [3, 3]
+    # A batch of plain greedy rows takes the argmax-only path: the same tie rule.
+    plain = [SamplingParams(temperature=0.0)] * 2
+    assert sample(logits, plain).token_ids.tolist() == [3, 3]
 
 
 def test_small_temperature_converges_to_greedy():
