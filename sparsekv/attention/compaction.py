@@ -6,22 +6,22 @@ the layer's keys and values out of the pages, scores the gathered copy and write
 back. For SnapKV-family methods (``Compressor.window_scored``: the score is a function of the
 summed window attention alone) over plain full-precision pages this module skips the copies:
 
-1. each window row's log-sum-exp over the slots it sees comes from the AMX prefill kernel
-   (``ops.prefill_attention``: the window rows are the last ``w`` of ``n`` causal positions),
-   over the layer's keys alone (the output is discarded);
-2. the summed window attention is read from the pages by the paged window-score kernel;
-3. the layers' scores are stacked and ranked with one ``keep_top``;
-4. the kept slots move page to page (one ``index_select`` and one ``index_copy_`` per layer).
+1. the fused AMX window kernel (``ops.window_scores_fused_paged``) reads every layer's keys
+   from the pages and returns the summed window attention, computing each window row's
+   log-sum-exp over the slots it sees on the way (one exponential per visible logit);
+2. the layers' scores are stacked and ranked with one ``keep_top``;
+3. the kept slots move page to page (one ``index_select`` and one page-wise ``index_copy_``
+   for all layers).
 
-The result equals the general route's up to the log-sum-exp's rounding (its scores come from
-the same kernel; ``tests/unit/test_compaction.py``).
+The result equals the general route's up to float rounding of the scores
+(``tests/unit/test_compaction.py``: identical kept slots on the tested shapes).
 """
 
 from __future__ import annotations
 
 import torch
 
-from sparsekv.attention.cpu import ops as native
+from sparsekv.attention.cpu import window_fused
 from sparsekv.attention.metadata import RequestSlice
 from sparsekv.kv_cache.spec import cdiv
 from sparsekv.kv_cache.storage import KVStorage
@@ -30,7 +30,7 @@ from sparsekv.kv_cache.storage import KVStorage
 def applies(request: RequestSlice, layers: list[int], storages: list[KVStorage]) -> bool:
     """True when ``compact_from_pages`` takes these layers of ``request``: a window-scored
     compressor, no H2O accumulator, one plain (``auto``) bf16 page storage for all of them and
-    the native kernels."""
+    the fused AMX window kernel."""
     compressor = request.compressor
     if compressor is None or not compressor.window_scored:
         return False
@@ -42,9 +42,7 @@ def applies(request: RequestSlice, layers: list[int], storages: list[KVStorage])
         return False
     if storage.kv_cache_dtype != "auto" or storage.dtype != torch.bfloat16:
         return False
-    queries, pool = first.recent_queries, storage.tensors[0]
-    probe = pool.new_empty(storage.num_kv_heads, 1, pool.shape[-1])
-    return native.supports(queries, pool) and native.supports_prefill(queries[:, :1], probe)
+    return window_fused.supports_window_fused(first.recent_queries, storage.tensors[0])
 
 
 def compact_from_pages(
@@ -65,48 +63,24 @@ def compact_from_pages(
     tables = storage.local([page for step in steps for page in step.block_table[:num_blocks]])
     tables = tables.view(len(layers), num_blocks)
     queries = torch.cat([request.kv.layers[layer].recent_queries for layer in layers])
-    keys = _stacked_keys(pool, tables, num_slots)
-    _, lse = native.prefill_attention(queries, keys, keys, scale)
-    num_kv_heads = storage.num_kv_heads
-    group = queries.shape[0] // keys.shape[0]
-    summed = torch.cat(
-        [
-            native.window_scores_paged(
-                queries[i * num_kv_heads * group : (i + 1) * num_kv_heads * group],
-                lse[i * num_kv_heads * group : (i + 1) * num_kv_heads * group],
-                pool,
-                tables[i],
-                num_slots,
-                scale,
-            )
-            for i in range(len(layers))
-        ]
+    summed, _ = window_fused.window_scores_fused_paged(
+        queries, pool, tables, num_slots, None, scale
     )
+    num_kv_heads = storage.num_kv_heads
     compressor = request.compressor
-    scores = compressor.score_window(summed, keys.shape[0], queries.shape[1])
+    scores = compressor.score_window(summed, num_kv_heads * len(layers), queries.shape[1])
     kept = compressor.keep_top(scores, steps[0].compress_to, request.window)
+    num_kept_blocks = cdiv(kept.shape[1], storage.block_size)
     targets = [
         step.compact_table if step.compact_table is not None else step.block_table for step in steps
     ]
-    num_target_blocks = cdiv(kept.shape[1], storage.block_size)
-    target = storage.local([page for table in targets for page in table[:num_target_blocks]])
+    target = storage.local([page for table in targets for page in table[:num_kept_blocks]])
     move_slots(
         pool,
         tables,
-        target.view(len(layers), num_target_blocks),
+        target.view(len(layers), num_kept_blocks),
         kept.view(len(layers), num_kv_heads, -1),
     )
-
-
-def _stacked_keys(pool: torch.Tensor, tables: torch.Tensor, num_slots: int) -> torch.Tensor:
-    """``[layers * num_kv_heads, num_slots, head_dim]`` keys of the pages ``tables``
-    ``[layers, num_blocks]`` (a copy)."""
-    num_layers, num_blocks = tables.shape
-    _, _, num_kv_heads, block_size, head_dim = pool.shape
-    pages = pool[:, 0].index_select(0, tables.flatten())  # [L * blocks, KVH, block, d]
-    pages = pages.view(num_layers, num_blocks, num_kv_heads, block_size, head_dim)
-    keys = pages.transpose(1, 2).reshape(num_layers * num_kv_heads, -1, head_dim)
-    return keys[:, :num_slots]
 
 
 def move_slots(

@@ -30,6 +30,7 @@ EXTENSION_NAME = "sparsekv_cpu_kernels"
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
 SOURCES = (  # headers: tracked by ninja, and part of the build folder's digest
     "binding.cpp",
+    "window_fused_binding.cpp",
     "isa_select.cpp",
     "isa_avx512_amx.cpp",
     "isa_avx512.cpp",
@@ -86,8 +87,10 @@ def compile_extension(verbose: bool = False) -> ModuleType:
     cpp_extension.load(
         name=EXTENSION_NAME,
         sources=[str(CSRC_DIR / name) for name in SOURCES],
-        extra_cflags=EXTRA_CFLAGS,
-        extra_ldflags=EXTRA_LDFLAGS,
+        # Copies: cpp_extension appends to the lists it is given while it builds, which would
+        # change source_digest (and so build_directory) for the rest of the process.
+        extra_cflags=list(EXTRA_CFLAGS),
+        extra_ldflags=list(EXTRA_LDFLAGS),
         extra_include_paths=[str(CSRC_DIR)],
         build_directory=str(directory),
         verbose=verbose,

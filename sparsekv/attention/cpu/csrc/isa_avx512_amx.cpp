@@ -1,5 +1,6 @@
-// AVX-512 + AMX-BF16 kernels (16 fp32 lanes): bf16 decode attention, window scores and causal
-// prefill attention on AMX tiles (decode_amx.h, window_amx.h, prefill_amx.h); fp32 on the
+// AVX-512 + AMX-BF16 kernels (16 fp32 lanes): bf16 decode attention, window scores (paged, and
+// fused with their LSE) and causal prefill attention on AMX tiles (decode_amx.h, window_amx.h,
+// window_fused_amx.h, prefill_amx.h); fp32 on the
 // vector kernels, as in the AVX-512 unit.
 //
 // Listed by the binding only where CPUID shows AMX-TILE, AMX-BF16 and AVX512-BF16 and the
@@ -10,6 +11,7 @@
 
 #include "kernels.h"
 #include "prefill.h"
+#include "window_fused.h"
 
 // AMX intrinsics need GCC 11 or newer; older compilers build the other variants only.
 #if defined(__x86_64__) && !defined(__clang__) && __GNUC__ >= 11
@@ -26,6 +28,7 @@ namespace isa_avx512_amx {
 #include "decode_amx.h"
 #include "window_amx.h"
 #include "prefill_amx.h"
+#include "window_fused_amx.h"
 #undef SKV_AVX512
 #undef SKV_AMX
 #undef SKV_W
@@ -45,10 +48,13 @@ const KernelTable kTableAvx512Amx = {
 };
 const PrefillKernel kPrefillAmx = {&isa_avx512_amx::prefill_scratch_amx,
                                    &isa_avx512_amx::prefill_item_amx};
+const WindowFusedKernel kWindowFusedAmx = {&isa_avx512_amx::window_fused_scratch_amx,
+                                           &isa_avx512_amx::window_fused_item_amx};
 }  // namespace sparsekv_cpu
 #else
 namespace sparsekv_cpu {
 const KernelTable kTableAvx512Amx = {"avx512_amx", 0, 0, 0, nullptr, nullptr, nullptr, nullptr, nullptr};
 const PrefillKernel kPrefillAmx = {nullptr, nullptr};
+const WindowFusedKernel kWindowFusedAmx = {nullptr, nullptr};
 }  // namespace sparsekv_cpu
 #endif

@@ -1,0 +1,103 @@
+"""Wrappers of the fused AMX window-score kernel (``csrc/window_fused.h``).
+
+SnapKV-family scoring needs, per window row, the softmax denominator over the slots the row
+sees and then the summed probabilities per slot. This kernel does both in one pass over the
+keys: each logit is computed once on AMX tiles into a cache-resident buffer and takes one
+exponential, against two (plus a value product) for an attention call followed by the
+window-score kernel. It reads keys either dense or in pages, several layers at once.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from sparsekv.attention.cpu import build
+from sparsekv.attention.cpu.ops import ISA_ENV, PREFILL_ISA, _extension
+
+
+def supports_window_fused(window_queries: torch.Tensor, kv_pool: torch.Tensor) -> bool:
+    """True when :func:`window_scores_fused_paged` takes bf16 ``window_queries`` ``[num_heads,
+    w, head_dim]`` over this pool: CPU bf16 tensors, head_dim a multiple of 32, pages of a
+    multiple of 16 slots, no autograd, and the AMX kernel available (and not ruled out by
+    ``SPARSEKV_KERNEL_ISA``)."""
+    if window_queries.dtype != torch.bfloat16 or kv_pool.dtype != torch.bfloat16:
+        return False
+    if window_queries.device.type != "cpu" or kv_pool.device.type != "cpu":
+        return False
+    if kv_pool.dim() != 5 or kv_pool.shape[3] % 16 or kv_pool.shape[4] % 32:
+        return False
+    if window_queries.requires_grad or not kv_pool.is_contiguous():
+        return False
+    forced = os.environ.get(ISA_ENV, "").strip()
+    if forced and forced != PREFILL_ISA:
+        return False
+    ext = build.load_extension()
+    return ext is not None and _available(ext)
+
+
+@functools.cache
+def _available(ext) -> bool:
+    # Compiled, and the CPU and kernel grant AMX; fixed per process.
+    return bool(ext.window_fused_available())
+
+
+def window_scores_fused(
+    window_queries: torch.Tensor, keys: torch.Tensor, lse: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed window attention and the window rows' log-sum-exps in one AMX pass.
+
+    Args:
+        window_queries: ``[num_heads, w, head_dim]`` bf16, the queries of the last ``w`` of
+            ``n`` positions (row ``i`` sees keys ``j <= n - w + i``).
+        keys: ``[num_kv_heads, n, head_dim]`` bf16 (any row stride); query head ``h`` reads
+            KV head ``h // (num_heads // num_kv_heads)``.
+        lse: ``[num_heads, w]`` contiguous fp32 log-sum-exps to use, or ``None`` to compute
+            them.
+        scale: softmax scale.
+
+    Returns:
+        scores ``[num_heads, n]`` fp32 (``sum_i exp(q_i . k_j * scale - lse_i)``; REFERENCE.md
+        §1's SnapKV sums) and lse ``[num_heads, w]`` fp32 (natural log; the given one when
+        passed).
+
+    Raises:
+        RuntimeError: the extension or its AMX kernel is unavailable, or it rejects the
+            arguments.
+    """
+    scores, lse_out = _extension().window_scores_fused(window_queries, keys, lse, float(scale))
+    return scores, lse_out
+
+
+def window_scores_fused_paged(
+    window_queries: torch.Tensor,
+    kv_pool: torch.Tensor,
+    tables: torch.Tensor,
+    num_slots: int,
+    lse: torch.Tensor | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`window_scores_fused` with the keys read from pages in place, for several
+    layers' block tables at once (their heads stacked layer-major).
+
+    Args:
+        window_queries: ``[layers * num_heads, w, head_dim]`` bf16.
+        kv_pool: ``[num_pages, 2, num_kv_heads, block_size, head_dim]`` bf16, contiguous,
+            ``block_size`` a multiple of 16.
+        tables: ``[layers, >= ceil(num_slots / block_size)]`` contiguous int64 page ids.
+        num_slots: held slots ``n`` of every layer.
+        lse, scale: as :func:`window_scores_fused`.
+
+    Returns:
+        scores ``[layers * num_heads, num_slots]`` and lse ``[layers * num_heads, w]``, fp32.
+
+    Raises:
+        RuntimeError: as :func:`window_scores_fused`, or a page id out of range.
+    """
+    ext = _extension()
+    scores, lse_out = ext.window_scores_fused_paged(
+        window_queries, kv_pool, tables, int(num_slots), lse, float(scale)
+    )
+    return scores, lse_out

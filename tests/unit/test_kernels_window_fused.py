@@ -1,0 +1,129 @@
+"""The fused AMX window-score kernel (``csrc/window_fused_amx.h``): summed window attention
+and the window rows' log-sum-exps, dense and paged, against an fp64 reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparsekv.attention.cpu import ops
+from sparsekv.attention.cpu import window_fused as wf
+
+pytestmark = pytest.mark.skipif(
+    not wf.supports_window_fused(
+        torch.zeros(1, 1, 64, dtype=torch.bfloat16),
+        torch.zeros(1, 2, 1, 16, 64, dtype=torch.bfloat16),
+    ),
+    reason="needs the AMX kernels",
+)
+
+
+def reference(queries, keys, scale, lse=None):
+    """fp64 ``(scores [H, n], lse [H, w])`` of the causal window definition."""
+    num_heads, w, _ = queries.shape
+    num_kv_heads, n, _ = keys.shape
+    expanded = keys.double().repeat_interleave(num_heads // num_kv_heads, 0)
+    logits = torch.einsum("hid,hjd->hij", queries.double(), expanded) * scale
+    visible = torch.arange(n)[None, :] <= (n - w + torch.arange(w))[:, None]
+    logits = logits.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(logits, -1) if lse is None else lse.double()
+    return torch.exp(logits - lse[..., None]).sum(1), lse
+
+
+def random_case(num_kv_heads, group, w, n, head_dim, seed):
+    g = torch.Generator().manual_seed(seed)
+    queries = (2 * torch.randn(num_kv_heads * group, w, head_dim, generator=g)).bfloat16()
+    keys = torch.randn(num_kv_heads, n, head_dim, generator=g).bfloat16()
+    return queries, keys
+
+
+SHAPES = [  # (num_kv_heads, group, w, n, head_dim)
+    (3, 3, 32, 1040, 64),
+    (2, 4, 8, 37, 64),
+    (1, 1, 1, 1, 32),
+    (4, 1, 5, 5, 64),
+    (5, 3, 7, 100, 128),
+    (2, 2, 16, 300, 256),
+    (84, 3, 32, 130, 64),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_dense_matches_fp64_reference(shape):
+    queries, keys = random_case(*shape, seed=sum(shape))
+    scale = shape[-1] ** -0.5
+    scores, lse = wf.window_scores_fused(queries, keys, None, scale)
+    expected, expected_lse = reference(queries, keys, scale)
+    assert scores.dtype == lse.dtype == torch.float32
+    assert scores.shape == expected.shape and lse.shape == expected_lse.shape
+    torch.testing.assert_close(lse.double(), expected_lse, rtol=0, atol=1e-5)
+    torch.testing.assert_close(scores.double(), expected, rtol=0, atol=1e-5 * expected.max().item())
+    # With the LSE given, it is used as given (here: shifted by log 2 -> scores halve).
+    given = (expected_lse + torch.log(torch.tensor(2.0, dtype=torch.float64))).float()
+    halved, returned = wf.window_scores_fused(queries, keys, given.contiguous(), scale)
+    torch.testing.assert_close(
+        halved.double(), expected / 2, rtol=0, atol=1e-5 * expected.max().item()
+    )
+    assert torch.equal(returned, given)
+
+
+def test_rows_sum_to_one_and_strided_keys():
+    queries, keys = random_case(3, 3, 32, 500, 64, seed=7)
+    wide = torch.zeros(3, 600, 64, dtype=torch.bfloat16)
+    wide[:, :500] = keys
+    strided = wide[:, :500]  # row stride 64, head stride 600 * 64
+    scores, _ = wf.window_scores_fused(queries, strided, None, 0.125)
+    dense, _ = wf.window_scores_fused(queries, keys, None, 0.125)
+    assert torch.equal(scores, dense)
+    # Every row's probabilities sum to 1, so each head's scores sum to w.
+    torch.testing.assert_close(scores.sum(1), torch.full((9,), 32.0), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+@pytest.mark.parametrize("n", [1, 16, 45, 1040])
+def test_paged_equals_dense_over_the_same_keys(block_size, n):
+    num_layers, num_kv_heads, group, head_dim = 3, 3, 3, 64
+    w = min(n, 32)
+    g = torch.Generator().manual_seed(n + block_size)
+    num_blocks = -(-n // block_size)
+    pool = torch.randn(
+        num_layers * num_blocks + 5, 2, num_kv_heads, block_size, head_dim, generator=g
+    )
+    pool = pool.bfloat16()
+    tables = torch.randperm(pool.shape[0], generator=g)[: num_layers * num_blocks]
+    tables = tables.view(num_layers, num_blocks).contiguous()
+    queries = (
+        2 * torch.randn(num_layers * num_kv_heads * group, w, head_dim, generator=g)
+    ).bfloat16()
+    scores, lse = wf.window_scores_fused_paged(queries, pool, tables, n, None, head_dim**-0.5)
+    keys = pool[tables, 0].permute(0, 2, 1, 3, 4).reshape(num_layers * num_kv_heads, -1, head_dim)
+    dense, dense_lse = wf.window_scores_fused(queries, keys[:, :n], None, head_dim**-0.5)
+    assert torch.equal(scores, dense) and torch.equal(lse, dense_lse)
+
+
+def test_bad_arguments_raise():
+    queries, keys = random_case(1, 3, 8, 20, 64, seed=1)
+    with pytest.raises(RuntimeError, match="window"):
+        wf.window_scores_fused(queries, keys[:, :4], None, 0.1)  # w > n
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        wf.window_scores_fused(queries.float(), keys, None, 0.1)
+    with pytest.raises(RuntimeError, match="lse"):
+        wf.window_scores_fused(queries, keys, torch.zeros(3, 7), 0.1)
+    pool = torch.zeros(4, 2, 1, 8, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        wf.window_scores_fused_paged(
+            queries, pool, torch.zeros(1, 3, dtype=torch.long), 20, None, 0.1
+        )
+    pool = torch.zeros(4, 2, 1, 16, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="out of range"):
+        wf.window_scores_fused_paged(queries, pool, torch.tensor([[0, 9]]), 20, None, 0.1)
+
+
+def test_support_check(monkeypatch):
+    pool = torch.zeros(2, 2, 1, 16, 64, dtype=torch.bfloat16)
+    queries = torch.zeros(3, 4, 64, dtype=torch.bfloat16)
+    assert wf.supports_window_fused(queries, pool)
+    assert not wf.supports_window_fused(queries.float(), pool.float())
+    assert not wf.supports_window_fused(queries, torch.zeros(2, 2, 1, 8, 64, dtype=torch.bfloat16))
+    monkeypatch.setenv(ops.ISA_ENV, "avx512")
+    assert not wf.supports_window_fused(queries, pool)
