@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from sparsekv.attention.cpu import ops as native
+from sparsekv.attention.cpu import window_fused
 from sparsekv.attention.torch_ref import causal_mask
 
 # Logit elements per chunk (64 MiB of fp32): bounds memory for long prompts.
@@ -93,13 +94,31 @@ def window_attention_scores(
     Returns:
         ``[num_heads, n]`` fp32 summed window attention (not yet pooled or GQA-aggregated).
 
-    Runs on the native window-score kernel (``attention/cpu``, AMX for bf16) when it takes
-    these tensors, else on :func:`attention_mass_per_head`; both equal the dense definition
-    (``tests/unit/test_scoring_native.py``). ``SPARSEKV_DISABLE_NATIVE=1`` forces the latter.
+    bf16 runs on the fused AMX kernel (``attention/cpu/window_fused.py``: the LSE, when not
+    given, and the sums in one pass); other dtypes on the native window-score kernel
+    (``attention/cpu``) when it takes these tensors; else :func:`attention_mass_per_head`.
+    All equal the dense definition (``tests/unit/test_scoring_native.py``,
+    ``tests/unit/test_kernels_window_fused.py``). ``SPARSEKV_DISABLE_NATIVE=1`` forces the
+    last.
     """
+    if _fused_window_ready(keys, window_queries):
+        lse = None if window_lse is None else window_lse.float().contiguous()
+        return window_fused.window_scores_fused(window_queries, keys, lse, scale)[0]
     if _native_window_ready(keys, window_queries):
         return _native_window_scores(keys, window_queries, window_lse, scale)
     return attention_mass_per_head(keys, window_queries, window_lse, scale)
+
+
+def _fused_window_ready(keys: torch.Tensor, window_queries: torch.Tensor) -> bool:
+    num_kv_heads, n, head_dim = keys.shape
+    return (
+        0 < window_queries.shape[1] <= n
+        and keys.dtype == window_queries.dtype == torch.bfloat16
+        and keys.stride(2) == 1
+        and window_fused.supports_window_fused(
+            window_queries, keys.new_empty(1, 2, 1, 16, head_dim)
+        )
+    )
 
 
 def _native_window_ready(keys: torch.Tensor, window_queries: torch.Tensor) -> bool:
