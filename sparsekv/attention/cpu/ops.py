@@ -61,6 +61,13 @@ def _warn_unusable_isa(name: str, head_dim: int) -> None:
     )
 
 
+@functools.cache
+def _fitting_isas(ext, head_dim: int, lanes_per_step: int) -> tuple[str, ...]:
+    # Variants whose vector width divides head_dim as the kernels need; fixed per process (the
+    # environment override is applied per call by pick_isa, as tests change it).
+    return tuple(isa for isa, width in _variants(ext) if head_dim % (lanes_per_step * width) == 0)
+
+
 def pick_isa(head_dim: int, quantized: bool = False) -> str | None:
     """Variant for ``head_dim`` (a multiple of twice the variant's fp32 lane count, as for int4
     pages too; four times for int8 / fp8 pools: ``quantized``): the one ``SPARSEKV_KERNEL_ISA``
@@ -68,8 +75,7 @@ def pick_isa(head_dim: int, quantized: bool = False) -> str | None:
     ext = build.load_extension()
     if ext is None:
         return None
-    lanes_per_step = 4 if quantized else 2
-    fits = [isa for isa, width in _variants(ext) if head_dim % (lanes_per_step * width) == 0]
+    fits = _fitting_isas(ext, head_dim, 4 if quantized else 2)
     forced = os.environ.get(ISA_ENV, "").strip()
     if forced:
         if forced in fits:
@@ -163,6 +169,13 @@ def _empty_decode(
     return query.clone(), lse, mass if return_attn_mass else None
 
 
+@functools.cache
+def _operator(ext, name: str):
+    # The operator's single overload: calling it skips the packet's overload resolution (a few
+    # microseconds per call, 30 calls per decode step).
+    return getattr(ext, name).default
+
+
 def _run_decode(
     op_name: str,
     query: torch.Tensor,
@@ -180,12 +193,12 @@ def _run_decode(
     # The plumbing every paged-decode format shares: the empty batch, the default first slots,
     # the scalar arguments in the kernel's types and the optional mass; ``pages`` are the
     # format's page tensors as its operator takes them.
-    ext = _extension()
+    op = _operator(_extension(), op_name)
     if query.shape[0] == 0:
         return _empty_decode(query, num_kv_heads, return_attn_mass)
     if first_slots is None:
         first_slots = torch.zeros_like(seq_lens)
-    out, lse, mass = getattr(ext, op_name)(
+    out, lse, mass = op(
         query,
         *pages,
         block_tables,
