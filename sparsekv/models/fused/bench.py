@@ -9,7 +9,9 @@ and Gemma 3 270M's GeGLU (intermediate 2048).
 linear layers at decode row counts: oneDNN's packed linear (what ``PackedLinear`` runs above
 ``SMALL_GEMM_MAX_ROWS`` rows) against the native small-M GEMM and, at one row, the GEMV; best of
 repeated calls in microseconds (the weights stay in cache between calls: a model's decode step
-reads them from memory).
+reads them from memory). ``--gemm-stream`` times what a decode step reads instead: the linear
+layers of all 30 layers plus the lm_head, each weight its own tensor (269 MB, read from memory),
+oneDNN and the native kernels alternating; best of 6 passes in milliseconds.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import time
 import torch
 
 from sparsekv.models.fused import build, reference
+from sparsekv.models.prepack import GEMV_MAX_WEIGHT_BYTES
 
 HIDDEN, INTERMEDIATE, GEMMA_INTERMEDIATE = 576, 1536, 2048
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
@@ -112,6 +115,37 @@ def gemm_table(ext) -> None:
             )
 
 
+def gemm_stream_table(ext, layers: int = 30) -> None:
+    """Print a Markdown table: rows, ms per pass over every linear layer of SmolLM2-135M
+    (``layers`` x QKV, o_proj, gate_up, down, and the lm_head) through oneDNN and natively."""
+    onednn = torch.ops.mkldnn._linear_pointwise.default
+    shapes = [shape for shape in GEMM_SHAPES if shape != (192, 576)]
+    weights = [torch.randn(shape).to(torch.bfloat16) for shape in shapes[:-1] * layers]
+    weights.append(torch.randn(shapes[-1]).to(torch.bfloat16))
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in weights]
+
+    def run_onednn(xs):
+        for w, p in zip(weights, packed):
+            onednn(xs[w.shape[1]], p, None, "none", [], "")
+
+    def run_native(xs):  # as PackedLinear: the GEMV for one row of a small weight
+        one_row = len(xs[HIDDEN]) == 1
+        for w in weights:
+            gemv = one_row and w.numel() * w.element_size() <= GEMV_MAX_WEIGHT_BYTES
+            (ext.gemv_bf16 if gemv else ext.gemm_bf16_small)(xs[w.shape[1]], w)
+
+    print("| rows | oneDNN ms | native ms | speed-up |\n|---:|---:|---:|---:|")
+    for rows in (1, 2, 4, 8, 16, 32):
+        xs = {k: torch.randn(rows, k).to(torch.bfloat16) for k in (HIDDEN, INTERMEDIATE)}
+        best = [float("inf"), float("inf")]
+        for _ in range(6):
+            for i, run in enumerate((run_onednn, run_native)):
+                t0 = time.perf_counter()
+                run(xs)
+                best[i] = min(best[i], time.perf_counter() - t0)
+        print(f"| {rows} | {best[0] * 1e3:.1f} | {best[1] * 1e3:.1f} | {best[0] / best[1]:.2f}x |")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Print a Markdown table: op, eager ms, fused ms, speed-up (or ``gemm_table``)."""
     parser = argparse.ArgumentParser(description=__doc__)
@@ -119,6 +153,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[4000, 8], help="token rows")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--gemm", action="store_true", help="time the linear layers instead")
+    parser.add_argument(
+        "--gemm-stream", action="store_true", help="time a decode step's linears from memory"
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -127,12 +164,12 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("fused ops unavailable (disabled or the build failed)")
     dtype = getattr(torch, args.dtype)
     load = os.getloadavg()[0]
-    if args.gemm:
+    if args.gemm or args.gemm_stream:
         if not ext.has_gemm_bf16_small() or not ext.has_gemv_bf16():
             raise SystemExit("the native bf16 GEMM / GEMV need AMX-BF16 and AVX512-BF16")
         print(f"bf16, {torch.get_num_threads()} threads, load average {load:.2f}\n")
         with torch.inference_mode():
-            gemm_table(ext)
+            gemm_stream_table(ext) if args.gemm_stream else gemm_table(ext)
         return
     print(f"{args.dtype}, {torch.get_num_threads()} threads, load average {load:.2f}\n")
     print("| op | eager ms | fused ms | speed-up |\n|---|---:|---:|---:|")
