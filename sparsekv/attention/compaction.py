@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from sparsekv.attention.cpu import window_fused
+from sparsekv.attention.cpu.ops import _extension as native_ops
 from sparsekv.attention.metadata import RequestSlice
 from sparsekv.kv_cache.spec import cdiv
 from sparsekv.kv_cache.storage import KVStorage
@@ -86,30 +87,18 @@ def compact_from_pages(
 def move_slots(
     pool: torch.Tensor, source: torch.Tensor, target: torch.Tensor, kept: torch.Tensor
 ) -> None:
-    """Move the kept slots of each (layer, KV head) to slots ``0 .. k - 1`` of its target pages.
+    """Move the kept slots of each (layer, KV head) to slots ``0 .. k - 1`` of its target pages
+    (native: row copies, one item per (layer, KV head); ``csrc/compaction_binding.cpp``).
 
     Args:
         pool: ``[num_pages, 2, num_kv_heads, block_size, head_dim]`` page tensor (written).
         source: ``[layers, >= num_blocks]`` int64 pages holding the slots ``kept`` indexes.
-        target: ``[layers, ceil(k / block_size)]`` int64 pages to write (``source``'s own in
-            place: every kept slot is read before any is written). Slots past ``k`` in the
-            last target page are overwritten with copies (they are not held).
-        kept: ``[layers, num_kv_heads, k]`` int64 slot indices; slot ``j`` of the result is
-            ``kept[..., j]``.
+        target: ``[layers, >= ceil(k / block_size)]`` int64 pages to write: fresh pages, or
+            ``source``'s own first pages (in place).
+        kept: ``[layers, num_kv_heads, k]`` int64 slot indices, ascending per row (what makes
+            the in-place move safe); slot ``j`` of the result is ``kept[..., j]``.
+
+    Raises:
+        RuntimeError: a slot or page id out of range, or the extension is unavailable.
     """
-    _, _, num_kv_heads, block_size, head_dim = pool.shape
-    num_layers, _, k = kept.shape
-    num_target_blocks = target.shape[1]
-    # Source slot of every target slot, padded to whole pages with the last kept slot.
-    padded = torch.cat(
-        [kept, kept[..., -1:].expand(-1, -1, num_target_blocks * block_size - k)], -1
-    )
-    page = source.gather(1, (padded // block_size).flatten(1)).view_as(padded)
-    # Rows of pool.view(-1, head_dim): ((page * 2 + half) * KVH + head) * block + offset.
-    heads = torch.arange(num_kv_heads, device=pool.device)[None, :, None]
-    rows = (page * 2 * num_kv_heads + heads) * block_size + padded % block_size
-    # Ordered as the target pages are laid out: [L, blocks, half, KVH, block].
-    rows = rows.view(num_layers, num_kv_heads, num_target_blocks, block_size).permute(0, 2, 1, 3)
-    rows = torch.stack([rows, rows + num_kv_heads * block_size], dim=2)
-    data = pool.view(-1, head_dim).index_select(0, rows.flatten())
-    pool.index_copy_(0, target.flatten(), data.view(-1, 2, num_kv_heads, block_size, head_dim))
+    native_ops().move_slots_(pool, source.contiguous(), target.contiguous(), kept.contiguous())

@@ -131,3 +131,12 @@ def test_applies_only_to_window_scored_plain_bf16_pages():
     assert not compaction.applies(request, [0, 1], [fp32, fp32])
     request.compressor = H2OCompressor(window=8)
     assert not compaction.applies(request, [0, 1], [storage, storage])
+
+
+def test_move_slots_rejects_out_of_range_slots_and_pages():
+    pool = torch.zeros(4, 2, KV_HEADS, BLOCK, HEAD_DIM, dtype=torch.bfloat16)
+    kept = torch.arange(3).expand(1, KV_HEADS, 3).contiguous()
+    with pytest.raises(RuntimeError, match="outside the source table"):
+        compaction.move_slots(pool, torch.tensor([[0]]), torch.tensor([[1]]), kept + BLOCK)
+    with pytest.raises(RuntimeError, match="out of range"):
+        compaction.move_slots(pool, torch.tensor([[9]]), torch.tensor([[1]]), kept)

@@ -31,6 +31,7 @@ CSRC_DIR = Path(__file__).resolve().parent / "csrc"
 SOURCES = (  # headers: tracked by ninja, and part of the build folder's digest
     "binding.cpp",
     "window_fused_binding.cpp",
+    "compaction_binding.cpp",
     "isa_select.cpp",
     "isa_avx512_amx.cpp",
     "isa_avx512.cpp",

@@ -1,0 +1,71 @@
+// Torch operator of the slot mover of decode-time compaction (attention/compaction.py):
+//   move_slots_(pool, source, target, kept)
+// For each (layer, KV head), kept slot j's key and value rows go to slot j of the layer's
+// target pages. One item per (layer, KV head) on the intra-op threads; rows are copied in
+// ascending j, so an in-place move (target = source's first pages) is safe when kept is
+// ascending per row: slot j is read (as kept[j'] = j, j' <= j) before it is written.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <cstring>
+
+namespace {
+
+void move_slots_(const at::Tensor& pool, const at::Tensor& source, const at::Tensor& target,
+                 const at::Tensor& kept) {
+  TORCH_CHECK(pool.device().is_cpu() && pool.dim() == 5 && pool.size(1) == 2 &&
+                  pool.is_contiguous(),
+              "kv_pool must be a contiguous CPU [num_pages, 2, num_kv_heads, block, head_dim]");
+  TORCH_CHECK(source.scalar_type() == at::kLong && target.scalar_type() == at::kLong &&
+                  kept.scalar_type() == at::kLong,
+              "source, target and kept must be int64");
+  TORCH_CHECK(source.dim() == 2 && target.dim() == 2 && kept.dim() == 3 &&
+                  source.is_contiguous() && target.is_contiguous() && kept.is_contiguous(),
+              "source [layers, blocks], target [layers, blocks], kept [layers, kv_heads, k]: "
+              "contiguous");
+  const int64_t pages = pool.size(0), kvh = pool.size(2), bs = pool.size(3);
+  const int64_t layers = kept.size(0), k = kept.size(2);
+  TORCH_CHECK(kept.size(1) == kvh, "kept has ", kept.size(1), " heads, the pool ", kvh);
+  TORCH_CHECK(source.size(0) == layers && target.size(0) == layers, "one table per layer");
+  TORCH_CHECK(target.size(1) * bs >= k, "target pages hold fewer than ", k, " slots");
+  const int64_t row_bytes = pool.size(4) * pool.element_size();
+  const int64_t* src_table = source.data_ptr<int64_t>();
+  const int64_t* dst_table = target.data_ptr<int64_t>();
+  const int64_t* slots = kept.data_ptr<int64_t>();
+  for (int64_t i = 0; i < layers * kvh * k; ++i) {
+    const int64_t s = slots[i];
+    TORCH_CHECK(s >= 0 && s < source.size(1) * bs, "kept slot ", s, " outside the source table");
+  }
+  for (int64_t i = 0; i < layers * source.size(1); ++i)
+    TORCH_CHECK(src_table[i] >= 0 && src_table[i] < pages, "page id out of range");
+  for (int64_t i = 0; i < layers * target.size(1); ++i)
+    TORCH_CHECK(dst_table[i] >= 0 && dst_table[i] < pages, "page id out of range");
+  char* base = static_cast<char*>(pool.data_ptr());
+  // Byte offset of (page, half, head, slot-in-page) rows.
+  auto row = [&](int64_t page, int64_t half, int64_t head, int64_t offset) {
+    return base + (((page * 2 + half) * kvh + head) * bs + offset) * row_bytes;
+  };
+  const int64_t grain = layers * kvh * k * row_bytes < (int64_t(1) << 20) ? layers * kvh : 1;
+  at::parallel_for(0, layers * kvh, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t l = item / kvh, h = item % kvh;
+      const int64_t* kept_row = slots + item * k;
+      const int64_t* src = src_table + l * source.size(1);
+      const int64_t* dst = dst_table + l * target.size(1);
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t s = kept_row[j];
+        const int64_t sp = src[s / bs], so = s % bs, dp = dst[j / bs], dof = j % bs;
+        for (int64_t half = 0; half < 2; ++half)
+          std::memmove(row(dp, half, h, dof), row(sp, half, h, so), row_bytes);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(sparsekv_cpu, m) {
+  m.def("move_slots_(Tensor(a!) pool, Tensor source, Tensor target, Tensor kept) -> ()",
+        &move_slots_);
+}
