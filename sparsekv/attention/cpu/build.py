@@ -26,6 +26,8 @@ from types import ModuleType
 
 import torch
 
+from sparsekv.ext_cache import clear_stale_lock
+
 EXTENSION_NAME = "sparsekv_cpu_kernels"
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
 SOURCES = (  # headers: tracked by ninja, and part of the build folder's digest
@@ -85,6 +87,7 @@ def compile_extension(verbose: bool = False) -> ModuleType:
 
     directory = build_directory()
     directory.mkdir(parents=True, exist_ok=True)
+    clear_stale_lock(directory)  # a killed build's lock would hang this process forever
     cpp_extension.load(
         name=EXTENSION_NAME,
         sources=[str(CSRC_DIR / name) for name in SOURCES],

@@ -26,6 +26,7 @@ from types import ModuleType
 import torch
 
 from sparsekv.attention.cpu.build import native_disabled
+from sparsekv.ext_cache import clear_stale_lock
 
 EXTENSION_NAME = "sparsekv_fused_ops"
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
@@ -93,6 +94,7 @@ def compile_extension(verbose: bool = False) -> ModuleType:
 
     directory = build_directory()
     directory.mkdir(parents=True, exist_ok=True)
+    clear_stale_lock(directory)  # a killed build's lock would hang this process forever
     cpp_extension.load(
         name=EXTENSION_NAME,
         sources=[str(CSRC_DIR / name) for name in SOURCES],
