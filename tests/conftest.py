@@ -3,6 +3,7 @@ page-leak check that runs after every test (REFERENCE.md §5: no page leaks)."""
 
 from __future__ import annotations
 
+import gc
 import os
 import types
 
@@ -70,10 +71,25 @@ class EngineRegistry:
     def __init__(self) -> None:
         self.engines: list = []
         self._checked_at: dict[int, int] = {}
+        self._transient: set[int] = set()
 
-    def add(self, engine):
+    def add(self, engine, transient: bool = False):
+        """Register ``engine``; a ``transient`` one (from ``make_engine``) is dropped after the
+        test that made it has been checked, so its model and pool can be freed."""
         self.engines.append(engine)
+        if transient:
+            self._transient.add(id(engine))
         return engine
+
+    def drop_transient(self) -> bool:
+        """Forget the transient engines; True if there were any."""
+        if not self._transient:
+            return False
+        self.engines = [e for e in self.engines if id(e) not in self._transient]
+        for key in self._transient:
+            self._checked_at.pop(key, None)
+        self._transient.clear()
+        return True
 
     def needs_check(self, engine) -> bool:
         """True once per batch of new work (the full ref-count check walks every page)."""
@@ -134,7 +150,7 @@ def make_engine(smollm2_tokenizer):
             scheduler=SchedulerConfig(**sched),
         )
         engine = LLMEngine(config, build_engine_parts(config, checkpoint))
-        return _REGISTRY.add(engine)
+        return _REGISTRY.add(engine, transient=True)
 
     return factory
 
@@ -147,15 +163,21 @@ def no_page_leaks():
     alone: cached pages stay cached across requests, which is not a leak).
     """
     yield
-    for engine in _REGISTRY.engines:
-        leftover = engine.num_unfinished_requests
-        free, total = engine.kv.num_free_pages, engine.kv.num_total_pages
-        for request_id in list(engine._groups):
-            engine.abort_request(request_id)
-        if _REGISTRY.needs_check(engine):
-            engine.kv.check_invariants()
-        assert leftover == 0, f"{leftover} requests left unfinished"
-        assert free == total, f"page leak: {total - free} of {total} pages still held"
+    try:
+        for engine in _REGISTRY.engines:
+            leftover = engine.num_unfinished_requests
+            free, total = engine.kv.num_free_pages, engine.kv.num_total_pages
+            for request_id in list(engine._groups):
+                engine.abort_request(request_id)
+            if _REGISTRY.needs_check(engine):
+                engine.kv.check_invariants()
+            assert leftover == 0, f"{leftover} requests left unfinished"
+            assert free == total, f"page leak: {total - free} of {total} pages still held"
+    finally:
+        # Engines of one test are not kept for the session: a bf16 SmolLM2 engine holds
+        # ~0.75 GB (weights, packed copies, pool); tests building dozens exhausted CI's RAM.
+        if _REGISTRY.drop_transient():
+            gc.collect()
 
 
 def run_to_completion(engine, requests):
