@@ -6,12 +6,12 @@ the layer's keys and values out of the pages, scores the gathered copy and write
 back. For SnapKV-family methods (``Compressor.window_scored``: the score is a function of the
 summed window attention alone) over plain full-precision pages this module skips the copies:
 
-1. the fused AMX window kernel (``ops.window_scores_fused_paged``) reads every layer's keys
-   from the pages and returns the summed window attention, computing each window row's
-   log-sum-exp over the slots it sees on the way (one exponential per visible logit);
+1. the fused AMX window kernel (``window_fused.window_scores_fused_paged``) reads every
+   layer's keys from the pages and returns the summed window attention, computing each window
+   row's log-sum-exp over the slots it sees on the way (one exponential per visible logit);
 2. the layers' scores are stacked and ranked with one ``keep_top``;
-3. the kept slots move page to page (one ``index_select`` and one page-wise ``index_copy_``
-   for all layers).
+3. the kept slots move page to page (``move_slots``: row copies in C++, one item per
+   (layer, KV head)).
 
 The result equals the general route's up to float rounding of the scores
 (``tests/unit/test_compaction.py``: identical kept slots on the tested shapes).
@@ -41,7 +41,7 @@ def applies(request: RequestSlice, layers: list[int], storages: list[KVStorage])
     storage = storages[layers[0]]
     if any(storages[layer] is not storage for layer in layers):
         return False
-    if storage.kv_cache_dtype != "auto" or storage.dtype != torch.bfloat16:
+    if storage.kv_cache_dtype != "auto":  # codes, not K/V (the pool's dtype is checked below)
         return False
     return window_fused.supports_window_fused(first.recent_queries, storage.tensors[0])
 

@@ -134,9 +134,10 @@ class PagedAttention:
         if batch.budgeted or batch.need_mass:
             rows = queries.unbind(0)
             for i, (request, state) in enumerate(zip(batch.slices, states)):
-                if state.budget is not None:
-                    state.remember_query(rows[i], request.window)
-                if request.needs_attention_mass and state.budget is not None:
+                if state.budget is None:
+                    continue
+                state.remember_query(rows[i], request.window)
+                if request.needs_attention_mass:
                     held = request.layers[layer].num_held + 1
                     _accumulate(state, mass[i, :, :held])
         for request in batch.slices:

@@ -77,8 +77,9 @@ class Compressor(abc.ABC):
     # request can be scored as one view whose heads are the layers' heads stacked.
     stackable: ClassVar[bool] = True
     # ``score`` depends on the view only through the summed window attention
-    # (``scoring.window_attention_scores``): such methods implement ``score_window`` and can
-    # be scored straight from the pages (``attention.compaction``).
+    # (``scoring.window_attention_scores``): such methods also define
+    # ``score_window(summed [num_heads, n], num_kv_heads, num_window) -> [num_kv_heads, n]``
+    # and can be scored straight from the pages (``attention.compaction``).
     window_scored: ClassVar[bool] = False
 
     window: int = 32
@@ -129,19 +130,6 @@ class Compressor(abc.ABC):
         scores = self.score(view).float()
         assert scores.shape == (num_kv_heads, n), (scores.shape, num_kv_heads, n)
         return self.keep_top(scores, budget, window)
-
-    def score_window(self, summed: torch.Tensor, num_kv_heads: int, num_window: int):
-        """``score`` of a ``window_scored`` method from the summed window attention.
-
-        Args:
-            summed: ``[num_heads, n]`` fp32 ``scoring.window_attention_scores`` of the view.
-            num_kv_heads: KV heads of the view.
-            num_window: window rows ``w`` the sums ran over.
-
-        Returns:
-            ``[num_kv_heads, n]`` fp32, as ``score``.
-        """
-        raise NotImplementedError(f"{self.name} is not scored from window attention alone")
 
     def keep_top(self, scores: torch.Tensor, budget: int, window: int) -> torch.Tensor:
         """``select``'s rule on given scores ``[num_kv_heads, n]`` with ``n > budget``:

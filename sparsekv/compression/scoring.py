@@ -110,14 +110,10 @@ def window_attention_scores(
 
 
 def _fused_window_ready(keys: torch.Tensor, window_queries: torch.Tensor) -> bool:
-    num_kv_heads, n, head_dim = keys.shape
     return (
-        0 < window_queries.shape[1] <= n
-        and keys.dtype == window_queries.dtype == torch.bfloat16
+        0 < window_queries.shape[1] <= keys.shape[1]
         and keys.stride(2) == 1
-        and window_fused.supports_window_fused(
-            window_queries, keys.new_empty(1, 2, 1, 16, head_dim)
-        )
+        and window_fused.supports_window_fused_dense(window_queries, keys)
     )
 
 

@@ -31,7 +31,16 @@ class SnapKVCompressor(Compressor):
         return self.score_window(summed, view.num_kv_heads, view.num_window)
 
     def score_window(self, summed: torch.Tensor, num_kv_heads: int, num_window: int):
-        """Scores from ``[num_heads, n]`` summed window weights: ``[num_kv_heads, n]`` fp32."""
+        """``score`` from the summed window attention.
+
+        Args:
+            summed: ``[num_heads, n]`` fp32 ``scoring.window_attention_scores`` of the view.
+            num_kv_heads: KV heads of the view.
+            num_window: window rows ``w`` the sums ran over.
+
+        Returns:
+            ``[num_kv_heads, n]`` fp32; the last ``w`` (window) slots score ``+inf``.
+        """
         num_prefix = summed.shape[1] - num_window
         # Only the prefix columns are ranked.
         per_head = pool_scores(summed[:, :num_prefix] / num_window, self.pooling, self.kernel_size)

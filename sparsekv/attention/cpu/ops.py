@@ -461,6 +461,13 @@ def supports_prefill(
         or any(t.requires_grad for t in tensors)
     ):
         return False
+    return amx_tiles_enabled()
+
+
+def amx_tiles_enabled() -> bool:
+    """True when the AMX-tile kernels (prefill attention, fused window scores: one compilation
+    unit under one AMX grant) can run: the extension is built, the CPU and kernel grant AMX,
+    and ``SPARSEKV_KERNEL_ISA`` does not force another variant (read per call: tests set it)."""
     forced = os.environ.get(ISA_ENV, "").strip()
     if forced and forced != PREFILL_ISA:
         return False

@@ -9,39 +9,37 @@ window-score kernel. It reads keys either dense or in pages, several layers at o
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 
-from sparsekv.attention.cpu import build
-from sparsekv.attention.cpu.ops import ISA_ENV, PREFILL_ISA, _extension
+from sparsekv.attention.cpu.ops import _extension, amx_tiles_enabled
 
 
 def supports_window_fused(window_queries: torch.Tensor, kv_pool: torch.Tensor) -> bool:
     """True when :func:`window_scores_fused_paged` takes bf16 ``window_queries`` ``[num_heads,
     w, head_dim]`` over this pool: CPU bf16 tensors, head_dim a multiple of 32, pages of a
-    multiple of 16 slots, no autograd, and the AMX kernel available (and not ruled out by
-    ``SPARSEKV_KERNEL_ISA``)."""
-    if window_queries.dtype != torch.bfloat16 or kv_pool.dtype != torch.bfloat16:
-        return False
-    if window_queries.device.type != "cpu" or kv_pool.device.type != "cpu":
-        return False
-    if kv_pool.dim() != 5 or kv_pool.shape[3] % 16 or kv_pool.shape[4] % 32:
-        return False
-    if window_queries.requires_grad or not kv_pool.is_contiguous():
-        return False
-    forced = os.environ.get(ISA_ENV, "").strip()
-    if forced and forced != PREFILL_ISA:
-        return False
-    ext = build.load_extension()
-    return ext is not None and _available(ext)
+    multiple of 16 slots, no autograd, and the AMX kernels enabled
+    (:func:`ops.amx_tiles_enabled`)."""
+    return (
+        kv_pool.dim() == 5
+        and kv_pool.shape[3] % 16 == 0
+        and kv_pool.is_contiguous()
+        and supports_window_fused_dense(window_queries, kv_pool)
+    )
 
 
-@functools.cache
-def _available(ext) -> bool:
-    # Compiled, and the CPU and kernel grant AMX; fixed per process.
-    return bool(ext.window_fused_available())
+def supports_window_fused_dense(window_queries: torch.Tensor, keys: torch.Tensor) -> bool:
+    """True when :func:`window_scores_fused` takes these window queries and keys (dense
+    ``[num_kv_heads, n, head_dim]``, or a page pool): CPU bf16, ``head_dim`` a multiple of 32,
+    no autograd, the AMX kernels enabled."""
+    head_dim = keys.shape[-1]
+    return (
+        window_queries.dtype == keys.dtype == torch.bfloat16
+        and window_queries.device.type == keys.device.type == "cpu"
+        and head_dim % 32 == 0
+        and window_queries.shape[-1] == head_dim
+        and not window_queries.requires_grad
+        and amx_tiles_enabled()
+    )
 
 
 def window_scores_fused(

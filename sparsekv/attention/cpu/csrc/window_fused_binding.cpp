@@ -133,7 +133,6 @@ std::vector<at::Tensor> window_scores_fused_paged(const at::Tensor& queries,
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(sparsekv_cpu, m) {
-  m.def("window_fused_available", &window_fused_available);
   m.def("window_scores_fused", &window_scores_fused);
   m.def("window_scores_fused_paged", &window_scores_fused_paged);
 }
