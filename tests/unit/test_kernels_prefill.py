@@ -52,9 +52,9 @@ def make_qkv(num_heads, num_kv_heads, num_queries, num_keys, head_dim, seed=0, s
     )
 
 
-def check(query, key, value, out, lse, scale):
+def check(query, key, value, out, lse, scale, sliding_window=None):
     ref_out, ref_lse = torch_ref.attention_with_lse(
-        query.float(), key.float(), value.float(), scale
+        query.float(), key.float(), value.float(), scale, sliding_window
     )
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     assert out.shape == query.shape and lse.shape == query.shape[:2]
@@ -62,11 +62,11 @@ def check(query, key, value, out, lse, scale):
     torch.testing.assert_close(lse, ref_lse, atol=LSE_ATOL, rtol=0)
 
 
-def run_kernel(query, key, value):
+def run_kernel(query, key, value, sliding_window=None):
     scale = query.shape[-1] ** -0.5
     assert ops.supports_prefill(query, key, value)
-    out, lse = ops.prefill_attention(query, key, value, scale)
-    check(query, key, value, out, lse, scale)
+    out, lse = ops.prefill_attention(query, key, value, scale, sliding_window)
+    check(query, key, value, out, lse, scale, sliding_window)
 
 
 @GROUPS
@@ -111,6 +111,36 @@ def test_prefill_large_logits_and_growing_max(amx):
     query, key, value = make_qkv(6, 2, 300, 300, 64, std=3.0)
     growth = torch.linspace(0.2, 2.0, 300)[None, :, None]
     run_kernel(query, (key.float() * growth).bfloat16(), value)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 63, 64, 65, 100, 512])
+@pytest.mark.parametrize(
+    "num_queries,num_keys", [(1, 1), (17, 17), (200, 200), (333, 333), (100, 700), (513, 1000)]
+)
+def test_prefill_sliding_window(amx, window, num_queries, num_keys):
+    # Gemma 3's local layers (4 query heads over 1 KV head, head_dim 256): row i sees only its
+    # `window` most recent keys; windows below, on and past the 64-key blocks and the 16-row
+    # tiles, whole prompts and chunks whose first rows' windows start inside earlier keys.
+    qkv = make_qkv(4, 1, num_queries, num_keys, 256, seed=window + num_keys)
+    run_kernel(*qkv, sliding_window=window)
+
+
+@GROUPS
+def test_prefill_sliding_window_groups(amx, num_heads, num_kv_heads):
+    run_kernel(*make_qkv(num_heads, num_kv_heads, 150, 230, 64, std=3.0), sliding_window=40)
+
+
+def test_prefill_window_of_every_key_is_no_window(amx):
+    query, key, value = make_qkv(6, 2, 90, 120, 64)
+    plain = ops.prefill_attention(query, key, value, 0.125)
+    for window in (120, 121, 10_000):
+        windowed = ops.prefill_attention(query, key, value, 0.125, window)
+        assert torch.equal(windowed[0], plain[0]) and torch.equal(windowed[1], plain[1])
+
+
+def test_prefill_rejects_a_non_positive_window(amx):
+    with pytest.raises(ValueError, match="sliding_window"):
+        ops.prefill_attention(*make_qkv(6, 2, 10, 10, 64), 0.125, 0)
 
 
 def test_prefill_no_queries(amx):
@@ -160,15 +190,21 @@ def test_backend_picks_the_kernel_for_bf16(amx, monkeypatch):
     out, lse = backend.prefill_attention(query, key, value, 0.125)
     assert spy.calls == 1
     check(query, key, value, out, lse, 0.125)
+    out, lse = backend.prefill_attention(query, key, value, 0.125, sliding_window=24)
+    assert spy.calls == 2
+    check(query, key, value, out, lse, 0.125, sliding_window=24)
 
 
-def test_backend_falls_back_for_fp32_window_softcap_and_head_dim(monkeypatch):
+def test_backend_falls_back_for_fp32_softcap_and_head_dim(monkeypatch):
     # Runs with or without AMX: none of these may reach the kernel.
     spy = _Spy(monkeypatch)
     query, key, value = make_qkv(6, 2, 30, 30, 64)
     out, lse = backend.prefill_attention(query.float(), key.float(), value.float(), 0.125)
     check(query, key, value, out.bfloat16(), lse, 0.125)
-    backend.prefill_attention(query, key, value, 0.125, sliding_window=8)
+    out, lse = backend.prefill_attention(
+        query.float(), key.float(), value.float(), 0.125, sliding_window=8
+    )
+    check(query, key, value, out.bfloat16(), lse, 0.125, sliding_window=8)
     backend.prefill_attention(query, key, value, 0.125, logit_softcap=30.0)
     query, key, value = make_qkv(6, 2, 30, 30, 48)  # head_dim the kernel does not take
     out, lse = backend.prefill_attention(query, key, value, 48**-0.5)

@@ -482,17 +482,25 @@ def _prefill_available(ext) -> bool:
 
 
 def prefill_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of the last ``num_queries`` of ``num_keys`` positions on AMX tiles,
     with the log-sum-exp of every query row; the semantics of ``torch_ref.attention_with_lse``
-    without window or soft-cap (query row ``i`` sees keys ``j <= num_keys - num_queries + i``;
-    query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``).
+    without soft-cap (query row ``i`` sits at key ``p = num_keys - num_queries + i`` and sees
+    keys ``j <= p``, with a sliding window ``w`` only ``j > p - w``; query head ``h`` reads KV
+    head ``h // (num_heads // num_kv_heads)``). A window skips the key blocks outside it, so a
+    local layer costs ``O(num_queries x w)``.
 
     Args:
         query: ``[num_heads, num_queries, head_dim]`` bf16 (any strides).
         key, value: ``[num_kv_heads, num_keys, head_dim]`` bf16, ``num_keys >= num_queries``.
         scale: softmax scale.
+        sliding_window: keys each row sees, itself included (Gemma 3 local layers); ``None``:
+            all earlier keys.
 
     Returns:
         out ``[num_heads, num_queries, head_dim]`` bf16, lse ``[num_heads, num_queries]`` fp32
@@ -500,7 +508,11 @@ def prefill_attention(
         value product rounded to bf16.
 
     Raises:
+        ValueError: ``sliding_window`` is not positive.
         RuntimeError: the extension or its AMX kernel is unavailable, or it rejects the
             arguments (see :func:`supports_prefill`).
     """
-    return _extension().prefill_attention(query, key, value, float(scale))
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(f"sliding_window must be positive, got {sliding_window}")
+    window = 0 if sliding_window is None else int(sliding_window)
+    return _extension().prefill_attention(query, key, value, float(scale), window)

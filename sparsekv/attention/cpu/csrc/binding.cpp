@@ -462,9 +462,10 @@ int64_t prefill_query_block(int64_t group) {
 }
 
 // Causal attention of the last nq of nk positions on AMX tiles (prefill.h); bf16 query
-// [num_heads, nq, head_dim], key / value [num_kv_heads, nk, head_dim]. Returns [out, lse].
+// [num_heads, nq, head_dim], key / value [num_kv_heads, nk, head_dim]; window > 0: each row
+// sees only its `window` most recent keys (itself included). Returns [out, lse].
 std::vector<at::Tensor> prefill_attention(const at::Tensor& query_in, const at::Tensor& key,
-                                          const at::Tensor& value, double scale) {
+                                          const at::Tensor& value, double scale, int64_t window) {
   TORCH_CHECK(prefill_available(), "the AMX prefill kernel is unavailable: ", skv::amx_status());
   TORCH_CHECK(query_in.dim() == 3 && key.dim() == 3 && value.dim() == 3,
               "query, key and value must be 3-D [heads, positions, head_dim]");
@@ -482,6 +483,7 @@ std::vector<at::Tensor> prefill_attention(const at::Tensor& query_in, const at::
   TORCH_CHECK(kvh > 0 && H % kvh == 0, "num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK(nq <= nk, "more queries (", nq, ") than keys (", nk, ")");
   TORCH_CHECK(nk < (int64_t(1) << 30), "too many keys");
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: none), got ", window);
   const int64_t group = H / kvh, block = prefill_query_block(group);
   TORCH_CHECK(group * block <= 1024, "GQA group too large for the prefill kernel: ", group);
   // Rows are read with their strides: the model's queries are a transposed view.
@@ -523,13 +525,15 @@ std::vector<at::Tensor> prefill_attention(const at::Tensor& query_in, const at::
   args.head_dim = d;
   args.query_block = block;
   args.scale = (float)scale;
+  args.window = window < nk ? window : 0;  // a window of every key is no window
   args.out = reinterpret_cast<uint16_t*>(out.data_ptr());
   args.lse = lse.data_ptr<float>();
   // Items: (KV head, query block), KV head by KV head so that the threads share one head's
   // K and V in cache (interleaving the heads thrashed L2: 45 -> 39 ms on one thread at 4k
   // tokens), the last query blocks (most keys) first so that the short ones balance the end.
   const int64_t num_blocks = (nq + block - 1) / block;
-  const int64_t work = H * nq * (nk - nq / 2) * d * 2;
+  const int64_t span = args.window > 0 && args.window < nk - nq / 2 ? args.window : nk - nq / 2;
+  const int64_t work = H * nq * span * d * 2;
   run_dynamic(num_blocks * kvh, work, skv::kPrefillAmx.scratch(args), [&](int64_t i, float* buf) {
     skv::kPrefillAmx.item(args, i / num_blocks, num_blocks - 1 - i % num_blocks, buf);
   });

@@ -3,7 +3,8 @@
 // for the reasons given in kernels.h.
 //
 // Layout. Query row i of head h sits at key index nk - nq + i and sees keys j <= nk - nq + i
-// (bottom-right causal alignment); query head h reads KV head h / group. The binding hands
+// (bottom-right causal alignment), with a sliding window only those with
+// j > nk - nq + i - window; query head h reads KV head h / group. The binding hands
 // the kernel K and V cut into AMX tiles, each 1 KiB contiguous, for whole key blocks (nkp, a
 // multiple of kPrefillKeyBlock, keys; those past nk are zero):
 //   key     [kvh][nkp / 16][head_dim / 32][16 keys][32 elements]   (A tiles of the logits)
@@ -24,6 +25,7 @@ struct PrefillArgs {
   int64_t num_heads, num_kv_heads, nq, nk, nkp, head_dim;
   int64_t query_block;  // query rows (per head) of one work item, a multiple of 16
   float scale;
+  int64_t window;  // sliding window in keys (Gemma 3 local layers), 0: none
   uint16_t* out;  // [num_heads, nq, head_dim] bf16 bits
   float* lse;     // [num_heads, nq] natural log
 };

@@ -19,7 +19,10 @@
 // load or store moves 1 KiB of contiguous memory.
 //
 // Causality: key blocks entirely above a column tile's diagonal are skipped, and only the
-// blocks that cross it are masked. Logits are in base 2 (log2(e) folded into the scale).
+// blocks that cross it are masked. A sliding window (Gemma 3's local layers: row i sees keys
+// (i - window, i]) skips the blocks entirely below a tile's window as well, and masks the
+// blocks that cross its lower edge, so a local layer costs O(n x window), not O(n^2).
+// Logits are in base 2 (log2(e) folded into the scale).
 //
 // Cost (SmolLM2-135M layer, 4000 tokens, one thread, ~33 ms): about 2/3 tile work, where the
 // tile loads and stores between the products cost as much as the products, 1/3 the softmax
@@ -50,10 +53,28 @@ struct PrefillScratch {
   float* s;          // [tiles][kPKeys][16 columns] logits of the current key block
   uint32_t* p;       // [tiles][kPKeys / 32][16 key pairs][16 columns] bf16 probabilities
   float* o;          // [tiles][d][16 columns] unnormalised output, transposed
-  float* m;          // [cols] running max of the base-2 logits
+  float* m;          // [cols] running max of the base-2 logits (kNoMax before any key)
   float* l;          // [cols] running sum of exp2(logit - m)
   int32_t* thr;      // [cols] last key index the column sees
 };
+
+// The running max before a column has seen a key: finite, so that a column whose first
+// processed blocks lie outside its window keeps alpha = 1 and l = 0 (with -inf, alpha would be
+// exp2(-inf + inf) = NaN), and exp2(kNoMax - m_new) is exactly 0 (vexp2 flushes below -126)
+// once it sees one, as -inf gave.
+constexpr float kNoMax = -1e30f;
+
+// How far below its last visible key (thr) a column sees: window - 1 with a sliding window,
+// otherwise 2^30 (more than any key index, so every key up to thr is visible).
+static int32_t window_reach(const PrefillArgs& a) {
+  return a.window > 0 ? (int32_t)(a.window - 1) : (int32_t)(1 << 30);
+}
+
+// Keys k0 of the columns' lanes that are visible: thr - reach <= k0 <= thr, as one unsigned
+// compare of thr - k0 against reach (negative differences wrap past it).
+static inline __mmask16 visible_keys(__m512i thr, __m512i reach, int64_t k0) {
+  return _mm512_cmple_epu32_mask(_mm512_sub_epi32(thr, _mm512_set1_epi32((int)k0)), reach);
+}
 
 static int64_t prefill_columns(const PrefillArgs& a) {
   return a.num_heads / a.num_kv_heads * a.query_block;
@@ -162,11 +183,13 @@ static void block_logits(const PrefillArgs& a, const uint16_t* K, int64_t k0, co
 
 // Online softmax of column tile t over the block's logits: updates m and l, writes the bf16
 // probability pairs and returns alpha = exp2(m_old - m_new) per column. `masked`: the block
-// crosses the tile's diagonal, keys past a column's threshold get probability 0.
-static __m512 block_softmax(int64_t k0, int t, bool masked, float scale2,
+// crosses the tile's diagonal or its window's lower edge; keys a column does not see (past its
+// threshold, or `reach` or more below it) get probability 0.
+static __m512 block_softmax(int64_t k0, int t, bool masked, float scale2, int32_t reach,
                             const PrefillScratch& w) {
   const float* s = w.s + t * kPKeys * 16;
   const __m512i thr = _mm512_loadu_si512(w.thr + t * 16);
+  const __m512i reach_v = _mm512_set1_epi32(reach);
   const __m512 m_old = _mm512_loadu_ps(w.m + t * 16);
   // Row max: four chains, as vmaxps has a 4-cycle latency.
   __m512 mx[4];
@@ -177,16 +200,15 @@ static __m512 block_softmax(int64_t k0, int t, bool masked, float scale2,
   } else {
     for (int64_t k = 0; k < kPKeys; k += 4)
       for (int j = 0; j < 4; ++j) {
-        const __mmask16 see = _mm512_cmpge_epi32_mask(thr, _mm512_set1_epi32((int)(k0 + k + j)));
+        const __mmask16 see = visible_keys(thr, reach_v, k0 + k + j);
         mx[j] = _mm512_mask_max_ps(mx[j], see, mx[j], _mm512_loadu_ps(s + (k + j) * 16));
       }
   }
   const __m512 block_max =
       _mm512_max_ps(_mm512_max_ps(mx[0], mx[1]), _mm512_max_ps(mx[2], mx[3]));
   const __m512 m_new = _mm512_max_ps(m_old, _mm512_mul_ps(block_max, _mm512_set1_ps(scale2)));
-  // alpha by the accurate vexp2 (2e-7 relative; exactly 0 for the first block's m_old = -inf):
-  // its error would add up in l over a row's rescales, and l gives the lse. (Every column sees
-  // key 0, so m_new is finite from the first block on.)
+  // alpha by the accurate vexp2 (2e-7 relative; exactly 0 for a column's first visible block,
+  // m_old = kNoMax): its error would add up in l over a row's rescales, and l gives the lse.
   const __m512 alpha = vexp2(_mm512_sub_ps(m_old, m_new));
   const __m512 neg_m = _mm512_sub_ps(_mm512_setzero_ps(), m_new), sc = _mm512_set1_ps(scale2);
   // (p[k], p[k + 1]) of each column as one 32-bit word, the pair order of a B tile: the high
@@ -203,9 +225,8 @@ static __m512 block_softmax(int64_t k0, int t, bool masked, float scale2,
     __m512 p0 = prefill_exp2(_mm512_fmadd_ps(_mm512_loadu_ps(s + k * 16), sc, neg_m));
     __m512 p1 = prefill_exp2(_mm512_fmadd_ps(_mm512_loadu_ps(s + (k + 1) * 16), sc, neg_m));
     if (masked) {  // masked logits may be anything finite: their exp2 is dropped, inf included
-      p0 = _mm512_maskz_mov_ps(_mm512_cmpge_epi32_mask(thr, _mm512_set1_epi32((int)(k0 + k))), p0);
-      p1 = _mm512_maskz_mov_ps(
-          _mm512_cmpge_epi32_mask(thr, _mm512_set1_epi32((int)(k0 + k + 1))), p1);
+      p0 = _mm512_maskz_mov_ps(visible_keys(thr, reach_v, k0 + k), p0);
+      p1 = _mm512_maskz_mov_ps(visible_keys(thr, reach_v, k0 + k + 1), p1);
     }
     sum0 = _mm512_add_ps(sum0, p0);
     sum1 = _mm512_add_ps(sum1, p1);
@@ -311,7 +332,7 @@ static void prefill_item_amx(const PrefillArgs& a, int64_t kvh, int64_t qb, floa
   const int64_t rows = a.nq - q0 < a.query_block ? a.nq - q0 : a.query_block;
   pack_queries(a, kvh, q0, w);
   for (int64_t c = 0; c < cols; ++c) {
-    w.m[c] = kNegInf;
+    w.m[c] = kNoMax;
     w.l[c] = 0.0f;
   }
   __builtin_memset(w.o, 0, d * cols * sizeof(float));
@@ -319,21 +340,26 @@ static void prefill_item_amx(const PrefillArgs& a, int64_t kvh, int64_t qb, floa
   const uint16_t* Vt = a.value_t + kvh * a.nkp * d;
   const float scale2 = a.scale * kLog2e;
   const int64_t last_key = a.nk - a.nq + q0 + rows - 1;
+  const int32_t reach = window_reach(a);
+  // The first block any column sees: below it, every key is past every window.
+  const int64_t first_key = a.nk - a.nq + q0 - reach;
+  const int64_t first_block = first_key > 0 ? first_key / kPKeys * kPKeys : 0;
   configure_prefill_tiles(w.cfg);
-  for (int64_t k0 = 0; k0 <= last_key; k0 += kPKeys) {
+  for (int64_t k0 = first_block; k0 <= last_key; k0 += kPKeys) {
     // Column tiles that see some key of the block, and whether the block crosses their
-    // diagonal (thresholds rise along a tile, padding rows last).
+    // diagonal or window edge (thresholds rise along a tile, padding rows last).
     int tiles[kPMaxTiles];
     bool masked[kPMaxTiles];
     int nt = 0;
     for (int t = 0; t < ntiles; ++t) {
-      if (k0 > w.thr[t * 16 + 15]) continue;
-      masked[nt] = k0 + kPKeys - 1 > w.thr[t * 16];
+      const int64_t low = w.thr[t * 16], high = w.thr[t * 16 + 15];
+      if (k0 > high || k0 + kPKeys - 1 < low - reach) continue;
+      masked[nt] = k0 + kPKeys - 1 > low || k0 < high - reach;
       tiles[nt++] = t;
     }
     block_logits(a, K, k0, tiles, nt, w);
     for (int i = 0; i < nt; ++i)
-      rescale_output(block_softmax(k0, tiles[i], masked[i], scale2, w), tiles[i], d, w);
+      rescale_output(block_softmax(k0, tiles[i], masked[i], scale2, reach, w), tiles[i], d, w);
     block_values(a, Vt, k0, tiles, nt, w);
   }
   _tile_release();  // see decode_item_amx
