@@ -1,0 +1,41 @@
+"""Prefill attention rows: ``torch_ref.attention_with_lse`` (explicit mask) and
+``backend.prefill_attention`` over one layer, against the FLOP bound of causal attention."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from sparsekv.attention import backend, torch_ref
+from sparsekv.bench.kernels.probe import DTYPES, row, timed
+
+
+def bench_prefill(args: argparse.Namespace, dtype_name: str, machine: dict) -> list[dict]:
+    """Rows of one layer's prefill attention over ``--prefill-tokens`` positions."""
+    dtype = DTYPES[dtype_name]
+    n, d = args.prefill_tokens, args.head_dim
+    query = torch.randn(args.num_heads, n, d).to(dtype)
+    key = torch.randn(args.num_kv_heads, n, d).to(dtype)
+    value = torch.randn(args.num_kv_heads, n, d).to(dtype)
+    flops = 4 * args.num_heads * n * n * d / 2  # QK^T and PV, causal half
+    # Without native bf16 units the flash kernel computes bf16 in fp32: take the faster rate.
+    rate = max(machine["matmul_flops"][dtype_name], machine["matmul_flops"]["fp32"])
+    bound = flops / rate
+    note = f"{flops / 1e9:.1f} GFLOP at {rate / 1e9:.0f} GFLOP/s"
+    scale = d**-0.5
+    repeats = max(1, args.repeats // 2)
+    return [
+        row(
+            f"prefill attention_with_lse (mask) {n} {dtype_name}",
+            timed(lambda: torch_ref.attention_with_lse(query, key, value, scale), repeats),
+            bound,
+            note,
+        ),
+        row(
+            f"prefill backend (is_causal) {n} {dtype_name}",
+            timed(lambda: backend.prefill_attention(query, key, value, scale), repeats),
+            bound,
+            note,
+        ),
+    ]

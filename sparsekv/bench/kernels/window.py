@@ -1,0 +1,49 @@
+"""Window-score rows: the paged window-score kernel (native vs the reference) that SnapKV-family
+scoring runs once the window rows' log-sum-exps are known, against its fp32 FLOP bound."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from collections.abc import Callable
+
+import torch
+
+from sparsekv.attention.cpu import build, ops
+from sparsekv.attention.cpu.reference import window_scores_paged as ref_window_scores
+from sparsekv.bench.kernels.probe import DTYPES, native_isa, row, timed
+
+
+def bench_window(args: argparse.Namespace, dtype_name: str, machine: dict) -> list[dict]:
+    """Rows of ``--layers`` calls of the paged window-score kernel (one request, ``--window``
+    rows per query head over ``--tokens`` slots, LSE given), native and reference."""
+    dtype = DTYPES[dtype_name]
+    num_slots = args.tokens
+    num_blocks = -(-num_slots // args.block_size)
+    pool = torch.randn(num_blocks, 2, args.num_kv_heads, args.block_size, args.head_dim).to(dtype)
+    table = torch.randperm(num_blocks)
+    queries = torch.randn(args.num_heads, args.window, args.head_dim).to(dtype)
+    lse = torch.full((args.num_heads, args.window), 8.0)
+    scale = args.head_dim**-0.5
+    flops = 2 * args.num_heads * args.window * num_slots * args.head_dim * args.layers
+    bound = flops / machine["matmul_flops"]["fp32"]
+    note = f"{flops / 1e9:.2f} GFLOP at fp32 matmul rate"
+    label = f"{args.num_heads}h x{args.window} rows x{num_slots} slots x{args.layers} {dtype_name}"
+
+    def run(fn: Callable) -> Callable[[], None]:
+        return lambda: [fn(queries, lse, pool, table, num_slots, scale) for _ in range(args.layers)]
+
+    rows = []
+    if build.load_extension() is not None:
+        native = functools.partial(ops.window_scores_paged, isa=native_isa(args))
+        rows.append(row(f"window native {label}", timed(run(native), args.repeats), bound, note))
+    if not args.no_reference:
+        rows.append(
+            row(
+                f"window reference {label}",
+                timed(run(ref_window_scores), args.repeats),
+                bound,
+                note,
+            )
+        )
+    return rows

@@ -1,0 +1,105 @@
+"""``sparsekv bench kernels``: the fused window-score row (``window_scores_fused_paged`` over
+stacked layers) on tiny shapes with a fixed machine probe, its bound, and its clean skip where
+the AMX kernel does not run."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from sparsekv.attention.cpu import ops
+from sparsekv.attention.cpu import window_fused as wf
+from sparsekv.bench import kernels
+
+# bf16 matmul slow enough that the tiny row below is FLOP-bound (bandwidth bound 3.7 us).
+MACHINE = {"read_bandwidth": 1e10, "matmul_flops": {"fp32": 1e11, "bf16": 1e11}}
+TINY = ["--batch", "1", "--tokens", "40", "--layers", "1", "--dtypes", "bf16", "--no-reference"]
+TINY += ["--prefill-tokens", "0", "--fused-layers", "2", "--fused-slots", "48", "--repeats", "2"]
+FUSED_NAME = "window fused 2 layers 9h x32 rows x48 slots bf16"
+
+amx = pytest.mark.skipif(
+    not wf.supports_window_fused(
+        torch.zeros(1, 1, 64, dtype=torch.bfloat16),
+        torch.zeros(1, 2, 1, 16, 64, dtype=torch.bfloat16),
+    ),
+    reason="needs the AMX kernels",
+)
+
+
+@pytest.fixture(autouse=True)
+def restore_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_fused_bound_is_the_larger_and_says_which():
+    # SmolLM2 compaction: 28 layers x 3 KV heads x 1040 slots of bf16 keys (64 wide); Q K^T of
+    # 28 x 9 query heads x 32 window rows.
+    args = kernels.build_parser().parse_args([])
+    key_bytes, flops = 28 * 3 * 1040 * 64 * 2, 2 * 28 * 9 * 32 * 1040 * 64
+    assert (key_bytes, flops) == (11_182_080, 1_073_479_680)
+    quick_memory = {"read_bandwidth": 2e10, "matmul_flops": {"bf16": 1.2e12}}
+    bound, kind, note = kernels.fused_bound(args, quick_memory)
+    assert kind == "FLOP" and bound == pytest.approx(flops / 1.2e12)
+    assert note == "FLOP: 1.07 GFLOP at 1200 GFLOP/s > 11.2 MB of keys"
+    slow_memory = {"read_bandwidth": 1e9, "matmul_flops": {"bf16": 1.2e12}}
+    bound, kind, note = kernels.fused_bound(args, slow_memory)
+    assert kind == "bandwidth" and bound == pytest.approx(key_bytes / 1e9)
+    assert note == "bandwidth: 11.2 MB of keys > 1.07 GFLOP"
+
+
+@amx
+def test_fused_row_in_a_tiny_run(tmp_path, capsys):
+    out = tmp_path / "kernels.json"
+    report = kernels.run(kernels.build_parser().parse_args(TINY + ["--output", str(out)]), MACHINE)
+    assert json.loads(out.read_text()) == report
+    rows = {row["name"]: row for row in report["results"]}
+    assert {"decode native 1x40 x1 layers bf16", FUSED_NAME} <= set(rows)
+    fused = rows[FUSED_NAME]
+    flops = 2 * 2 * 9 * 32 * 48 * 64  # above 2 x 3 x 48 x 64 x 2 key bytes at 1e10 B/s
+    assert fused["bound_kind"] == "FLOP"
+    assert fused["bound_ms"] == pytest.approx(flops / 1e11 * 1e3)
+    assert math.isfinite(fused["ms"]) and 0 < fused["ms"] < 1e3
+    assert 0 < fused["cpu_ms_per_thread"] and math.isfinite(fused["cpu_ms_per_thread"])
+    assert fused["ratio"] == pytest.approx(fused["ms"] / fused["bound_ms"])
+    assert FUSED_NAME in out.with_suffix(".md").read_text()
+    assert f"{FUSED_NAME:<46}" in capsys.readouterr().out
+
+
+def test_fused_row_skipped_in_a_run_where_unsupported(tmp_path, capsys, monkeypatch):
+    def never(*args):
+        raise AssertionError("the fused kernel was called where unsupported")
+
+    monkeypatch.setattr(wf, "supports_window_fused", lambda queries, pool: False)
+    monkeypatch.setattr(wf, "window_scores_fused_paged", never)
+    out = tmp_path / "kernels.json"
+    report = kernels.run(kernels.build_parser().parse_args(TINY + ["--output", str(out)]), MACHINE)
+    assert all(not row["name"].startswith("window fused") for row in report["results"])
+    assert len(report["results"]) == (2 if ops.available_isas() else 0)  # decode + window native
+    printed = capsys.readouterr().out
+    assert f"{FUSED_NAME:<46} skipped: the fused AMX window kernel does not run here" in printed
+    assert "window fused" not in out.with_suffix(".md").read_text()
+
+
+@pytest.mark.parametrize(
+    "env, argv, reason",
+    [
+        ("avx512", [], "the fused AMX window kernel does not run here"),
+        ("", ["--isa", "generic"], "--isa generic (the kernel runs on avx512_amx only)"),
+    ],
+)
+def test_fused_row_skipped_for_another_variant(env, argv, reason, capsys, monkeypatch):
+    monkeypatch.setenv(ops.ISA_ENV, env)  # a forced non-AMX variant turns the AMX kernels off
+    args = kernels.build_parser().parse_args(TINY + argv)
+    assert kernels.bench_window_fused(args, MACHINE) == []
+    assert f"{FUSED_NAME:<46} skipped: {reason}" in capsys.readouterr().out
+
+
+def test_fused_slots_below_the_window_raise():
+    args = kernels.build_parser().parse_args(TINY + ["--fused-slots", "16"])
+    with pytest.raises(ValueError, match="--fused-slots 16 < --window 32"):
+        kernels.bench_window_fused(args, MACHINE)
