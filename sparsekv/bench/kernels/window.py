@@ -1,5 +1,7 @@
 """Window-score rows: the paged window-score kernel (native vs the reference) that SnapKV-family
-scoring runs once the window rows' log-sum-exps are known, against its fp32 FLOP bound."""
+scoring runs once the window rows' log-sum-exps are known, against the larger of its FLOP bound
+(``Q K^T`` at the faster of the dtype's and fp32's matmul rates: bf16 runs on AMX tiles where the
+CPU has them) and its bandwidth bound (the keys read once)."""
 
 from __future__ import annotations
 
@@ -26,8 +28,15 @@ def bench_window(args: argparse.Namespace, dtype_name: str, machine: dict) -> li
     lse = torch.full((args.num_heads, args.window), 8.0)
     scale = args.head_dim**-0.5
     flops = 2 * args.num_heads * args.window * num_slots * args.head_dim * args.layers
-    bound = flops / machine["matmul_flops"]["fp32"]
-    note = f"{flops / 1e9:.2f} GFLOP at fp32 matmul rate"
+    rate = max(machine["matmul_flops"][dtype_name], machine["matmul_flops"]["fp32"])
+    key_bytes = args.num_kv_heads * num_slots * args.head_dim * pool.element_size() * args.layers
+    flop_s, read_s = flops / rate, key_bytes / machine["read_bandwidth"]
+    bound = max(flop_s, read_s)
+    note = (
+        f"{flops / 1e9:.2f} GFLOP at {rate / 1e9:.0f} GFLOP/s"
+        if flop_s >= read_s
+        else f"{key_bytes / 1e6:.1f} MB of keys"
+    )
     label = f"{args.num_heads}h x{args.window} rows x{num_slots} slots x{args.layers} {dtype_name}"
 
     def run(fn: Callable) -> Callable[[], None]:
