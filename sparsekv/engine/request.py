@@ -123,4 +123,11 @@ class Request:
         return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
 
     def token_slice(self, start: int, end: int) -> list[int]:
-        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+        """Token ids ``start .. end - 1`` of prompt + output (``0 <= start <= end``), without
+        copying the whole prompt (a decode step reads one token per request)."""
+        n = len(self.prompt_token_ids)
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]

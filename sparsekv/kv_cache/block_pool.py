@@ -136,6 +136,11 @@ class BlockPool:
     def ref_count(self, page: int) -> int:
         return self._ref_counts[page]
 
+    def any_shared(self, pages: list[int]) -> bool:
+        """Whether any of ``pages`` has more than one reference (a C-level scan: the scheduler
+        asks this of every compacting layer, twice per step)."""
+        return max(map(self._ref_counts.__getitem__, pages), default=0) > 1
+
     def is_cached(self, page: int) -> bool:
         return self._cached[page]
 

@@ -205,7 +205,7 @@ class KVCacheManager:
         return plans
 
     def _is_shared(self, state: LayerKV) -> bool:
-        return any(self.pool.ref_count(page) > 1 for page in state.block_table)
+        return self.pool.any_shared(state.block_table)
 
     def _pages_needed(self, kv: RequestKV, plans: list[LayerPlan]) -> list[int]:
         """Pages the plans add, per page kind."""

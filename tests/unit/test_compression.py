@@ -23,6 +23,7 @@ from sparsekv.compression import (
     prefill_attention_mass,
     window_attention_scores,
 )
+from sparsekv.compression.base import kept_indices_prefer_recent, top_indices_prefer_recent
 from sparsekv.compression.snapkv import SnapKVCompressor
 from sparsekv.config import COMPRESSION_METHODS, CompressionConfig
 
@@ -173,6 +174,28 @@ def test_select_ties_go_to_recent(budget, recent):
     view = LayerView(keys, keys, torch.zeros(4, 4, HEAD_DIM), None, SCALE)
     compressor = FixedScores(scores=scores, recent=recent)
     assert_selects(compressor, view, budget, 4, scores, 4 if recent is None else recent)
+
+
+@pytest.mark.parametrize("m", [1, 7, 50, 1008])
+@pytest.mark.parametrize("values", ["distinct", "ties", "two", "inf", "signed_zero", "nan"])
+def test_kept_indices_equal_the_sorted_top_indices(m, values):
+    """The sort-free selection keeps exactly the slots of the stable-sort ranking (ties to the
+    recent slot), in ascending order, for every ``k``-class and tie pattern."""
+    gen = torch.Generator().manual_seed(m)
+    scores = torch.rand(5, m, generator=gen)
+    if values == "ties":
+        scores = (scores * 8).floor()
+    elif values == "two":
+        scores = (scores * 2).floor()
+    elif values == "inf":
+        scores[scores < 0.2], scores[scores > 0.9] = float("inf"), float("-inf")
+    elif values == "signed_zero":
+        scores[scores < 0.5], scores[scores > 0.8] = 0.0, -0.0
+    elif values == "nan":
+        scores[scores < 0.1] = float("nan")
+    for k in sorted({0, 1, m // 2, max(0, m - 16), m - 1, m}):
+        expected = top_indices_prefer_recent(scores, k).sort(dim=-1).values
+        assert torch.equal(kept_indices_prefer_recent(scores, k), expected), k
 
 
 def test_select_keeps_all_when_prompt_fits():
