@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import platform
 import subprocess
 from pathlib import Path
@@ -16,14 +17,27 @@ CPU_FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def _git(*args: str) -> str | None:
+def _git(*args: str, root: Path | None = None) -> str | None:
     try:
         done = subprocess.run(
-            ["git", *args], cwd=_REPO_ROOT, capture_output=True, text=True, timeout=10
+            ["git", *args], cwd=root or _REPO_ROOT, capture_output=True, text=True, timeout=10
         )
     except (OSError, subprocess.SubprocessError):
         return None
     return done.stdout.strip() if done.returncode == 0 else None
+
+
+@functools.cache
+def _code_version(root: Path) -> tuple[str | None, bool | None]:
+    status = _git("status", "--porcelain", root=root)
+    return _git("rev-parse", "HEAD", root=root), None if status is None else bool(status)
+
+
+def code_version() -> tuple[str | None, bool | None]:
+    """``(git SHA, dirty)`` of the checkout as it was when this process first asked (``None``
+    outside a git checkout). ``sparsekv``'s CLI asks when a command starts, so the report of a
+    long run names the code the run imported, not a tree someone edited while it ran."""
+    return _code_version(_REPO_ROOT)
 
 
 def cpu_info(path: str = "/proc/cpuinfo") -> dict[str, Any]:
@@ -52,7 +66,7 @@ def provenance(config: dict[str, Any] | None = None) -> dict[str, Any]:
         config: the settings of the measurement (model, dtype, policy...), stored as given.
 
     Returns:
-        A JSON-ready dict with ``git_sha`` and ``git_dirty`` (``None`` outside a git checkout),
+        A JSON-ready dict with ``git_sha`` and ``git_dirty`` (:func:`code_version`),
         ``torch_version``, ``transformers_version`` (``None`` if not installed),
         ``num_threads`` (``torch.get_num_threads()``), ``cpu`` (model name and flags
         avx2/avx512f/avx512_bf16/amx_bf16/amx_tile), ``python_version``, ``platform``,
@@ -64,10 +78,10 @@ def provenance(config: dict[str, Any] | None = None) -> dict[str, Any]:
         transformers_version: str | None = transformers.__version__
     except ImportError:
         transformers_version = None
-    status = _git("status", "--porcelain")
+    sha, dirty = code_version()
     return {
-        "git_sha": _git("rev-parse", "HEAD"),
-        "git_dirty": None if status is None else bool(status),
+        "git_sha": sha,
+        "git_dirty": dirty,
         "torch_version": torch.__version__,
         "transformers_version": transformers_version,
         "num_threads": torch.get_num_threads(),

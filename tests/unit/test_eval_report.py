@@ -94,6 +94,23 @@ def test_heatmap_grid_averages_cells(tmp_path):
     assert is_png(write_heatmap(tmp_path / "h" / "grid.png", rows, title="passkey"))
 
 
+def test_provenance_names_the_checkout_as_first_asked(tmp_path, monkeypatch):
+    # A long run's report must name the code it started with, not a tree edited meanwhile.
+    monkeypatch.setattr(provenance_module, "_REPO_ROOT", tmp_path)
+    calls = []
+
+    def fake_git(*args, root=None):
+        calls.append(args)
+        return "a" * 40 if args[0] == "rev-parse" else ""
+
+    monkeypatch.setattr(provenance_module, "_git", fake_git)
+    assert provenance_module.code_version() == ("a" * 40, False)
+    monkeypatch.setattr(provenance_module, "_git", lambda *args, root=None: "b" * 40)
+    prov = provenance()
+    assert prov["git_sha"] == "a" * 40 and prov["git_dirty"] is False
+    assert len(calls) == 2
+
+
 def test_provenance_without_git_and_cpu_flags(tmp_path, monkeypatch):
     monkeypatch.setattr(provenance_module, "_REPO_ROOT", tmp_path)
     prov = provenance()
