@@ -134,11 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    from sparsekv.evaluation.provenance import code_version
-
-    code_version()  # the checkout a report's provenance names: as it is now, at the start
     # bench and eval parse their own flags (argparse's REMAINDER rejects a leading flag).
     if argv and argv[0] in ("bench", "eval"):
+        from sparsekv.evaluation.provenance import code_version
+
+        code_version()  # the checkout their reports name: as it is now, at the start
         args = argparse.Namespace(bench_args=argv[1:], eval_args=argv[1:])
         handler = cmd_bench if argv[0] == "bench" else cmd_eval
         try:

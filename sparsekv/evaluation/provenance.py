@@ -35,8 +35,8 @@ def _code_version(root: Path) -> tuple[str | None, bool | None]:
 
 def code_version() -> tuple[str | None, bool | None]:
     """``(git SHA, dirty)`` of the checkout as it was when this process first asked (``None``
-    outside a git checkout). ``sparsekv``'s CLI asks when a command starts, so the report of a
-    long run names the code the run imported, not a tree someone edited while it ran."""
+    outside a git checkout). ``sparsekv bench`` and ``sparsekv eval`` ask when they start, so the
+    report of a long run names the code the run imported, not a tree edited while it ran."""
     return _code_version(_REPO_ROOT)
 
 

@@ -85,6 +85,18 @@ def _engine(make_engine, checkpoint, **kw):
     return make_engine(checkpoint, dtype="bfloat16", **kw)
 
 
+def _cached_engine(make_engine, checkpoint, policy):
+    """An engine whose prefix cache keeps prompts uncompressed (900 pages)."""
+    return _engine(
+        make_engine,
+        checkpoint,
+        compression=policy,
+        num_pages=900,
+        prefix_caching=True,
+        prefix_cache_uncompressed=True,
+    )
+
+
 # 1. Swap preemption mid-decode (with chunked prefill beside decode).
 
 
@@ -161,14 +173,7 @@ def test_prefix_cache_shared_pages_copy_on_write(
     params = SamplingParams(max_tokens=56, **GREEDY)
 
     def build():
-        return _engine(
-            make_engine,
-            smollm2_checkpoint,
-            compression=policy,
-            num_pages=900,
-            prefix_caching=True,
-            prefix_cache_uncompressed=True,
-        )
+        return _cached_engine(make_engine, smollm2_checkpoint, policy)
 
     def drive(engine):
         first = run_to_completion(
@@ -362,14 +367,7 @@ def test_abort_sampling_and_stops(make_engine, smollm2_checkpoint, smollm2_token
     stop_params = SamplingParams(max_tokens=60, stop=["together"], **GREEDY)
 
     def build():
-        return _engine(
-            make_engine,
-            smollm2_checkpoint,
-            compression=policy,
-            num_pages=900,
-            prefix_caching=True,
-            prefix_cache_uncompressed=True,
-        )
+        return _cached_engine(make_engine, smollm2_checkpoint, policy)
 
     def drive(engine):
         engine.add_request("n2", story, sampled)

@@ -10,14 +10,20 @@ from collections.abc import Callable
 import torch
 
 from sparsekv.attention import torch_ref
-from sparsekv.attention.cpu import build, ops
+from sparsekv.attention.cpu import ops
 from sparsekv.bench.kernels.pages import (
     decode_inputs,
     int4_bytes_per_call,
     make_int4_pages,
     make_pages,
 )
-from sparsekv.bench.kernels.probe import DTYPES, native_isa, row, timed
+from sparsekv.bench.kernels.probe import (
+    DTYPES,
+    native_and_reference_rows,
+    native_isa,
+    row,
+    timed,
+)
 
 
 def decode_case(args: argparse.Namespace, dtype_name: str) -> tuple[list, Callable]:
@@ -46,21 +52,17 @@ def bench_decode(args: argparse.Namespace, dtype_name: str, machine: dict) -> li
     kv_bytes *= torch.finfo(dtype).bits // 8
     bound = kv_bytes / machine["read_bandwidth"]
     note = f"{kv_bytes / 1e6:.0f} MB of K/V"
-    rows = []
     label = f"{args.batch}x{args.tokens} x{args.layers} layers {dtype_name}"
-    if build.load_extension() is not None:
-        native = functools.partial(ops.paged_decode_attention, isa=native_isa(args))
-        rows.append(row(f"decode native {label}", timed(step(native), args.repeats), bound, note))
-    if not args.no_reference:
-        rows.append(
-            row(
-                f"decode torch_ref {label}",
-                timed(step(torch_ref.paged_decode_attention), max(1, args.repeats // 2)),
-                bound,
-                note,
-            )
-        )
-    return rows
+    return native_and_reference_rows(
+        args,
+        (f"decode native {label}", f"decode torch_ref {label}"),
+        step,
+        ops.paged_decode_attention,
+        torch_ref.paged_decode_attention,
+        bound,
+        note,
+        reference_repeats=max(1, args.repeats // 2),
+    )
 
 
 def paged_attention(args: argparse.Namespace, kv_name: str) -> tuple[Callable, int]:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from collections.abc import Callable
 
 import torch
 
-from sparsekv.attention.cpu import ops
+from sparsekv.attention.cpu import build, ops
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -77,3 +78,27 @@ def row(name: str, times: tuple[float, float], bound: float, note: str) -> dict:
         "bound_ms": bound * 1e3,
         "ratio": seconds / bound,
     }
+
+
+def native_and_reference_rows(
+    args: argparse.Namespace,
+    names: tuple[str, str],
+    make: Callable[[Callable], Callable[[], object]],
+    native_op: Callable,
+    reference: Callable,
+    bound: float,
+    note: str,
+    reference_repeats: int | None = None,
+) -> list[dict]:
+    """The native kernel's row (when the extension is built; ``native_op`` at
+    :func:`native_isa`) and the reference's (unless ``--no-reference``) for one case:
+    ``make(fn)`` is the timed call of ``fn``, ``names`` the two row names,
+    ``reference_repeats`` the reference's repeats (default ``--repeats``)."""
+    rows = []
+    if build.load_extension() is not None:
+        native = functools.partial(native_op, isa=native_isa(args))
+        rows.append(row(names[0], timed(make(native), args.repeats), bound, note))
+    if not args.no_reference:
+        repeats = args.repeats if reference_repeats is None else reference_repeats
+        rows.append(row(names[1], timed(make(reference), repeats), bound, note))
+    return rows

@@ -6,14 +6,13 @@ CPU has them) and its bandwidth bound (the keys read once)."""
 from __future__ import annotations
 
 import argparse
-import functools
 from collections.abc import Callable
 
 import torch
 
-from sparsekv.attention.cpu import build, ops
+from sparsekv.attention.cpu import ops
 from sparsekv.attention.cpu.reference import window_scores_paged as ref_window_scores
-from sparsekv.bench.kernels.probe import DTYPES, native_isa, row, timed
+from sparsekv.bench.kernels.probe import DTYPES, native_and_reference_rows
 
 
 def bench_window(args: argparse.Namespace, dtype_name: str, machine: dict) -> list[dict]:
@@ -42,17 +41,12 @@ def bench_window(args: argparse.Namespace, dtype_name: str, machine: dict) -> li
     def run(fn: Callable) -> Callable[[], None]:
         return lambda: [fn(queries, lse, pool, table, num_slots, scale) for _ in range(args.layers)]
 
-    rows = []
-    if build.load_extension() is not None:
-        native = functools.partial(ops.window_scores_paged, isa=native_isa(args))
-        rows.append(row(f"window native {label}", timed(run(native), args.repeats), bound, note))
-    if not args.no_reference:
-        rows.append(
-            row(
-                f"window reference {label}",
-                timed(run(ref_window_scores), args.repeats),
-                bound,
-                note,
-            )
-        )
-    return rows
+    return native_and_reference_rows(
+        args,
+        (f"window native {label}", f"window reference {label}"),
+        run,
+        ops.window_scores_paged,
+        ref_window_scores,
+        bound,
+        note,
+    )
