@@ -19,6 +19,7 @@ import torch
 
 from sparsekv.config import EngineConfig
 from sparsekv.engine.scheduler import Scheduler
+from sparsekv.host_allocator import tune_host_allocator
 from sparsekv.kv_cache.manager import KVCacheManager
 from sparsekv.kv_cache.storage import page_bytes
 from sparsekv.models.prepack import can_prepack, prepack_linears
@@ -182,6 +183,7 @@ def build_engine_parts(config: EngineConfig, checkpoint=None) -> EngineParts:
         from sparsekv.attention.backend import prepare_native_kernels
 
         prepare_native_kernels()
+        tune_host_allocator()
     if checkpoint is None:
         from sparsekv.loader import load_checkpoint
 
