@@ -57,15 +57,8 @@ def _warn_unusable_isa(name: str, head_dim: int) -> None:
         f"{ISA_ENV}={name!r} is not a kernel variant this CPU runs for head_dim {head_dim} "
         "(see ops.available_isas()); using the default",
         RuntimeWarning,
-        stacklevel=4,
+        stacklevel=5,
     )
-
-
-@functools.cache
-def _fitting_isas(ext, head_dim: int, lanes_per_step: int) -> tuple[str, ...]:
-    # Variants whose vector width divides head_dim as the kernels need; fixed per process (the
-    # environment override is applied per call by pick_isa, as tests change it).
-    return tuple(isa for isa, width in _variants(ext) if head_dim % (lanes_per_step * width) == 0)
 
 
 def pick_isa(head_dim: int, quantized: bool = False) -> str | None:
@@ -75,8 +68,15 @@ def pick_isa(head_dim: int, quantized: bool = False) -> str | None:
     ext = build.load_extension()
     if ext is None:
         return None
-    fits = _fitting_isas(ext, head_dim, 4 if quantized else 2)
-    forced = os.environ.get(ISA_ENV, "").strip()
+    # The environment is read per call (tests change it); the choice is cached per setting.
+    return _pick_isa(ext, head_dim, quantized, os.environ.get(ISA_ENV, "").strip())
+
+
+@functools.cache
+def _pick_isa(ext, head_dim: int, quantized: bool, forced: str) -> str | None:
+    # Variants whose vector width divides head_dim as the kernels need.
+    lanes_per_step = 4 if quantized else 2
+    fits = [isa for isa, width in _variants(ext) if head_dim % (lanes_per_step * width) == 0]
     if forced:
         if forced in fits:
             return forced

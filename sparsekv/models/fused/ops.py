@@ -65,7 +65,7 @@ def _native(*tensors: torch.Tensor):
         return None
     grad = torch.is_grad_enabled()
     for t in tensors:
-        if t.device.type != "cpu" or t.dtype not in NATIVE_DTYPES or (grad and t.requires_grad):
+        if not t.is_cpu or t.dtype not in NATIVE_DTYPES or (grad and t.requires_grad):
             return None
     return ext
 
