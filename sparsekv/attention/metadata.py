@@ -10,7 +10,7 @@ take the general path (prefill chunks, including prefill chunks that compress).
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -65,6 +65,7 @@ class DecodeBatch:
             output whole, without gathering rows.
         need_mass: some request on the path accumulates attention mass (H2O).
         budgeted: some request's layer state keeps a budget (recent queries to remember).
+        compacting: the requests of ``slices`` whose layer compacts after the forward.
     """
 
     slices: list[RequestSlice]
@@ -76,6 +77,7 @@ class DecodeBatch:
     all_rows: bool = False
     need_mass: bool = False
     budgeted: bool = True
+    compacting: list[RequestSlice] = field(default_factory=list)
 
 
 @dataclass
@@ -144,7 +146,7 @@ def _decode_batches(
 ) -> list[DecodeBatch]:
     """One ``DecodeBatch`` per layer of ``layers``, all over the same ``slices``."""
     steps = [s.layers[layer] for layer in layers for s in slices]  # layer-major
-    tables = _padded_tables([step.block_table for step in steps])  # [L * B, max_blocks]
+    tables = _padded_tables(slices, tuple(layers)).reshape(len(steps), -1)  # [L * B, max_blocks]
     held = np.fromiter((step.num_held for step in steps), dtype=np.int64, count=len(steps))
     first = np.fromiter((step.first_slot for step in steps), dtype=np.int64, count=len(steps))
     pages = tables[np.arange(len(steps)), held // block_size]  # the page the new token goes to
@@ -165,20 +167,39 @@ def _decode_batches(
             all_rows=all_rows,
             need_mass=need_mass,
             budgeted=any(s.kv.layers[layer].budget is not None for s in slices),
+            compacting=[s for s in slices if s.layers[layer].decode_compaction],
         )
         for i, layer in enumerate(layers)
     ]
 
 
-def _padded_tables(tables: list[list[int]]) -> np.ndarray:
-    """``[len(tables), longest]`` int64: each table padded with page 0 (masked by the kernels).
+def _padded_tables(slices: list[RequestSlice], layers: tuple[int, ...]) -> np.ndarray:
+    """``[len(layers), len(slices), longest]`` int64 block tables, padded with page 0 (masked
+    by the kernels).
 
-    Every page id is converted in one ``fromiter`` pass rather than a fill per table (a
-    16-request SmolLM2 decode step has 480 tables of 65-133 pages).
+    A request's tables are converted from their lists only when they differ from the ones it
+    had at its previous decode step (``RequestKV.decode_tables``): most steps change few pages
+    of few requests, and a 16-request SmolLM2 step has 480 tables of 65-133 pages.
     """
+    per_request = [_request_tables(s, layers) for s in slices]
+    padded = np.zeros((len(layers), len(slices), max(t.shape[1] for t in per_request)), np.int64)
+    for i, tables in enumerate(per_request):
+        padded[:, i, : tables.shape[1]] = tables
+    return padded
+
+
+def _request_tables(request: RequestSlice, layers: tuple[int, ...]) -> np.ndarray:
+    """``[len(layers), longest]`` int64 tables of one request, from its cache when its lists
+    are unchanged (compared by value: compaction, preemption and the prefix cache may edit them
+    in place)."""
+    tables = [request.layers[layer].block_table for layer in layers]
+    cached = request.kv.decode_tables
+    if cached is not None and cached[0] == layers and cached[1] == tables:
+        return cached[2]
     lengths = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
     flat = itertools.chain.from_iterable(tables)
     pages = np.fromiter(flat, dtype=np.int64, count=int(lengths.sum()))
     padded = np.zeros((len(tables), int(lengths.max())), dtype=np.int64)
     padded[np.arange(padded.shape[1]) < lengths[:, None]] = pages
+    request.kv.decode_tables = (layers, [list(table) for table in tables], padded)
     return padded

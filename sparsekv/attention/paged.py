@@ -131,18 +131,16 @@ class PagedAttention:
             self.logit_softcap,
             batch.need_mass,
         )
-        if batch.budgeted or batch.need_mass:
-            rows = queries.unbind(0)
+        if batch.budgeted:
+            for request, state, row in zip(batch.slices, states, queries.unbind(0)):
+                if state.budget is not None:
+                    state.remember_query(row, request.window)
+        if batch.need_mass:
             for i, (request, state) in enumerate(zip(batch.slices, states)):
-                if state.budget is None:
-                    continue
-                state.remember_query(rows[i], request.window)
-                if request.needs_attention_mass:
+                if state.budget is not None and request.needs_attention_mass:
                     held = request.layers[layer].num_held + 1
                     _accumulate(state, mass[i, :, :held])
-        for request in batch.slices:
-            if request.layers[layer].decode_compaction:
-                self._pending.append((request, layer, scale))
+        self._pending.extend((request, layer, scale) for request in batch.compacting)
         return result
 
     def _general(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -96,10 +97,16 @@ class RequestKV:
         swapped_pages: per layer, host copies of the pages' tensors (codes, then scales for
             quantized formats; leading dimension = pages) while the request is swapped out,
             else ``None``.
+        decode_tables: the attention metadata's cache of the block tables of its last decode
+            step: ``(layers, copies of their page-id lists, [len(layers), longest]`` int64
+            array padded with page 0``)``; reused while the lists are equal.
     """
 
     layers: list[LayerKV]
     swapped_pages: list[tuple[torch.Tensor, ...]] | None = None
+    decode_tables: tuple[tuple[int, ...], list[list[int]], np.ndarray] | None = field(
+        default=None, repr=False, compare=False
+    )
 
     @property
     def is_swapped(self) -> bool:

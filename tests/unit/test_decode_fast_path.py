@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sparsekv.attention.metadata import RequestSlice, build_metadata
 from sparsekv.attention.torch_ref import write_kv
-from sparsekv.kv_cache.request_kv import LayerKV
+from sparsekv.kv_cache.plan import LayerStep
+from sparsekv.kv_cache.request_kv import LayerKV, RequestKV
 from sparsekv.models import prepack
 from sparsekv.models.fused import build, ops
 
@@ -122,3 +124,32 @@ def test_remember_query_rows_equal_one_shot(held, steps):
     assert state.recent_queries.is_contiguous() and state.recent_queries.shape[1] <= window
     state.recent_queries = None
     assert state.recent_queries is None
+
+
+def _decode_slices(tables_per_request: list[list[list[int]]], kvs: list[RequestKV]):
+    slices = []
+    for i, (tables, kv) in enumerate(zip(tables_per_request, kvs)):
+        steps = [LayerStep(table, 0, 16 * len(table) - 5, 1) for table in tables]
+        slices.append(RequestSlice(f"r{i}", i, 1, steps, kv, None, 4))
+    return slices
+
+
+def test_decode_block_tables_cached_only_while_unchanged():
+    """The metadata's per-request table cache gives the tables of the step's lists, also after
+    the lists were edited in place or replaced between steps."""
+    tables = [[[3, 4, 5], [6, 7]], [[8], [9, 10, 11, 12]]]
+    kvs = [RequestKV([LayerKV(), LayerKV()]) for _ in tables]
+    for edit in (None, "append", "swap", "replace"):
+        if edit == "append":
+            tables[0][1].append(13)
+        elif edit == "swap":
+            tables[1][1][2] = 42
+        elif edit == "replace":
+            tables[0][0] = [1, 2]
+        meta = build_metadata(_decode_slices(tables, kvs), 2, 16, torch.device("cpu"))
+        for layer in range(2):
+            got = meta.decode[layer].block_tables
+            for i, request_tables in enumerate(tables):
+                table = request_tables[layer]
+                assert got[i, : len(table)].tolist() == table
+                assert not got[i, len(table) :].any()
