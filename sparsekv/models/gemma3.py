@@ -204,10 +204,9 @@ class Gemma3ForCausalLM(nn.Module):
             kind: rope.cos_sin(positions, hidden.dtype) for kind, rope in self.rotary.items()
         }
         residual = None
-        with fused.native_scope():  # the fused ops check the build once, not per call
-            for layer in self.layers:
-                hidden, residual = layer(hidden, residual, cos_sin[layer.layer_type], ctx)
-            return self.norm.add_and_norm(residual, hidden)[1]
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, cos_sin[layer.layer_type], ctx)
+        return self.norm.add_and_norm(residual, hidden)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden``: ``[num_rows, hidden]`` -> fp32 logits ``[num_rows, vocab_size]``.

@@ -129,10 +129,9 @@ class LlamaForCausalLM(nn.Module):
         """``input_ids``, ``positions``: ``[num_tokens]`` -> hidden ``[num_tokens, hidden]``."""
         hidden, residual = self.embed_tokens(input_ids), None
         cos_sin = self.rotary.cos_sin(positions, hidden.dtype)
-        with fused.native_scope():  # the fused ops check the build once, not per call
-            for layer in self.layers:
-                hidden, residual = layer(hidden, residual, cos_sin, ctx)
-            return self.norm.add_and_norm(residual, hidden)[1]
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, cos_sin, ctx)
+        return self.norm.add_and_norm(residual, hidden)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden``: ``[num_rows, hidden]`` -> fp32 logits ``[num_rows, vocab_size]``."""
