@@ -36,7 +36,8 @@ def decode_attention(
     ``torch_ref.paged_decode_attention`` (out ``[batch, num_heads, head_dim]``, lse
     ``[batch, num_heads]`` fp32, optional mass ``[batch, num_kv_heads, max_blocks * block_size]``).
     """
-    if native.supports(query, kv_pool):
+    isa = native.decode_isa(query, kv_pool)
+    if isa is not None:
         return native.paged_decode_attention(
             query,
             kv_pool,
@@ -47,6 +48,7 @@ def decode_attention(
             sliding_window,
             logit_softcap,
             return_attn_mass,
+            isa,
         )
     return torch_ref.paged_decode_attention(
         query,

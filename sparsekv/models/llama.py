@@ -35,20 +35,17 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
         self.scale = self.head_dim**-0.5
         self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
+        self.head_counts = (self.num_heads, self.num_kv_heads, self.num_kv_heads)  # q, k, v
 
     def forward(self, hidden: torch.Tensor, cos_sin: tuple, ctx) -> torch.Tensor:
         """``hidden``: ``[num_tokens, hidden_size]`` -> ``[num_tokens, hidden_size]``."""
         num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)
-        q_size, qk_size = self.q_size, self.q_size + self.kv_size
+        heads = self.qkv_proj(hidden).view(num_tokens, -1, self.head_dim)  # [T, H + 2 * KVH, d]
         # Queries and keys are adjacent in the fused projection: rotate them in one pass, in place.
-        qk = qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, -1)
-        fused.rotary_(qk, *cos_sin)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        fused.rotary_(heads[:, : self.num_heads + self.num_kv_heads], *cos_sin)
+        q, k, v = heads.split(self.head_counts, dim=1)
         out = ctx.attend(self.layer_idx, q, k, v, self.scale)  # [T, H, d]
-        return self.o_proj(out.reshape(num_tokens, q_size))
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class LlamaDecoderLayer(nn.Module):

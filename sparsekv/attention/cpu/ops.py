@@ -87,16 +87,23 @@ def _pick_isa(ext, head_dim: int, quantized: bool, forced: str) -> str | None:
 
 def supports(query: torch.Tensor, kv_pool: torch.Tensor) -> bool:
     """True when the native kernels take these tensors (CPU, fp32/bf16 alike, contiguous pool)."""
-    return (
-        query.device.type == "cpu"
-        and kv_pool.device.type == "cpu"
+    return decode_isa(query, kv_pool) is not None
+
+
+def decode_isa(query: torch.Tensor, kv_pool: torch.Tensor) -> str | None:
+    """The variant :func:`paged_decode_attention` runs on these tensors (:func:`pick_isa`), or
+    ``None`` where the native kernels do not take them (:func:`supports`)."""
+    if not (
+        query.is_cpu
+        and kv_pool.is_cpu
         and query.dtype in NATIVE_DTYPES
         and kv_pool.dtype == query.dtype
         and kv_pool.dim() == 5
         and kv_pool.is_contiguous()
         and not query.requires_grad
-        and pick_isa(kv_pool.shape[-1]) is not None
-    )
+    ):
+        return None
+    return pick_isa(kv_pool.shape[-1])
 
 
 def supports_quantized(query: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor) -> bool:
@@ -160,15 +167,6 @@ def supports_int4(
     )
 
 
-def _empty_decode(
-    query: torch.Tensor, num_kv_heads: int, return_attn_mass: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    # A batch of no requests: the shapes the kernels would return, no call.
-    lse = query.new_empty((0, query.shape[1]), dtype=torch.float32)
-    mass = query.new_empty((0, num_kv_heads, 0), dtype=torch.float32)
-    return query.clone(), lse, mass if return_attn_mass else None
-
-
 @functools.cache
 def _operator(ext, name: str):
     # The operator's single overload: calling it skips the packet's overload resolution (a few
@@ -194,8 +192,10 @@ def _run_decode(
     # the scalar arguments in the kernel's types and the optional mass; ``pages`` are the
     # format's page tensors as its operator takes them.
     op = _operator(_extension(), op_name)
-    if query.shape[0] == 0:
-        return _empty_decode(query, num_kv_heads, return_attn_mass)
+    if query.shape[0] == 0:  # a batch of no requests: the shapes the kernels would return
+        lse = query.new_empty((0, query.shape[1]), dtype=torch.float32)
+        mass = query.new_empty((0, num_kv_heads, 0), dtype=torch.float32)
+        return query.clone(), lse, mass if return_attn_mass else None
     if first_slots is None:
         first_slots = torch.zeros_like(seq_lens)
     out, lse, mass = op(

@@ -160,7 +160,7 @@ def write_kv_(
     ext = _extension()
     if (
         ext is None
-        or kv_pool.device.type != "cpu"
+        or not kv_pool.is_cpu
         or key.dtype != kv_pool.dtype
         or value.dtype != kv_pool.dtype
         or key.stride(-1) != 1
