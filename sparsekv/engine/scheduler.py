@@ -16,7 +16,7 @@ from collections import deque
 from sparsekv.config import SchedulerConfig
 from sparsekv.engine.request import Request, RequestStatus
 from sparsekv.engine.scheduler_output import ScheduledRequest, SchedulerOutput
-from sparsekv.kv_cache.manager import KVCacheManager
+from sparsekv.kv_cache.manager import KVCacheManager, StepPlan
 
 MAX_PREEMPTIONS_IN_A_ROW = 3
 
@@ -75,12 +75,13 @@ class Scheduler:
             if num_new <= 0:
                 index += 1
                 continue
-            if not self._make_room(request, num_new, scheduled, out):
+            plan = self._make_room(request, num_new, scheduled, out)
+            if plan is None:
                 if request.status != RequestStatus.RUNNING:
                     continue  # it preempted itself; ``running`` shifted under ``index``
                 index += 1
                 continue
-            out.scheduled.append(self._allocate(request, num_new))
+            out.scheduled.append(self._allocate(request, num_new, plan))
             scheduled.add(request.request_id)
             token_budget -= num_new
             index += 1
@@ -95,26 +96,29 @@ class Scheduler:
         completes_prompt = request.num_computed_tokens + num_new == request.compression_end
         return completes_prompt, in_prefill
 
-    def _allocate(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _allocate(self, request: Request, num_new: int, plan: StepPlan) -> ScheduledRequest:
         completes_prompt, in_prefill = self._step_flags(request, num_new)
-        layers = self.kv.allocate(request.request_id, num_new, completes_prompt, in_prefill)
+        layers = self.kv.allocate(request.request_id, num_new, completes_prompt, in_prefill, plan)
         samples = request.num_computed_tokens + num_new == request.num_tokens
         return ScheduledRequest(request, num_new, layers, samples)
 
     def _make_room(
         self, request: Request, num_new: int, scheduled: set[str], out: SchedulerOutput
-    ) -> bool:
-        """Preempt newest requests until ``request``'s step fits; False if it cannot run now."""
+    ) -> StepPlan | None:
+        """Preempt newest requests until ``request``'s step fits; its plan, or None if it
+        cannot run now."""
         flags = self._step_flags(request, num_new)
-        while not self.kv.can_allocate(request.request_id, num_new, *flags):
+        plan = self.kv.plan_step(request.request_id, num_new, *flags)
+        while not self.kv.fits(plan.num_pages):
             victim = self._pick_victim(scheduled)
             if victim is None:
-                return False
+                return None
             self._preempt(victim)
             out.preempted_ids.append(victim.request_id)
             if victim is request:
-                return False
-        return True
+                return None
+            plan = self.kv.plan_step(request.request_id, num_new, *flags)
+        return plan
 
     def _pick_victim(self, scheduled: set[str]) -> Request | None:
         for candidate in reversed(self.running):
@@ -154,14 +158,14 @@ class Scheduler:
                 self.kv.swap_in(request.request_id)
                 swapped_in, watermark = True, 0
             num_hit = None if swapped_in else self._attach_prefix(request)
-            num_new, fits = self._fits(request, token_budget, watermark)
-            if not fits and num_hit:
+            num_new, plan = self._fits(request, token_budget, watermark)
+            if plan is None and num_hit:
                 # A hit whose compaction must copy shared pages may not fit where a cold
                 # start does.
                 self._detach_prefix(request)
                 num_hit = 0
-                num_new, fits = self._fits(request, token_budget, watermark)
-            if not fits and not swapped_in:
+                num_new, plan = self._fits(request, token_budget, watermark)
+            if plan is None and not swapped_in:
                 if num_hit:
                     self._detach_prefix(request)
                 return
@@ -170,16 +174,17 @@ class Scheduler:
             self.running.append(request)
             if num_hit is not None:
                 out.prefix_hits.append(num_hit)
-            if fits:
-                out.scheduled.append(self._allocate(request, num_new))
+            if plan is not None:
+                out.scheduled.append(self._allocate(request, num_new, plan))
                 token_budget -= num_new
 
-    def _fits(self, request: Request, token_budget: int, watermark: int) -> tuple[int, bool]:
+    def _fits(
+        self, request: Request, token_budget: int, watermark: int
+    ) -> tuple[int, StepPlan | None]:
+        """The next chunk's size and plan (``None`` when it does not fit with ``watermark``)."""
         num_new = request.next_chunk(token_budget)
-        flags = self._step_flags(request, num_new)
-        return num_new, self.kv.can_allocate(
-            request.request_id, num_new, *flags, watermark=watermark
-        )
+        plan = self.kv.plan_step(request.request_id, num_new, *self._step_flags(request, num_new))
+        return num_new, plan if self.kv.fits(plan.num_pages, watermark) else None
 
     def _attach_prefix(self, request: Request) -> int | None:
         """Look a request with nothing computed up in the prefix cache and attach the hit.

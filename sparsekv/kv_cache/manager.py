@@ -15,13 +15,13 @@ import torch
 from sparsekv.kv_cache import prefix_sharing as sharing
 from sparsekv.kv_cache.block_pool import BlockPool
 from sparsekv.kv_cache.budget import may_compact, peak_request_pages
-from sparsekv.kv_cache.plan import KVPolicy, LayerPlan, LayerStep, plan_layer
+from sparsekv.kv_cache.plan import KVPolicy, LayerPlan, LayerStep, StepPlan, plan_layers
 from sparsekv.kv_cache.prefix_cache import ContextLayer, PrefixCache
 from sparsekv.kv_cache.request_kv import LayerKV, RequestKV
 from sparsekv.kv_cache.spec import LayerSpec, cdiv
 from sparsekv.kv_cache.storage import KVStorage, make_storage
 
-__all__ = ["KVCacheManager", "KVPolicy", "LayerStep"]
+__all__ = ["KVCacheManager", "KVPolicy", "LayerStep", "StepPlan"]
 
 
 class KVCacheManager:
@@ -111,7 +111,7 @@ class KVCacheManager:
         """Bytes of one page of the main kind (codes and scales)."""
         return self.storages[0].page_bytes
 
-    def _fits(self, needed: list[int], watermark: int = 0) -> bool:
+    def fits(self, needed: list[int], watermark: int = 0) -> bool:
         """Whether every kind has ``needed[k] + watermark`` free or reclaimable pages."""
         return all(
             need == 0 or need + watermark <= self.pool.num_available(kind)
@@ -166,33 +166,46 @@ class KVCacheManager:
         return may_compact(budgets, num_prompt_tokens, max_tokens, self.block_size, decode_eviction)
 
     # ----------------------------------------------------------------- step planning
-    def _plans(
+    def plan_step(
+        self, request_id: str, num_new: int, completes_prompt: bool, in_prefill: bool
+    ) -> StepPlan:
+        """Per-layer plans of the coming step and the pages they add (check half of
+        ``allocate``; ``fits(plan.num_pages)`` tells whether the pool has them)."""
+        kv, policy = self._requests[request_id], self._policies[request_id]
+        step = (num_new, completes_prompt, in_prefill, self.block_size)
+        plans = plan_layers(kv.layers, policy, *step, self.pool.any_shared)
+        return StepPlan(plans, self._pages_needed(kv, plans))
+
+    def num_pages_needed(
+        self, request_id: str, num_new: int, completes_prompt: bool, in_prefill: bool
+    ) -> int:
+        """Pages the step would add for this request, all kinds (check half of ``allocate``)."""
+        return sum(self.plan_step(request_id, num_new, completes_prompt, in_prefill).num_pages)
+
+    def can_allocate(
         self,
         request_id: str,
         num_new: int,
         completes_prompt: bool,
         in_prefill: bool,
-        widen: bool = False,
-    ) -> list[LayerPlan]:
-        """Per-layer plans of the coming step.
+        watermark: int = 0,
+    ) -> bool:
+        plan = self.plan_step(request_id, num_new, completes_prompt, in_prefill)
+        return self.fits(plan.num_pages, watermark)
 
-        A compacting layer whose table shares a page (with another request or the cache)
-        compacts into fresh pages (copy-on-write). With ``widen`` (the act half only) and
-        ``prefix_cache_uncompressed``, a compressing last prefill chunk also keeps its
-        uncompressed prompt for the cache, but only when those extra pages leave a reserve of
-        one page per layer and live request: the check half counts the plain plan, so the act
-        half never needs more than the check allowed, and a short pool falls back silently.
+    def _widened(
+        self, request_id: str, plans: list[LayerPlan], num_new: int, completes_prompt: bool
+    ) -> list[LayerPlan]:
+        """The act half's plans of a prefill step: with ``prefix_cache_uncompressed``, a
+        compressing last prefill chunk also keeps its uncompressed prompt for the cache, but
+        only when those extra pages leave a reserve of one page per layer and live request:
+        the check half counts the plain plan, so the act half never needs more than the check
+        allowed, and a short pool falls back silently.
         """
         kv = self._requests[request_id]
         policy = self._policies[request_id]
-        plans = []
-        for state in kv.layers:
-            plan = plan_layer(state, policy, num_new, completes_prompt, in_prefill, self.block_size)
-            if plan.compress_to is not None and self._is_shared(state):
-                plan = plan.copy_on_write(state.num_held)
-            plans.append(plan)
-        widen = widen and self.prefix_cache is not None and self.prefix_cache_uncompressed
-        widen = widen and in_prefill and completes_prompt and not policy.bounded_chunks
+        widen = self.prefix_cache is not None and self.prefix_cache_uncompressed
+        widen = widen and completes_prompt and not policy.bounded_chunks
         widen = widen and not policy.context_only
         if widen and sharing.may_keep_uncompressed(self.pool, kv, plans, num_new, self.block_size):
             wide = [
@@ -200,12 +213,9 @@ class KVCacheManager:
                 for p, s in zip(plans, kv.layers)
             ]
             reserve = self.num_layers * len(self._requests)
-            if self._fits(self._pages_needed(kv, wide), reserve):
+            if self.fits(self._pages_needed(kv, wide), reserve):
                 return wide
         return plans
-
-    def _is_shared(self, state: LayerKV) -> bool:
-        return self.pool.any_shared(state.block_table)
 
     def _pages_needed(self, kv: RequestKV, plans: list[LayerPlan]) -> list[int]:
         """Pages the plans add, per page kind."""
@@ -216,56 +226,41 @@ class KVCacheManager:
             ]
         )
 
-    def num_pages_needed(
-        self, request_id: str, num_new: int, completes_prompt: bool, in_prefill: bool
-    ) -> int:
-        """Pages the step would add for this request, all kinds (check half of ``allocate``)."""
-        plans = self._plans(request_id, num_new, completes_prompt, in_prefill)
-        return sum(self._pages_needed(self._requests[request_id], plans))
-
-    def can_allocate(
+    def allocate(
         self,
         request_id: str,
         num_new: int,
         completes_prompt: bool,
         in_prefill: bool,
-        watermark: int = 0,
-    ) -> bool:
-        plans = self._plans(request_id, num_new, completes_prompt, in_prefill)
-        return self._fits(self._pages_needed(self._requests[request_id], plans), watermark)
-
-    def allocate(
-        self, request_id: str, num_new: int, completes_prompt: bool, in_prefill: bool
+        plan: StepPlan | None = None,
     ) -> list[LayerStep]:
         """Allocate this step's pages and return the per-layer plan (act half).
 
         Evicts unreferenced prefix-cache groups (LRU) when the free list runs short.
 
+        Args:
+            request_id, num_new, completes_prompt, in_prefill: the step, as for ``plan_step``.
+            plan: ``plan_step``'s result for these arguments with no page taken or released
+                since (the scheduler's check), or ``None`` to plan here.
+
         Raises:
             RuntimeError: the pool lacks pages (the scheduler checks ``can_allocate`` first).
         """
         kv = self._requests[request_id]
-        plans = self._plans(request_id, num_new, completes_prompt, in_prefill, widen=True)
+        if plan is None:
+            plan = self.plan_step(request_id, num_new, completes_prompt, in_prefill)
+        plans = plan.layers
+        if in_prefill:
+            plans = self._widened(request_id, plans, num_new, completes_prompt)
         steps = []
-        for kind, state, plan in zip(self.layer_kinds, kv.layers, plans):
-            extra = cdiv(plan.capacity, self.block_size) - len(state.block_table)
+        for kind, state, layer in zip(self.layer_kinds, kv.layers, plans):
+            extra = cdiv(layer.capacity, self.block_size) - len(state.block_table)
             if extra > 0:
                 state.block_table.extend(self.pool.allocate(extra, kind))
-            if plan.fresh_compact:
-                num = cdiv(plan.compress_to, self.block_size)
+            if layer.fresh_compact:
+                num = cdiv(layer.compress_to, self.block_size)
                 state.compact_table = self.pool.allocate(num, kind)
-            steps.append(
-                LayerStep(
-                    block_table=state.block_table,
-                    first_slot=state.first_slot,
-                    num_held=state.num_held,
-                    num_new=num_new,
-                    compress_to=plan.compress_to,
-                    compact_table=state.compact_table,
-                    keep_uncompressed=plan.keep_uncompressed,
-                    decode_compaction=plan.decode_compaction,
-                )
-            )
+            steps.append(layer.step(state, num_new))
         return steps
 
     def commit(
@@ -367,7 +362,7 @@ class KVCacheManager:
         # Hold the shared pages first: the copies' allocation may evict cached groups.
         for info in entry.layers:
             self.pool.incref(info.full_pages)
-        if not self._fits(self._by_kind([int(info.tail is not None) for info in entry.layers])):
+        if not self.fits(self._by_kind([int(info.tail is not None) for info in entry.layers])):
             for info in entry.layers:
                 self.pool.free(info.full_pages)
             return 0
@@ -447,7 +442,7 @@ class KVCacheManager:
         needed = self._swap_in_needed(self._requests[request_id])
         for kind in self.layer_kinds:
             needed[kind] += 1
-        return self._fits(needed, watermark)
+        return self.fits(needed, watermark)
 
     def swap_in(self, request_id: str) -> None:
         """Restore a swapped request's pages into freshly allocated (private) pages."""

@@ -7,6 +7,7 @@ resulting ``LayerStep``s.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from sparsekv.kv_cache.request_kv import LayerKV
@@ -59,9 +60,9 @@ class KVPolicy:
     context_only: bool = False  # scope "context": compress once, at the end of the context
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class LayerPlan:
-    """Page needs of one layer in the coming step.
+    """Page needs of one layer in the coming step (never mutated: the helpers return copies).
 
     Attributes:
         capacity: slots the layer's block table must cover.
@@ -95,35 +96,71 @@ class LayerPlan:
         """Write the uncompressed K/V into the table and compact into fresh pages."""
         return replace(self, capacity=total, fresh_compact=True, keep_uncompressed=True)
 
+    def step(self, state: LayerKV, num_new: int) -> LayerStep:
+        """The runner's view of this plan, once the layer's pages are allocated."""
+        return LayerStep(
+            state.block_table,
+            state.first_slot,
+            state.num_slots - state.first_slot,
+            num_new,
+            self.compress_to,
+            state.compact_table,
+            self.keep_uncompressed,
+            self.decode_compaction,
+        )
 
-def plan_layer(
-    state: LayerKV,
+
+@dataclass(slots=True)
+class StepPlan:
+    """The check half of one request's step (``KVCacheManager.plan_step``), handed to the act
+    half (``allocate``) so a step is planned once.
+
+    Attributes:
+        layers: one plan per layer (before the act half's optional widening).
+        num_pages: pages the plans add, per page kind.
+    """
+
+    layers: list[LayerPlan]
+    num_pages: list[int]
+
+
+def plan_layers(
+    layers: list[LayerKV],
     policy: KVPolicy,
     num_new: int,
     completes_prompt: bool,
     in_prefill: bool,
     block_size: int,
-) -> LayerPlan:
-    """Capacity and compaction target of one layer (CONTRACTS.md §1 compression rules).
+    is_shared: Callable[[list[int]], bool],
+) -> list[LayerPlan]:
+    """Capacity and compaction target of each layer (CONTRACTS.md §1 compression rules).
 
     Compaction happens at the last prompt chunk (every chunk in bounded mode) when the layer
-    holds more than its budget, and during decode at ``budget + block_size`` slots.
+    holds more than its budget, and during decode at ``budget + block_size`` slots. A
+    compacting layer whose table shares a page (``is_shared(block_table)``: with another
+    request or the prefix cache) compacts into fresh pages (copy-on-write).
     """
-    total = state.num_held + num_new
-    budget = state.budget
-    compress_to = None
-    if budget is not None and total > budget:
+    may_compact = (
+        (completes_prompt or policy.bounded_chunks) if in_prefill else policy.decode_eviction
+    )
+    plans = []
+    for state in layers:
+        num_held = state.num_slots - state.first_slot
+        total = num_held + num_new
+        budget = state.budget
+        if budget is None or total <= budget or not may_compact:
+            plans.append(LayerPlan(total))
+            continue
         if in_prefill:
-            if completes_prompt or policy.bounded_chunks:
-                compress_to = budget
-        elif policy.decode_eviction and total >= budget + block_size:
-            compress_to = budget
-    if compress_to is None:
-        return LayerPlan(total)
-    if not in_prefill:
-        # Decode-time eviction: the new token is written in place and attended on the decode
-        # path, so the table covers held + 1 = budget + block_size slots, the peak footprint.
-        return LayerPlan(total, compress_to, decode_compaction=True)
-    # Compressed K/V are gathered before being written back, so the layer only needs
-    # room for the larger of what it holds now and what it keeps.
-    return LayerPlan(max(state.num_held, compress_to), compress_to)
+            # Compressed K/V are gathered before being written back, so the layer only needs
+            # room for the larger of what it holds now and what it keeps.
+            plan = LayerPlan(max(num_held, budget), budget)
+        elif total >= budget + block_size:
+            # Decode-time eviction: the new token is written in place and attended on the
+            # decode path, so the table covers held + 1 = budget + block_size slots, the peak.
+            plan = LayerPlan(total, budget, decode_compaction=True)
+        else:
+            plans.append(LayerPlan(total))
+            continue
+        plans.append(plan.copy_on_write(num_held) if is_shared(state.block_table) else plan)
+    return plans
