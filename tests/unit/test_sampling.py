@@ -52,6 +52,22 @@ def test_greedy_ties_go_to_the_lowest_id():
     assert sample(logits, plain).token_ids.tolist() == [3, 3]
 
 
+def test_argmax_matches_tensor_max_on_ties_and_non_finite_logits():
+    # The CPU fp32 argmax goes through NumPy; torch.max's first-index rule is the reference.
+    gen = seeded(11)
+    for rows, vocab in [(16, 49152), (3, 5), (7, 1000)]:
+        logits = torch.randint(-2, 3, (rows, vocab), generator=gen).float()
+        special = torch.rand(rows, vocab, generator=gen)
+        logits[special < 0.02] = -0.0
+        logits[(special > 0.5) & (special < 0.51)] = math.inf
+        logits[(special > 0.7) & (special < 0.705)] = -math.inf
+        logits[0] = -math.inf
+        logits[1, special[1] < 0.01] = math.nan
+        for case in (logits, logits.t().contiguous().t(), logits.bfloat16()):
+            greedy = sample(case, [SamplingParams(temperature=0.0)] * rows).token_ids
+            assert torch.equal(greedy, case.max(dim=-1).indices)
+
+
 def test_small_temperature_converges_to_greedy():
     logits = random_logits(8, seed=1)
     params = [SamplingParams(temperature=1e-3, seed=i) for i in range(8)]
