@@ -85,7 +85,11 @@ class LayerKV:
     def _consolidate(self) -> None:
         rows, window = self._pending, self._window
         self._pending = []
-        self.remember_queries(torch.stack(rows), window)
+        new = torch.stack(rows[-window:], dim=1)  # [num_heads, n, head_dim], contiguous
+        recent = self._queries
+        if recent is not None and new.shape[1] < window:
+            new = torch.cat([recent[:, new.shape[1] - window :], new], dim=1)
+        self._queries = new
 
 
 @dataclass
