@@ -8,12 +8,13 @@
 // in fp32. What is left on the vector units is the exponential, and each head's sum over its
 // rows: per slot a vector of 16 rows, summed over the head's row blocks, then 16 slots reduced
 // at once (reduce_lanes). Tile registers: 0, 1 logits of two row blocks; 2 key rows; 3, 4
-// query pairs.
+// query pairs (all eight are configured 16 x 64 bytes: window_fused_amx.h keeps key rows in
+// 4 .. 7).
 
 static void configure_window_tiles(TileConfig* cfg) {
   __builtin_memset(cfg, 0, sizeof(*cfg));
   cfg->palette = 1;
-  for (int t = 0; t < 5; ++t) {
+  for (int t = 0; t < 8; ++t) {
     cfg->rows[t] = 16;
     cfg->colsb[t] = 64;
   }
