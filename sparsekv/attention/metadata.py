@@ -124,8 +124,11 @@ def build_metadata(
             if s.num_new == 1
             and (s.layers[layer].compress_to is None or s.layers[layer].decode_compaction)
         )
-        chosen = set(members)
-        general.append([s for i, s in enumerate(slices) if i not in chosen])
+        if len(members) == len(slices):
+            general.append([])
+        else:
+            chosen = set(members)
+            general.append([s for i, s in enumerate(slices) if i not in chosen])
         if members:
             groups.setdefault(members, []).append(layer)
     for members, layers in groups.items():
@@ -156,20 +159,23 @@ def _decode_batches(
     slot_t, seq_t, first_t = torch.from_numpy(counts.reshape(3, *shape)).to(device)
     rows = torch.tensor([s.start for s in slices], dtype=torch.long, device=device)
     need_mass = any(s.needs_attention_mass for s in slices)
+    per_layer = zip(
+        layers, tables_t.unbind(0), slot_t.unbind(0), seq_t.unbind(0), first_t.unbind(0)
+    )
     return [
         DecodeBatch(
             slices=slices,
             rows=rows,
-            slot_mapping=slot_t[i],
-            block_tables=tables_t[i],
-            seq_lens=seq_t[i],
-            first_slots=first_t[i],
+            slot_mapping=slot_mapping,
+            block_tables=block_tables,
+            seq_lens=seq_lens,
+            first_slots=first_slots,
             all_rows=all_rows,
             need_mass=need_mass,
             budgeted=any(s.kv.layers[layer].budget is not None for s in slices),
             compacting=[s for s in slices if s.layers[layer].decode_compaction],
         )
-        for i, layer in enumerate(layers)
+        for layer, block_tables, slot_mapping, seq_lens, first_slots in per_layer
     ]
 
 

@@ -43,7 +43,7 @@ class LlamaAttention(nn.Module):
         heads = self.qkv_proj(hidden).view(num_tokens, -1, self.head_dim)  # [T, H + 2 * KVH, d]
         # Queries and keys are adjacent in the fused projection: rotate them in one pass, in place.
         fused.rotary_(heads[:, : self.num_heads + self.num_kv_heads], *cos_sin)
-        q, k, v = heads.split(self.head_counts, dim=1)
+        q, k, v = heads.split_with_sizes(self.head_counts, dim=1)
         out = ctx.attend(self.layer_idx, q, k, v, self.scale)  # [T, H, d]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
