@@ -278,16 +278,18 @@ class KVCacheManager:
         if cache_token_ids is not None and self.prefix_cache is not None:
             sharing.offer_step(self.prefix_cache, kv.layers, steps, cache_token_ids)
         for spec, state, step in zip(self.layer_specs, kv.layers, steps):
-            total = step.num_held + step.num_new
-            held = step.num_held_after
-            state.num_evicted += total - held
+            held = step.num_held + step.num_new
+            if step.compress_to is not None and step.compress_to < held:
+                state.num_evicted += held - step.compress_to
+                held = step.compress_to
             state.num_slots = state.first_slot + held
             if step.compact_table is not None:
                 self._release([state.block_table])
                 state.block_table, state.compact_table = step.compact_table, None
             if spec.is_sliding:
                 self._release_outside_window(state, spec.sliding_window)
-            keep = cdiv(state.num_held, self.block_size)
+                held = state.num_slots - state.first_slot
+            keep = -(-held // self.block_size)
             if len(state.block_table) > keep:
                 self.pool.free(state.block_table[keep:])
                 del state.block_table[keep:]

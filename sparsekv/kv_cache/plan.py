@@ -14,7 +14,7 @@ from sparsekv.kv_cache.request_kv import LayerKV
 from sparsekv.kv_cache.spec import cdiv
 
 
-@dataclass
+@dataclass(slots=True)
 class LayerStep:
     """What one layer of one request does in a step (part of ``SchedulerOutput``).
 
@@ -44,11 +44,6 @@ class LayerStep:
     compact_table: list[int] | None = None
     keep_uncompressed: bool = False
     decode_compaction: bool = False
-
-    @property
-    def num_held_after(self) -> int:
-        total = self.num_held + self.num_new
-        return total if self.compress_to is None else min(self.compress_to, total)
 
 
 @dataclass
