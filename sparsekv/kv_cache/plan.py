@@ -1,8 +1,9 @@
 """Per-layer step plans: what each layer of a request holds, writes and keeps in one step.
 
-Pure functions of a layer's counters and the request's policy (CONTRACTS.md §1-§2); the KV
-manager turns plans into page allocations (``KVCacheManager.allocate``) and the runner reads the
-resulting ``LayerStep``s.
+Pure functions of each layer's counters, the request's policy and which pages are shared
+(CONTRACTS.md §1-§2); the KV manager checks a step's plans against the pool
+(``KVCacheManager.plan_step``), turns them into page allocations (``allocate``) and the runner
+reads the resulting ``LayerStep``s.
 """
 
 from __future__ import annotations
