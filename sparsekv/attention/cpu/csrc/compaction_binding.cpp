@@ -5,7 +5,8 @@
 // ascending j, so an in-place move (target = source's first pages) is safe when kept is
 // ascending per row: slot j is read (as kept[j'] = j, j' <= j) before it is written. Runs of
 // consecutive kept slots within one source and one target page move as one memmove (a
-// 28-layer SmolLM2 compaction, 1040 -> 1024 slots: ~4.3 -> ~3.2 ms), rows in place not at all.
+// 28-layer SmolLM2 compaction, 1040 -> 1024 slots: ~4.3 -> ~3.2 ms), rows in place not at all;
+// source pages are prefetched two ahead (~3.2 -> ~2.6 ms).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -14,6 +15,10 @@
 #include <cstring>
 
 namespace {
+
+// Source pages fetched ahead of the copy: each page's head run is one short contiguous span at
+// a random address, which the hardware prefetchers do not anticipate.
+constexpr int64_t kPrefetchPages = 2;
 
 void move_slots_(const at::Tensor& pool, const at::Tensor& source, const at::Tensor& target,
                  const at::Tensor& kept) {
@@ -56,8 +61,16 @@ void move_slots_(const at::Tensor& pool, const at::Tensor& source, const at::Ten
       const int64_t* kept_row = slots + item * k;
       const int64_t* src = src_table + l * source.size(1);
       const int64_t* dst = dst_table + l * target.size(1);
-      for (int64_t j = 0, run = 1; j < k; j += run) {
+      for (int64_t j = 0, run = 1, fetched = -1; j < k; j += run) {
         const int64_t s = kept_row[j];
+        if (s / bs + kPrefetchPages < source.size(1) && s / bs > fetched) {
+          // The head's rows of a page ahead (pages lie anywhere; see kPrefetchPages).
+          fetched = s / bs;
+          for (int64_t half = 0; half < 2; ++half) {
+            const char* ahead = row(src[fetched + kPrefetchPages], half, h, 0);
+            for (int64_t o = 0; o < bs * row_bytes; o += 64) __builtin_prefetch(ahead + o, 0, 3);
+          }
+        }
         const int64_t sp = src[s / bs], so = s % bs, dp = dst[j / bs], dof = j % bs;
         // Consecutive kept slots that stay within both pages move as one block of rows.
         const int64_t most = std::min({bs - so, bs - dof, k - j});
