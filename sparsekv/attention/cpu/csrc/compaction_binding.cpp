@@ -1,5 +1,7 @@
-// Torch operator of the slot mover of decode-time compaction (attention/compaction.py):
+// Torch operators of decode-time compaction (attention/compaction.py) and of the compressors'
+// selection (compression/base.py):
 //   move_slots_(pool, source, target, kept)
+//   kept_indices_prefer_recent(scores, k) -> kept
 // For each (layer, KV head), kept slot j's key and value rows go to slot j of the layer's
 // target pages. One item per (layer, KV head) on the intra-op threads; rows are copied in
 // ascending j, so an in-place move (target = source's first pages) is safe when kept is
@@ -9,10 +11,13 @@
 // source pages are prefetched two ahead (~3.2 -> ~2.6 ms).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -83,9 +88,51 @@ void move_slots_(const at::Tensor& pool, const at::Tensor& source, const at::Ten
   });
 }
 
+// Ascending order with every NaN above every number and NaNs equal (kthvalue's and sort's).
+inline bool ranks_below(float a, float b) { return a < b || (!std::isnan(a) && std::isnan(b)); }
+
+// Per row of scores [rows, m] fp32: the k slots left after dropping the m - k lowest scores,
+// ties at the cutoff dropping the oldest (lowest index) first; [rows, k] int64, ascending.
+at::Tensor kept_indices_prefer_recent(const at::Tensor& scores, int64_t k) {
+  TORCH_CHECK(scores.device().is_cpu() && scores.scalar_type() == at::kFloat &&
+                  scores.dim() == 2 && scores.is_contiguous(),
+              "scores must be contiguous float32 [rows, m] on CPU");
+  const int64_t rows = scores.size(0), m = scores.size(1), num_drop = m - k;
+  TORCH_CHECK(k > 0 && num_drop > 0, "need 0 < k < m, got k ", k, " and m ", m);
+  auto kept = at::empty({rows, k}, scores.options().dtype(at::kLong));
+  const float* all = scores.data_ptr<float>();
+  int64_t* out = kept.data_ptr<int64_t>();
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / m);
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> order(m);
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = all + r * m;
+      order.assign(row, row + m);
+      // Few to drop (decode-time compaction: 16 of ~1000): a heap of the lowest, one
+      // well-predicted compare per slot; else quickselect.
+      if (num_drop * 16 <= m)
+        std::partial_sort(order.begin(), order.begin() + num_drop, order.end(), ranks_below);
+      else
+        std::nth_element(order.begin(), order.begin() + num_drop - 1, order.end(), ranks_below);
+      const float cutoff = order[num_drop - 1];
+      int64_t quota = num_drop;  // slots at the cutoff to drop: num_drop less those below it
+      for (int64_t j = 0; j < m; ++j) quota -= ranks_below(row[j], cutoff);
+      int64_t* dst = out + r * k;
+      for (int64_t j = 0; j < m; ++j) {
+        const bool below = ranks_below(row[j], cutoff);
+        const bool at = !below && !ranks_below(cutoff, row[j]);
+        if (below || (at && quota-- > 0)) continue;
+        *dst++ = j;
+      }
+    }
+  });
+  return kept;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(sparsekv_cpu, m) {
   m.def("move_slots_(Tensor(a!) pool, Tensor source, Tensor target, Tensor kept) -> ()",
         &move_slots_);
+  m.def("kept_indices_prefer_recent", &kept_indices_prefer_recent);
 }
