@@ -36,8 +36,8 @@ def write_leading_slots(
     kv_pool: torch.Tensor, block_table: list[int], key: torch.Tensor, value: torch.Tensor
 ) -> None:
     """Write ``m`` slots' keys and values to logical slots ``0 .. m - 1`` of a block table
-    (a compacted layer: ``first_slot`` 0). Whole pages go in one page-wise copy, the partial
-    last page slot-wise; slots past ``m`` in that page are left as they were.
+    (a compacted layer: ``first_slot`` 0). Whole pages go in one page-wise copy per half, the
+    partial last page slot-wise; slots past ``m`` in that page are left as they were.
 
     Args:
         kv_pool: ``[num_pages, 2, num_kv_heads, block_size, head_dim]``.
@@ -49,9 +49,9 @@ def write_leading_slots(
     full = m // block_size
     if full:
         pages = torch.tensor(block_table[:full], dtype=torch.long, device=kv_pool.device)
-        both = torch.stack((key[:, : full * block_size], value[:, : full * block_size]))
-        both = both.reshape(2, num_kv_heads, full, block_size, head_dim).permute(2, 0, 1, 3, 4)
-        kv_pool.index_copy_(0, pages, both.to(kv_pool.dtype))
+        for half, rows in enumerate((key, value)):  # no stacked copy of the two
+            paged = rows[:, : full * block_size].reshape(num_kv_heads, full, block_size, head_dim)
+            kv_pool[pages, half] = paged.transpose(0, 1).to(kv_pool.dtype)
     rest = m - full * block_size
     if rest:
         page = block_table[full]
