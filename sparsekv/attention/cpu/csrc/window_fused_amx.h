@@ -173,7 +173,17 @@ static void window_fused_softmax(const WindowFusedArgs& a, int64_t rb0, int coun
                                         : splat(0.0f);
     sum[t] = splat(0.0f);
   }
-  for (int64_t j = 0; j < keys; ++j) {
+  // Without padding rows every row sees keys 0 .. n - w: no mask there.
+  const int64_t unmasked = a.group * a.w == R ? a.n - a.w + 1 : 0;
+  for (int64_t j = 0; j < unmasked; ++j)
+    for (int t = 0; t < 4; ++t) {
+      if (t >= count) break;
+      float* p = L + j * R + (rb0 + t) * 16;
+      const vf e = window_exp2(loadu(p) * qscale - shift[t]);
+      storeu(p, e);
+      sum[t] += e;
+    }
+  for (int64_t j = unmasked; j < keys; ++j) {
     const vf key = splat((float)j);
     for (int t = 0; t < 4; ++t) {
       if (t >= count) break;
