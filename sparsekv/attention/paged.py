@@ -277,8 +277,7 @@ class PagedAttention:
         )
         budget = request.layers[layer].compress_to
         kept = request.compressor.select(view, budget, request.window)  # [KVH, k]
-        heads = torch.arange(kept.shape[0], device=kept.device)[:, None]
-        self.storages[layer].write_leading(state, table, keys[heads, kept], values[heads, kept])
+        self.storages[layer].write_kept(state, table, keys, values, kept)
         if state.accumulated is not None:
             state.accumulated = state.accumulated.gather(1, kept)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from sparsekv.attention import backend
+from sparsekv.attention.cpu.kept_slots import supports_kept_slots, write_kept_slots
 from sparsekv.attention.torch_ref import gather_kv, write_leading_slots
 from sparsekv.kv_cache.request_kv import LayerKV
 from sparsekv.kv_cache.spec import cdiv
@@ -108,6 +109,32 @@ class KVStorage:
         """
         local = [page - self.page_offset for page in table]
         write_leading_slots(self.tensors[0], local, key, value)
+
+    def write_kept(
+        self,
+        state: LayerKV,
+        table: list[int],
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kept: torch.Tensor,
+    ) -> None:
+        """Compact a layer from its dense keys and values: rows ``kept[h]`` of head ``h`` to
+        held slots ``0 .. k - 1`` of ``table`` (``write_leading`` of those rows).
+
+        Plain pages of the compute dtype take the rows in one native copy
+        (``cpu.kept_slots``); quantized formats (their ``write_leading`` encodes) and the
+        fallback gather the rows first.
+
+        Args:
+            key, value: ``[num_kv_heads, n, head_dim]`` in the compute dtype.
+            kept: ``[num_kv_heads, k]`` int64 row indices into ``n``.
+        """
+        if self.kv_cache_dtype == "auto" and supports_kept_slots(self.tensors[0], key, value):
+            pages = self.local(table[: cdiv(kept.shape[1], self.block_size)])
+            write_kept_slots(self.tensors[0], pages, key, value, kept)
+            return
+        heads = torch.arange(kept.shape[0], device=kept.device)[:, None]
+        self.write_leading(state, table, key[heads, kept], value[heads, kept])
 
     # ------------------------------------------------------------------ reads
     def gather(

@@ -1,6 +1,7 @@
 // Torch operators of decode-time compaction (attention/compaction.py) and of the compressors'
 // selection (compression/base.py):
 //   move_slots_(pool, source, target, kept)
+//   write_kept_slots_(pool, table, keys, values, kept)
 //   kept_indices_prefer_recent(scores, k) -> kept
 // For each (layer, KV head), kept slot j's key and value rows go to slot j of the layer's
 // target pages. One item per (layer, KV head) on the intra-op threads; rows are copied in
@@ -8,7 +9,9 @@
 // ascending per row: slot j is read (as kept[j'] = j, j' <= j) before it is written. Runs of
 // consecutive kept slots within one source and one target page move as one memmove (a
 // 28-layer SmolLM2 compaction, 1040 -> 1024 slots: ~4.3 -> ~3.2 ms), rows in place not at all;
-// source pages are prefetched two ahead (~3.2 -> ~2.6 ms).
+// source pages are prefetched two ahead (~3.2 -> ~2.6 ms). write_kept_slots_ is the same copy
+// at prefill, from the dense new keys and values instead of pages: one copy where gathering the
+// kept rows and then writing them to pages took two.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -88,6 +91,67 @@ void move_slots_(const at::Tensor& pool, const at::Tensor& source, const at::Ten
   });
 }
 
+// Slot j of the table's pages gets row kept[h, j] of keys[h] and of values[h], for every KV head
+// h; slots past k in the last page are left as they were. Runs of consecutive kept rows that
+// stay within one target page go as one memcpy when the rows are packed (row stride head_dim).
+void write_kept_slots_(const at::Tensor& pool, const at::Tensor& table, const at::Tensor& keys,
+                       const at::Tensor& values, const at::Tensor& kept) {
+  TORCH_CHECK(pool.device().is_cpu() && pool.dim() == 5 && pool.size(1) == 2 &&
+                  pool.is_contiguous(),
+              "kv_pool must be a contiguous CPU [num_pages, 2, num_kv_heads, block, head_dim]");
+  const int64_t pages = pool.size(0), kvh = pool.size(2), bs = pool.size(3), d = pool.size(4);
+  TORCH_CHECK(keys.device().is_cpu() && values.device().is_cpu() && keys.dim() == 3 &&
+                  keys.sizes() == values.sizes() && keys.size(0) == kvh && keys.size(2) == d &&
+                  keys.stride(2) == 1 && values.stride(2) == 1,
+              "keys and values must be CPU [num_kv_heads, n, head_dim] with unit last stride, "
+              "shaped as the pool's heads and rows");
+  TORCH_CHECK(keys.scalar_type() == pool.scalar_type() &&
+                  values.scalar_type() == pool.scalar_type(),
+              "keys and values must have the pool's dtype");
+  TORCH_CHECK(table.scalar_type() == at::kLong && kept.scalar_type() == at::kLong &&
+                  table.dim() == 1 && kept.dim() == 2 && table.is_contiguous() &&
+                  kept.is_contiguous() && kept.size(0) == kvh,
+              "table [blocks] and kept [num_kv_heads, k] must be contiguous int64");
+  const int64_t n = keys.size(1), k = kept.size(1), num_blocks = table.size(0);
+  TORCH_CHECK(num_blocks * bs >= k, "table pages hold fewer than ", k, " slots");
+  const int64_t* dst_table = table.data_ptr<int64_t>();
+  const int64_t* slots = kept.data_ptr<int64_t>();
+  for (int64_t i = 0; i < kvh * k; ++i)
+    TORCH_CHECK(slots[i] >= 0 && slots[i] < n, "kept slot ", slots[i], " outside the ", n, " rows");
+  for (int64_t i = 0; i < (k + bs - 1) / bs; ++i)
+    TORCH_CHECK(dst_table[i] >= 0 && dst_table[i] < pages, "page id out of range");
+  const int64_t row_bytes = d * pool.element_size();
+  char* base = static_cast<char*>(pool.data_ptr());
+  const char* sources[2] = {static_cast<const char*>(keys.data_ptr()),
+                            static_cast<const char*>(values.data_ptr())};
+  const int64_t head_stride[2] = {keys.stride(0) * keys.element_size(),
+                                  values.stride(0) * values.element_size()};
+  const int64_t row_stride[2] = {keys.stride(1) * keys.element_size(),
+                                 values.stride(1) * values.element_size()};
+  const int64_t grain = 2 * kvh * k * row_bytes < (int64_t(1) << 20) ? 2 * kvh : 1;
+  // One item per (K/V half, KV head).
+  at::parallel_for(0, 2 * kvh, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t half = item / kvh, h = item % kvh;
+      const int64_t* kept_row = slots + h * k;
+      const char* src = sources[half] + h * head_stride[half];
+      const int64_t stride = row_stride[half];
+      for (int64_t j = 0, run = 1; j < k; j += run) {
+        const int64_t s = kept_row[j], offset = j % bs;
+        const int64_t most = std::min(bs - offset, k - j);
+        for (run = 1; run < most && kept_row[j + run] == s + run;) ++run;
+        char* dst = base + (((dst_table[j / bs] * 2 + half) * kvh + h) * bs + offset) * row_bytes;
+        if (stride == row_bytes) {
+          std::memcpy(dst, src + s * stride, run * row_bytes);
+        } else {
+          for (int64_t r = 0; r < run; ++r)
+            std::memcpy(dst + r * row_bytes, src + (s + r) * stride, row_bytes);
+        }
+      }
+    }
+  });
+}
+
 // Ascending order with every NaN above every number and NaNs equal (kthvalue's and sort's).
 inline bool ranks_below(float a, float b) { return a < b || (!std::isnan(a) && std::isnan(b)); }
 
@@ -134,5 +198,9 @@ at::Tensor kept_indices_prefer_recent(const at::Tensor& scores, int64_t k) {
 TORCH_LIBRARY_FRAGMENT(sparsekv_cpu, m) {
   m.def("move_slots_(Tensor(a!) pool, Tensor source, Tensor target, Tensor kept) -> ()",
         &move_slots_);
+  m.def(
+      "write_kept_slots_(Tensor(a!) pool, Tensor table, Tensor keys, Tensor values, Tensor kept) "
+      "-> ()",
+      &write_kept_slots_);
   m.def("kept_indices_prefer_recent", &kept_indices_prefer_recent);
 }
