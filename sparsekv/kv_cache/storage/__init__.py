@@ -8,6 +8,7 @@ the model's compute dtype through the methods below, so attention and compressio
 code or a scale:
 
 - ``write_decode`` / ``write_slots`` / ``write_leading``: new slots, appended or compacted;
+- ``write_kept``: a compaction's kept rows out of dense keys and values (prefill);
 - ``gather``: a (request, layer)'s held slots, dequantized;
 - ``decode_attention``: one query per request over its pages (native kernels read int8/fp8
   pages in place; int4 and the fallbacks dequantize the referenced pages once per call);
