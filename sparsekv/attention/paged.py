@@ -238,14 +238,12 @@ class PagedAttention:
         )
         budget = request.layers[layers[0]].compress_to
         kept = request.compressor.select(view, budget, request.window)  # [L * KVH, k]
-        heads = torch.arange(kept.shape[0], device=kept.device)[:, None]
-        kept_keys, kept_values = keys[heads, kept], values[heads, kept]
         num_kv_heads = gathered[0][0].shape[0]
         for i, (layer, state) in enumerate(zip(layers, states)):
             rows = slice(i * num_kv_heads, (i + 1) * num_kv_heads)
             step = request.layers[layer]
             target = step.compact_table if step.compact_table is not None else step.block_table
-            self.storages[layer].write_leading(state, target, kept_keys[rows], kept_values[rows])
+            self.storages[layer].write_kept(state, target, keys[rows], values[rows], kept[rows])
             if state.accumulated is not None:
                 state.accumulated = state.accumulated.gather(1, kept[rows])
 

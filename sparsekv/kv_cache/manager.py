@@ -190,6 +190,8 @@ class KVCacheManager:
         in_prefill: bool,
         watermark: int = 0,
     ) -> bool:
+        """Whether the pool has the step's pages with ``watermark`` to spare, every kind
+        (``plan_step`` then ``fits``)."""
         plan = self.plan_step(request_id, num_new, completes_prompt, in_prefill)
         return self.fits(plan.num_pages, watermark)
 
@@ -244,7 +246,8 @@ class KVCacheManager:
                 since (the scheduler's check), or ``None`` to plan here.
 
         Raises:
-            RuntimeError: the pool lacks pages (the scheduler checks ``can_allocate`` first).
+            RuntimeError: the pool lacks pages (the scheduler checks ``fits(plan.num_pages)``
+                first).
         """
         kv = self._requests[request_id]
         if plan is None:
@@ -288,8 +291,7 @@ class KVCacheManager:
                 state.block_table, state.compact_table = step.compact_table, None
             if spec.is_sliding:
                 self._release_outside_window(state, spec.sliding_window)
-                held = state.num_slots - state.first_slot
-            keep = -(-held // self.block_size)
+            keep = cdiv(state.num_held, self.block_size)
             if len(state.block_table) > keep:
                 self.pool.free(state.block_table[keep:])
                 del state.block_table[keep:]

@@ -97,7 +97,7 @@ class LayerPlan:
         return LayerStep(
             state.block_table,
             state.first_slot,
-            state.num_slots - state.first_slot,
+            state.num_held,
             num_new,
             self.compress_to,
             state.compact_table,
@@ -141,7 +141,7 @@ def plan_layers(
     )
     plans = []
     for state in layers:
-        num_held = state.num_slots - state.first_slot
+        num_held = state.num_held
         total = num_held + num_new
         budget = state.budget
         if budget is None or total <= budget or not may_compact:

@@ -67,12 +67,7 @@ class LayerKV:
         ones kept before)."""
         if self._pending:
             self._consolidate()
-        new = q[-window:].transpose(0, 1)
-        recent = self._queries
-        if recent is not None and new.shape[1] < window:
-            # Only the kept tail of the old window is copied (one op; the result is contiguous).
-            new = torch.cat([recent[:, new.shape[1] - window :], new], dim=1)
-        self._queries = new.contiguous()
+        self._keep_window(q[-window:].transpose(0, 1), window)
 
     def remember_query(self, row: torch.Tensor, window: int) -> None:
         """Append one decode query ``[num_heads, head_dim]`` to the window: a list append per
@@ -85,11 +80,16 @@ class LayerKV:
     def _consolidate(self) -> None:
         rows, window = self._pending, self._window
         self._pending = []
-        new = torch.stack(rows[-window:], dim=1)  # [num_heads, n, head_dim], contiguous
+        self._keep_window(torch.stack(rows[-window:], dim=1), window)  # [num_heads, n, head_dim]
+
+    def _keep_window(self, new: torch.Tensor, window: int) -> None:
+        """The window becomes the last ``window`` rows of the kept ones followed by ``new``
+        ``[num_heads, n <= window, head_dim]``."""
         recent = self._queries
         if recent is not None and new.shape[1] < window:
+            # Only the kept tail of the old window is copied (one op; the result is contiguous).
             new = torch.cat([recent[:, new.shape[1] - window :], new], dim=1)
-        self._queries = new
+        self._queries = new.contiguous()
 
 
 @dataclass

@@ -28,11 +28,35 @@ namespace {
 // a random address, which the hardware prefetchers do not anticipate.
 constexpr int64_t kPrefetchPages = 2;
 
+// Rows of the page pool both operators write, checked to be a contiguous CPU
+// [num_pages, 2, num_kv_heads, block_size, head_dim] tensor: (page, half, head, slot) -> bytes.
+struct PoolRows {
+  char* base;
+  int64_t pages, kvh, bs, row_bytes;
+
+  explicit PoolRows(const at::Tensor& pool) {
+    TORCH_CHECK(pool.device().is_cpu() && pool.dim() == 5 && pool.size(1) == 2 &&
+                    pool.is_contiguous(),
+                "kv_pool must be a contiguous CPU [num_pages, 2, num_kv_heads, block, head_dim]");
+    base = static_cast<char*>(pool.data_ptr());
+    pages = pool.size(0), kvh = pool.size(2), bs = pool.size(3);
+    row_bytes = pool.size(4) * pool.element_size();
+  }
+  char* operator()(int64_t page, int64_t half, int64_t head, int64_t slot) const {
+    return base + (((page * 2 + half) * kvh + head) * bs + slot) * row_bytes;
+  }
+};
+
+// Length of the run of consecutive slot indices starting at kept_row[j], at most `most`.
+inline int64_t run_length(const int64_t* kept_row, int64_t j, int64_t most) {
+  int64_t run = 1;
+  while (run < most && kept_row[j + run] == kept_row[j] + run) ++run;
+  return run;
+}
+
 void move_slots_(const at::Tensor& pool, const at::Tensor& source, const at::Tensor& target,
                  const at::Tensor& kept) {
-  TORCH_CHECK(pool.device().is_cpu() && pool.dim() == 5 && pool.size(1) == 2 &&
-                  pool.is_contiguous(),
-              "kv_pool must be a contiguous CPU [num_pages, 2, num_kv_heads, block, head_dim]");
+  const PoolRows row(pool);
   TORCH_CHECK(source.scalar_type() == at::kLong && target.scalar_type() == at::kLong &&
                   kept.scalar_type() == at::kLong,
               "source, target and kept must be int64");
@@ -40,12 +64,11 @@ void move_slots_(const at::Tensor& pool, const at::Tensor& source, const at::Ten
                   source.is_contiguous() && target.is_contiguous() && kept.is_contiguous(),
               "source [layers, blocks], target [layers, blocks], kept [layers, kv_heads, k]: "
               "contiguous");
-  const int64_t pages = pool.size(0), kvh = pool.size(2), bs = pool.size(3);
+  const int64_t pages = row.pages, kvh = row.kvh, bs = row.bs, row_bytes = row.row_bytes;
   const int64_t layers = kept.size(0), k = kept.size(2);
   TORCH_CHECK(kept.size(1) == kvh, "kept has ", kept.size(1), " heads, the pool ", kvh);
   TORCH_CHECK(source.size(0) == layers && target.size(0) == layers, "one table per layer");
   TORCH_CHECK(target.size(1) * bs >= k, "target pages hold fewer than ", k, " slots");
-  const int64_t row_bytes = pool.size(4) * pool.element_size();
   const int64_t* src_table = source.data_ptr<int64_t>();
   const int64_t* dst_table = target.data_ptr<int64_t>();
   const int64_t* slots = kept.data_ptr<int64_t>();
@@ -57,11 +80,6 @@ void move_slots_(const at::Tensor& pool, const at::Tensor& source, const at::Ten
     TORCH_CHECK(src_table[i] >= 0 && src_table[i] < pages, "page id out of range");
   for (int64_t i = 0; i < layers * target.size(1); ++i)
     TORCH_CHECK(dst_table[i] >= 0 && dst_table[i] < pages, "page id out of range");
-  char* base = static_cast<char*>(pool.data_ptr());
-  // Byte offset of (page, half, head, slot-in-page) rows.
-  auto row = [&](int64_t page, int64_t half, int64_t head, int64_t offset) {
-    return base + (((page * 2 + half) * kvh + head) * bs + offset) * row_bytes;
-  };
   const int64_t grain = layers * kvh * k * row_bytes < (int64_t(1) << 20) ? layers * kvh : 1;
   at::parallel_for(0, layers * kvh, grain, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
@@ -82,7 +100,7 @@ void move_slots_(const at::Tensor& pool, const at::Tensor& source, const at::Ten
         const int64_t sp = src[s / bs], so = s % bs, dp = dst[j / bs], dof = j % bs;
         // Consecutive kept slots that stay within both pages move as one block of rows.
         const int64_t most = std::min({bs - so, bs - dof, k - j});
-        for (run = 1; run < most && kept_row[j + run] == s + run;) ++run;
+        run = run_length(kept_row, j, most);
         if (sp == dp && so == dof) continue;  // already in place
         for (int64_t half = 0; half < 2; ++half)
           std::memmove(row(dp, half, h, dof), row(sp, half, h, so), run * row_bytes);
@@ -96,10 +114,8 @@ void move_slots_(const at::Tensor& pool, const at::Tensor& source, const at::Ten
 // stay within one target page go as one memcpy when the rows are packed (row stride head_dim).
 void write_kept_slots_(const at::Tensor& pool, const at::Tensor& table, const at::Tensor& keys,
                        const at::Tensor& values, const at::Tensor& kept) {
-  TORCH_CHECK(pool.device().is_cpu() && pool.dim() == 5 && pool.size(1) == 2 &&
-                  pool.is_contiguous(),
-              "kv_pool must be a contiguous CPU [num_pages, 2, num_kv_heads, block, head_dim]");
-  const int64_t pages = pool.size(0), kvh = pool.size(2), bs = pool.size(3), d = pool.size(4);
+  const PoolRows row(pool);
+  const int64_t pages = row.pages, kvh = row.kvh, bs = row.bs, d = pool.size(4);
   TORCH_CHECK(keys.device().is_cpu() && values.device().is_cpu() && keys.dim() == 3 &&
                   keys.sizes() == values.sizes() && keys.size(0) == kvh && keys.size(2) == d &&
                   keys.stride(2) == 1 && values.stride(2) == 1,
@@ -120,8 +136,7 @@ void write_kept_slots_(const at::Tensor& pool, const at::Tensor& table, const at
     TORCH_CHECK(slots[i] >= 0 && slots[i] < n, "kept slot ", slots[i], " outside the ", n, " rows");
   for (int64_t i = 0; i < (k + bs - 1) / bs; ++i)
     TORCH_CHECK(dst_table[i] >= 0 && dst_table[i] < pages, "page id out of range");
-  const int64_t row_bytes = d * pool.element_size();
-  char* base = static_cast<char*>(pool.data_ptr());
+  const int64_t row_bytes = row.row_bytes;
   const char* sources[2] = {static_cast<const char*>(keys.data_ptr()),
                             static_cast<const char*>(values.data_ptr())};
   const int64_t head_stride[2] = {keys.stride(0) * keys.element_size(),
@@ -139,8 +154,8 @@ void write_kept_slots_(const at::Tensor& pool, const at::Tensor& table, const at
       for (int64_t j = 0, run = 1; j < k; j += run) {
         const int64_t s = kept_row[j], offset = j % bs;
         const int64_t most = std::min(bs - offset, k - j);
-        for (run = 1; run < most && kept_row[j + run] == s + run;) ++run;
-        char* dst = base + (((dst_table[j / bs] * 2 + half) * kvh + h) * bs + offset) * row_bytes;
+        run = run_length(kept_row, j, most);
+        char* dst = row(dst_table[j / bs], half, h, offset);
         if (stride == row_bytes) {
           std::memcpy(dst, src + s * stride, run * row_bytes);
         } else {

@@ -22,25 +22,6 @@ static int64_t window_fused_scratch_amx(const WindowFusedArgs& a) {
          4 * a.rows + 64;
 }
 
-// vexp2 (vec_impl.h) bit for bit in fewer instructions: vrndscaleps rounds to the nearest
-// integer as adding and subtracting 1.5 * 2^23 does for |x| <= 127, and vscalefps multiplies by
-// 2^n exactly as the built exponent bits do (the result is a normal float for x >= -126).
-static inline vf window_exp2(vf v) {
-  __m512 x = (__m512)v;
-  const __mmask16 seen = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_NLT_UQ);
-  x = _mm512_min_ps(_mm512_set1_ps(127.0f), x);  // a NaN x stays (the second operand)
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return (vf)_mm512_maskz_scalef_ps(seen, p, n);
-}
-
 // Query element pairs of KV head kvh's rows: qp[(rb * chunks + ch) * 256 + p * 16 + c] holds
 // elements 2p, 2p + 1 of chunk ch of row rb * 16 + c (zero for padding rows).
 static void window_fused_pack_queries(const WindowFusedArgs& a, int64_t kvh, uint32_t* qp) {
@@ -179,7 +160,7 @@ static void window_fused_softmax(const WindowFusedArgs& a, int64_t rb0, int coun
     for (int t = 0; t < 4; ++t) {
       if (t >= count) break;
       float* p = L + j * R + (rb0 + t) * 16;
-      const vf e = window_exp2(loadu(p) * qscale - shift[t]);
+      const vf e = vexp2(loadu(p) * qscale - shift[t]);
       storeu(p, e);
       sum[t] += e;
     }
@@ -188,7 +169,7 @@ static void window_fused_softmax(const WindowFusedArgs& a, int64_t rb0, int coun
     for (int t = 0; t < 4; ++t) {
       if (t >= count) break;
       float* p = L + j * R + (rb0 + t) * 16;
-      const vf e = window_exp2(loadu(p) * qscale - shift[t]);
+      const vf e = vexp2(loadu(p) * qscale - shift[t]);
       const vf kept = key <= last[t] ? e : splat(0.0f);
       storeu(p, kept);
       sum[t] += kept;
