@@ -57,6 +57,8 @@ class PagedAttention:
     ) -> None:
         self.storages = storages
         self._pending: list[tuple[RequestSlice, int, float]] = []
+        # Decode-path queries of budgeted layers, logged per request at ``finish``.
+        self._step_queries: list[tuple[list[RequestSlice], int, torch.Tensor]] = []
         self.metadata = metadata
         self.layer_specs = layer_specs
         self.logit_softcap = logit_softcap
@@ -132,9 +134,7 @@ class PagedAttention:
             batch.need_mass,
         )
         if batch.budgeted:
-            for request, state, row in zip(batch.slices, states, queries.unbind(0)):
-                if state.budget is not None:
-                    state.remember_query(row, request.window)
+            self._step_queries.append((batch.slices, layer, queries))
         if batch.need_mass:
             for i, (request, state) in enumerate(zip(batch.slices, states)):
                 if state.budget is not None and request.needs_attention_mass:
@@ -142,6 +142,22 @@ class PagedAttention:
                     _accumulate(state, mass[i, :, :held])
         self._pending.extend((request, layer, scale) for request in batch.compacting)
         return result
+
+    def _log_decode_queries(self) -> None:
+        """Hand each decode request its rows of the step's queries: the layers that shared a
+        decode batch are stacked once (``[layers, batch, num_heads, head_dim]``) and every
+        request logs the stack with its row (``RequestKV.log_decode_queries``)."""
+        groups: dict[int, tuple[list[RequestSlice], list[int], list[torch.Tensor]]] = {}
+        for slices, layer, queries in self._step_queries:
+            _, layers, tensors = groups.setdefault(id(slices), (slices, [], []))
+            layers.append(layer)
+            tensors.append(queries)
+        self._step_queries = []
+        for slices, layers, tensors in groups.values():
+            stacked = torch.stack(tensors)
+            layer_ids = tuple(layers)
+            for row, request in enumerate(slices):
+                request.kv.log_decode_queries(stacked, row, layer_ids, request.window)
 
     def _general(
         self,
@@ -177,7 +193,9 @@ class PagedAttention:
         return out.transpose(0, 1)
 
     def finish(self) -> None:
-        """Run the step's decode-time compactions (call once after the model's forward)."""
+        """Log the step's decode queries for the recent-query windows, then run the step's
+        decode-time compactions (call once after the model's forward)."""
+        self._log_decode_queries()
         by_request: dict[int, list[tuple[RequestSlice, int, float]]] = {}
         for item in self._pending:
             by_request.setdefault(id(item[0]), []).append(item)

@@ -47,6 +47,9 @@ class LayerKV:
     _queries: torch.Tensor | None = field(default=None, repr=False)
     _pending: list[torch.Tensor] = field(default_factory=list, repr=False)
     _window: int = field(default=0, repr=False)
+    # The request whose query log (RequestKV.log_decode_queries) may hold rows of this layer
+    # not yet merged into the window: merged before the window is read or written.
+    _owner: RequestKV | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_held(self) -> int:
@@ -54,28 +57,37 @@ class LayerKV:
 
     @property
     def recent_queries(self) -> torch.Tensor | None:
+        self._merge_logged()
         if self._pending:
             self._consolidate()
         return self._queries
 
     @recent_queries.setter
     def recent_queries(self, value: torch.Tensor | None) -> None:
+        self._merge_logged()
         self._queries, self._pending = value, []
 
     def remember_queries(self, q: torch.Tensor, window: int) -> None:
         """Keep the last ``window`` of these queries ``[m, num_heads, head_dim]`` (after the
         ones kept before)."""
+        self._merge_logged()
         if self._pending:
             self._consolidate()
         self._keep_window(q[-window:].transpose(0, 1), window)
 
     def remember_query(self, row: torch.Tensor, window: int) -> None:
         """Append one decode query ``[num_heads, head_dim]`` to the window: a list append per
-        (request, layer, step); the rows are stacked when read or every ``window`` rows."""
+        (request, layer, step); the rows are stacked when read or every ``window`` rows.
+        (The engine's decode path logs whole steps instead: ``RequestKV.log_decode_queries``.)"""
+        self._merge_logged()
         self._pending.append(row)
         self._window = window
         if len(self._pending) >= window:
             self._consolidate()
+
+    def _merge_logged(self) -> None:
+        if self._owner is not None and self._owner._query_log:
+            self._owner.merge_decode_queries()
 
     def _consolidate(self) -> None:
         rows, window = self._pending, self._window
@@ -111,6 +123,62 @@ class RequestKV:
     decode_tables: tuple[tuple[int, ...], list[list[int]], np.ndarray] | None = field(
         default=None, repr=False, compare=False
     )
+    # Decode steps' queries not yet merged into the layers' windows: (step queries
+    # [len(layer_ids), batch, num_heads, head_dim], this request's row, layer_ids).
+    _query_log: list[tuple[torch.Tensor, int, tuple[int, ...]]] = field(
+        default_factory=list, repr=False, compare=False
+    )
+    _log_window: int = field(default=0, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for layer in self.layers:
+            layer._owner = self
+
+    def log_decode_queries(
+        self, queries: torch.Tensor, row: int, layer_ids: tuple[int, ...], window: int
+    ) -> None:
+        """Remember one decode step's queries of ``layer_ids`` for the layers' windows.
+
+        The decode path calls this once per request and step with the step's queries of all
+        those layers stacked (``queries[i, row]`` is layer ``layer_ids[i]``'s
+        ``[num_heads, head_dim]``), where ``LayerKV.remember_query`` took one call per
+        (request, layer): 480 a step for 16 requests over 30 layers. The rows reach the
+        budgeted layers' windows when one of them is read or written, or every ``window``
+        steps (which bounds the step tensors kept alive).
+
+        Args:
+            queries: ``[len(layer_ids), batch, num_heads, head_dim]`` post-RoPE queries.
+            row: this request's index on the batch axis.
+            layer_ids: model layer of each leading index.
+            window: observation window (rows each layer keeps).
+        """
+        self._query_log.append((queries, row, layer_ids))
+        self._log_window = window
+        if len(self._query_log) >= window:
+            self.merge_decode_queries()
+
+    def merge_decode_queries(self) -> None:
+        """Append the logged decode queries to the windows of the budgeted layers, oldest
+        first: one stack per run of steps over the same layers, then one window merge per
+        layer."""
+        log, window = self._query_log, self._log_window
+        self._query_log = []
+        start = 0
+        while start < len(log):
+            layer_ids = log[start][2]
+            end = start + 1
+            while end < len(log) and log[end][2] == layer_ids:
+                end += 1
+            steps = log[max(start, end - window) : end]
+            rows = torch.stack([queries[:, row] for queries, row, _ in steps], dim=2)
+            for i, layer in enumerate(layer_ids):  # rows[i]: [num_heads, steps, head_dim]
+                state = self.layers[layer]
+                if state.budget is None:
+                    continue
+                if state._pending:  # rows remembered one by one came first
+                    state._consolidate()
+                state._keep_window(rows[i], window)
+            start = end
 
     @property
     def is_swapped(self) -> bool:

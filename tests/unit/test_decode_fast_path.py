@@ -126,6 +126,73 @@ def test_remember_query_rows_equal_one_shot(held, steps):
     assert state.recent_queries is None
 
 
+@pytest.mark.parametrize("held,steps", [(0, 1), (0, 5), (8, 3), (3, 8), (8, 20), (2, 17)])
+def test_logged_decode_queries_equal_one_shot(held, steps):
+    """Whole steps logged on the request (``log_decode_queries``: every layer's rows stacked,
+    the request one row of the batch) give every budgeted layer the window
+    ``remember_queries`` gives, whichever layer is read (or written) first, at any point;
+    layers without a budget keep none; rows remembered one by one before the log keep their
+    place."""
+    torch.manual_seed(2)
+    window, num_layers, batch, row = 8, 3, 4, 2
+    budgets = [16, None, 16]
+    kv = RequestKV([LayerKV(budget=b) for b in budgets])
+    expected = [LayerKV(budget=b) for b in budgets]
+    recent = torch.randn(4, held, 2) if held else None
+    for layer in (0, 2):
+        kv.layers[layer].recent_queries = expected[layer].recent_queries = recent
+    first = torch.randn(4, 2)  # remembered the old way before any log entry
+    kv.layers[0].remember_query(first, window)
+    expected[0].remember_queries(first[None], window)
+    for step in range(steps):
+        q = torch.randn(num_layers, batch, 4, 2)
+        kv.log_decode_queries(q, row, (0, 1, 2), window)
+        for layer in (0, 2):
+            expected[layer].remember_queries(q[layer, row][None], window)
+        if step % 3 == 2:  # reads in between, the last layer first
+            assert torch.equal(kv.layers[2].recent_queries, expected[2].recent_queries)
+        assert len(kv._query_log) < window  # merged at least every window steps
+    for layer in (0, 2):
+        assert torch.equal(kv.layers[layer].recent_queries, expected[layer].recent_queries)
+        assert kv.layers[layer].recent_queries.shape[1] <= window
+    assert kv.layers[1].recent_queries is None
+    kv.log_decode_queries(torch.randn(num_layers, batch, 4, 2), row, (0, 1, 2), window)
+    kv.layers[0].recent_queries = None  # a write merges the log first, then replaces
+    assert kv.layers[0].recent_queries is None and not kv._query_log
+    assert kv.layers[2].recent_queries.shape[1] == min(held + steps + 1, window)
+
+
+def test_decode_path_logs_queries_once_per_step():
+    """The decode path logs one stacked tensor per step and request (not one row per layer),
+    and the windows read after ``finish`` hold that step's query of each layer."""
+    from sparsekv.attention.paged import PagedAttention
+    from sparsekv.kv_cache.spec import LayerSpec
+    from sparsekv.kv_cache.storage import KVStorage
+
+    num_layers, heads, kv_heads, d, block = 2, 4, 2, 8, 16
+    storages = [KVStorage(8, 0, kv_heads, block, d, torch.float32) for _ in range(num_layers)]
+    kvs = [RequestKV([LayerKV(budget=32) for _ in range(num_layers)]) for _ in range(2)]
+    tables = [[[1], [2]], [[3], [4]]]
+    for kv, request_tables in zip(kvs, tables):
+        for state, table in zip(kv.layers, request_tables):
+            state.block_table, state.num_slots = list(table), 11  # as _decode_slices plans
+    slices = _decode_slices(tables, kvs)
+    metadata = build_metadata(slices, num_layers, block, torch.device("cpu"))
+    ctx = PagedAttention(storages, metadata, [LayerSpec("full")] * num_layers)
+    torch.manual_seed(3)
+    queries = [torch.randn(2, heads, d) for _ in range(num_layers)]
+    for layer in range(num_layers):
+        k, v = torch.randn(2, kv_heads, d), torch.randn(2, kv_heads, d)
+        ctx.attend(layer, queries[layer], k, v, d**-0.5)
+    assert all(len(kv._query_log) == 0 for kv in kvs)  # logged at finish, not per layer
+    ctx.finish()
+    for row, kv in enumerate(kvs):
+        assert len(kv._query_log) == 1
+        for layer in range(num_layers):
+            window = kv.layers[layer].recent_queries
+            assert torch.equal(window[:, -1], queries[layer][row])
+
+
 def _decode_slices(tables_per_request: list[list[list[int]]], kvs: list[RequestKV]):
     slices = []
     for i, (tables, kv) in enumerate(zip(tables_per_request, kvs)):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from sparsekv.attention import backend
@@ -54,8 +55,14 @@ class KVStorage:
 
     # ------------------------------------------------------------------ page ids
     def local(self, pages: list[int]) -> torch.Tensor:
-        """Global page ids -> int64 indices into this storage's tensors."""
-        return torch.tensor(pages, dtype=torch.long, device=self.device) - self.page_offset
+        """Global page ids -> int64 indices into this storage's tensors.
+
+        Through NumPy: ``torch.tensor`` of a list converts element by element (~285 us for
+        the 1950 pages of a 30-layer compaction, ~80 us this way)."""
+        ids = torch.from_numpy(np.array(pages, dtype=np.int64))
+        if self.page_offset:
+            ids -= self.page_offset
+        return ids.to(self.device)
 
     def _local_tables(self, block_tables: torch.Tensor) -> torch.Tensor:
         # Padding entries (page 0) may belong to another kind; they are masked, any id serves.
