@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 import numpy as np
 import torch
@@ -104,26 +105,59 @@ def physical_slots(block_table: list[int], offsets: range, block_size: int) -> l
 
 
 def build_metadata(
-    slices: list[RequestSlice], num_layers: int, block_size: int, device: torch.device
+    slices: list[RequestSlice],
+    num_layers: int,
+    block_size: int,
+    device: torch.device,
+    tables_cache: BlockTableCache | None = None,
 ) -> AttentionMetadata:
     """Split each layer's requests between the decode and general paths and build tensors.
 
     Layers whose decode path holds the same requests (all of them, in a step without
     compaction) share one build: their tensors are stacked ``[num_layers, ...]`` and each
     layer's ``DecodeBatch`` views its row, so a step costs a handful of tensor creations,
-    not five per layer.
+    not five per layer. ``tables_cache`` (the runner's) keeps the block tables between steps.
     """
+    if tables_cache is not None:
+        tables_cache.start_step()
     decode: list[DecodeBatch | None] = [None] * num_layers
-    general: list[list[RequestSlice]] = []
     num_tokens = sum(s.num_new for s in slices)
+    on_decode = [_decode_layers(s) for s in slices]
+    if all(flags is True for flags in on_decode):
+        # Every request decodes in every layer (any decode-only step): one group, no scan.
+        general: list[list[RequestSlice]] = [[] for _ in range(num_layers)]
+        groups = {tuple(range(len(slices))): list(range(num_layers))} if slices else {}
+    else:
+        general, groups = _split_layers(slices, on_decode, num_layers)
+    for members, layers in groups.items():
+        batch_slices = [slices[i] for i in members]
+        all_rows = len(members) == num_tokens and all(
+            s.start == i for i, s in enumerate(batch_slices)
+        )
+        batches = _decode_batches(batch_slices, layers, block_size, device, all_rows, tables_cache)
+        for layer, batch in zip(layers, batches):
+            decode[layer] = batch
+    return AttentionMetadata(slices, decode, general, num_tokens)
+
+
+def _decode_layers(request: RequestSlice) -> bool | list[bool]:
+    """Which layers take ``request`` on the decode path: ``True`` for all of them (one new
+    token, and no layer compresses but by decode-time eviction), else one flag per layer."""
+    if request.num_new != 1:
+        return [False] * len(request.layers)
+    flags = [step.compress_to is None or step.decode_compaction for step in request.layers]
+    return True if all(flags) else flags
+
+
+def _split_layers(
+    slices: list[RequestSlice], on_decode: list[bool | list[bool]], num_layers: int
+) -> tuple[list[list[RequestSlice]], dict[tuple[int, ...], list[int]]]:
+    """Per layer, the requests on the general path, and the layers grouped by the requests on
+    their decode path (``on_decode``: ``_decode_layers`` of each request)."""
+    general: list[list[RequestSlice]] = []
     groups: dict[tuple[int, ...], list[int]] = {}
     for layer in range(num_layers):
-        members = tuple(
-            i
-            for i, s in enumerate(slices)
-            if s.num_new == 1
-            and (s.layers[layer].compress_to is None or s.layers[layer].decode_compaction)
-        )
+        members = tuple(i for i, flags in enumerate(on_decode) if flags is True or flags[layer])
         if len(members) == len(slices):
             general.append([])
         else:
@@ -131,13 +165,7 @@ def build_metadata(
             general.append([s for i, s in enumerate(slices) if i not in chosen])
         if members:
             groups.setdefault(members, []).append(layer)
-    for members, layers in groups.items():
-        on_decode = [slices[i] for i in members]
-        all_rows = len(members) == num_tokens and all(s.start == i for i, s in enumerate(on_decode))
-        batches = _decode_batches(on_decode, layers, block_size, device, all_rows)
-        for layer, batch in zip(layers, batches):
-            decode[layer] = batch
-    return AttentionMetadata(slices, decode, general, num_tokens)
+    return general, groups
 
 
 def _decode_batches(
@@ -146,12 +174,17 @@ def _decode_batches(
     block_size: int,
     device: torch.device,
     all_rows: bool,
+    tables_cache: BlockTableCache | None,
 ) -> list[DecodeBatch]:
     """One ``DecodeBatch`` per layer of ``layers``, all over the same ``slices``."""
     steps = [s.layers[layer] for layer in layers for s in slices]  # layer-major
-    tables = _padded_tables(slices, tuple(layers)).reshape(len(steps), -1)  # [L * B, max_blocks]
-    held = np.fromiter((step.num_held for step in steps), dtype=np.int64, count=len(steps))
-    first = np.fromiter((step.first_slot for step in steps), dtype=np.int64, count=len(steps))
+    page_lists = [step.block_table for step in steps]
+    if tables_cache is None:
+        tables = _padded_tables(page_lists)  # [L * B, max_blocks]
+    else:
+        tables = tables_cache.padded(page_lists)
+    held = np.fromiter(map(_num_held, steps), dtype=np.int64, count=len(steps))
+    first = np.fromiter(map(_first_slot, steps), dtype=np.int64, count=len(steps))
     pages = tables[np.arange(len(steps)), held // block_size]  # the page the new token goes to
     counts = np.stack([pages * block_size + held % block_size, first + held + 1, first])
     shape = (len(layers), len(slices))
@@ -159,8 +192,14 @@ def _decode_batches(
     slot_t, seq_t, first_t = torch.from_numpy(counts.reshape(3, *shape)).to(device)
     rows = torch.tensor([s.start for s in slices], dtype=torch.long, device=device)
     need_mass = any(s.needs_attention_mass for s in slices)
+    compacting = _compacting(slices, steps, len(layers))
     per_layer = zip(
-        layers, tables_t.unbind(0), slot_t.unbind(0), seq_t.unbind(0), first_t.unbind(0)
+        layers,
+        compacting,
+        tables_t.unbind(0),
+        slot_t.unbind(0),
+        seq_t.unbind(0),
+        first_t.unbind(0),
     )
     return [
         DecodeBatch(
@@ -173,39 +212,93 @@ def _decode_batches(
             all_rows=all_rows,
             need_mass=need_mass,
             budgeted=any(s.kv.layers[layer].budget is not None for s in slices),
-            compacting=[s for s in slices if s.layers[layer].decode_compaction],
+            compacting=layer_compacting,
         )
-        for layer, block_tables, slot_mapping, seq_lens, first_slots in per_layer
+        for layer, layer_compacting, block_tables, slot_mapping, seq_lens, first_slots in per_layer
     ]
 
 
-def _padded_tables(slices: list[RequestSlice], layers: tuple[int, ...]) -> np.ndarray:
-    """``[len(layers), len(slices), longest]`` int64 block tables, padded with page 0 (masked
-    by the kernels).
-
-    A request's tables are converted from their lists only when they differ from the ones it
-    had at its previous decode step (``RequestKV.decode_tables``): most steps change few pages
-    of few requests, and a 16-request SmolLM2 step has 480 tables of 65-133 pages.
-    """
-    per_request = [_request_tables(s, layers) for s in slices]
-    padded = np.zeros((len(layers), len(slices), max(t.shape[1] for t in per_request)), np.int64)
-    for i, tables in enumerate(per_request):
-        padded[:, i, : tables.shape[1]] = tables
-    return padded
+_num_held = attrgetter("num_held")
+_first_slot = attrgetter("first_slot")
+_decode_compaction = attrgetter("decode_compaction")
 
 
-def _request_tables(request: RequestSlice, layers: tuple[int, ...]) -> np.ndarray:
-    """``[len(layers), longest]`` int64 tables of one request, from its cache when its lists
-    are unchanged (compared by value: compaction, preemption and the prefix cache may edit them
-    in place)."""
-    tables = [request.layers[layer].block_table for layer in layers]
-    cached = request.kv.decode_tables
-    if cached is not None and cached[0] == layers and cached[1] == tables:
-        return cached[2]
-    lengths = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
-    flat = itertools.chain.from_iterable(tables)
+def _compacting(
+    slices: list[RequestSlice], steps: list[LayerStep], num_layers: int
+) -> list[list[RequestSlice]]:
+    """Per layer, the requests of ``slices`` whose layer compacts after the forward (``steps``:
+    their ``LayerStep``s, layer-major); one C-level scan finds the usual none."""
+    flags = list(map(_decode_compaction, steps))
+    if not any(flags):
+        return [[] for _ in range(num_layers)]
+    width = len(slices)
+    return [
+        list(itertools.compress(slices, flags[i * width : (i + 1) * width]))
+        for i in range(num_layers)
+    ]
+
+
+def _padded_tables(page_lists: list[list[int]]) -> np.ndarray:
+    """``[len(page_lists), longest]`` int64 block tables, padded with page 0 (masked by the
+    kernels), converted in one pass."""
+    lengths = np.fromiter(map(len, page_lists), dtype=np.int64, count=len(page_lists))
+    flat = itertools.chain.from_iterable(page_lists)
     pages = np.fromiter(flat, dtype=np.int64, count=int(lengths.sum()))
-    padded = np.zeros((len(tables), int(lengths.max())), dtype=np.int64)
+    padded = np.zeros((len(page_lists), int(lengths.max())), dtype=np.int64)
     padded[np.arange(padded.shape[1]) < lengths[:, None]] = pages
-    request.kv.decode_tables = (layers, [list(table) for table in tables], padded)
     return padded
+
+
+class BlockTableCache:
+    """The decode path's padded block tables, kept between steps (one per model runner).
+
+    Most decode steps change few pages of few (request, layer) tables, and a 16-request
+    SmolLM2 step has 480 tables of 65-133 pages: rather than converting ~50k page ids per
+    step, the cache keeps each group's ``[tables, longest]`` array and copies of the lists it
+    converted, and rewrites only the rows whose list differs by value (compaction, preemption
+    and the prefix cache may edit a list in place or replace it; a new batch composition just
+    differs in more rows).
+
+    The arrays are reused: the tensors of a step's metadata are valid until the next
+    ``build_metadata`` with this cache (the runner builds and runs one step at a time).
+    """
+
+    def __init__(self) -> None:
+        self._entries: list[tuple[list[list[int]], np.ndarray]] = []
+        self._next = 0
+
+    def start_step(self) -> None:
+        """Begin a step: its decode groups take the cached entries in order; the entries no
+        group of the previous step used are dropped."""
+        del self._entries[self._next :]
+        self._next = 0
+
+    def padded(self, page_lists: list[list[int]]) -> np.ndarray:
+        """``[len(page_lists), longest]`` int64 block tables padded with page 0, as
+        ``_padded_tables`` converts them, from the step's next cached entry."""
+        index, self._next = self._next, self._next + 1
+        if index == len(self._entries) or len(self._entries[index][0]) != len(page_lists):
+            entry = ([list(table) for table in page_lists], _padded_tables(page_lists))
+            self._entries[index : index + 1] = [entry]
+            return entry[1]
+        copies, padded = self._entries[index]
+        if page_lists == copies:
+            return padded
+        longest = max(map(len, page_lists))
+        if longest != padded.shape[1]:
+            padded = _rewidened(padded, longest)
+            self._entries[index] = (copies, padded)
+        for i, (table, copy) in enumerate(zip(page_lists, copies)):
+            if table != copy:
+                padded[i, : len(table)] = table
+                padded[i, len(table) :] = 0
+                copies[i] = list(table)
+        return padded
+
+
+def _rewidened(padded: np.ndarray, width: int) -> np.ndarray:
+    """``padded`` cut or zero-extended to ``width`` columns (a fresh array)."""
+    wider = np.zeros((padded.shape[0], width), dtype=np.int64)
+    keep = min(width, padded.shape[1])
+    wider[:, :keep] = padded[:, :keep]
+    return wider

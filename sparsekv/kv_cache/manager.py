@@ -15,7 +15,14 @@ import torch
 from sparsekv.kv_cache import prefix_sharing as sharing
 from sparsekv.kv_cache.block_pool import BlockPool
 from sparsekv.kv_cache.budget import may_compact, peak_request_pages
-from sparsekv.kv_cache.plan import KVPolicy, LayerPlan, LayerStep, StepPlan, plan_layers
+from sparsekv.kv_cache.plan import (
+    KVPolicy,
+    LayerPlan,
+    LayerStep,
+    StepPlan,
+    pages_needed,
+    plan_layers,
+)
 from sparsekv.kv_cache.prefix_cache import ContextLayer, PrefixCache
 from sparsekv.kv_cache.request_kv import LayerKV, RequestKV
 from sparsekv.kv_cache.spec import LayerSpec, cdiv
@@ -81,6 +88,8 @@ class KVCacheManager:
             for fmt, size, start in zip(formats, sizes, self.pool.kind_starts)
         ]
         self.layer_kinds = [int(layer in full) for layer in range(len(layer_specs))]
+        # Per layer, the sliding window whose leading pages ``commit`` frees, else None.
+        self._windows = [spec.sliding_window if spec.is_sliding else None for spec in layer_specs]
         self.kv_cache_dtype = kv_cache_dtype
         self.max_num_batched_tokens = max_num_batched_tokens
         self._requests: dict[str, RequestKV] = {}
@@ -119,6 +128,8 @@ class KVCacheManager:
         )
 
     def _by_kind(self, per_layer: Sequence[int]) -> list[int]:
+        if self.pool.num_kinds == 1:
+            return [sum(per_layer)]
         totals = [0] * self.pool.num_kinds
         for kind, count in zip(self.layer_kinds, per_layer):
             totals[kind] += count
@@ -174,7 +185,8 @@ class KVCacheManager:
         kv, policy = self._requests[request_id], self._policies[request_id]
         step = (num_new, completes_prompt, in_prefill, self.block_size)
         plans = plan_layers(kv.layers, policy, *step, self.pool.any_shared)
-        return StepPlan(plans, self._pages_needed(kv, plans))
+        layer_pages = pages_needed(plans, kv.layers, self.block_size)
+        return StepPlan(plans, self._by_kind(layer_pages), layer_pages)
 
     def num_pages_needed(
         self, request_id: str, num_new: int, completes_prompt: bool, in_prefill: bool
@@ -196,9 +208,9 @@ class KVCacheManager:
         return self.fits(plan.num_pages, watermark)
 
     def _widened(
-        self, request_id: str, plans: list[LayerPlan], num_new: int, completes_prompt: bool
-    ) -> list[LayerPlan]:
-        """The act half's plans of a prefill step: with ``prefix_cache_uncompressed``, a
+        self, request_id: str, plan: StepPlan, num_new: int, completes_prompt: bool
+    ) -> StepPlan:
+        """The act half's plan of a prefill step: with ``prefix_cache_uncompressed``, a
         compressing last prefill chunk also keeps its uncompressed prompt for the cache, but
         only when those extra pages leave a reserve of one page per layer and live request:
         the check half counts the plain plan, so the act half never needs more than the check
@@ -209,24 +221,18 @@ class KVCacheManager:
         widen = self.prefix_cache is not None and self.prefix_cache_uncompressed
         widen = widen and completes_prompt and not policy.bounded_chunks
         widen = widen and not policy.context_only
+        plans = plan.layers
         if widen and sharing.may_keep_uncompressed(self.pool, kv, plans, num_new, self.block_size):
             wide = [
                 p if p.compress_to is None else p.keeping_uncompressed(s.num_held + num_new)
                 for p, s in zip(plans, kv.layers)
             ]
             reserve = self.num_layers * len(self._requests)
-            if self.fits(self._pages_needed(kv, wide), reserve):
-                return wide
-        return plans
-
-    def _pages_needed(self, kv: RequestKV, plans: list[LayerPlan]) -> list[int]:
-        """Pages the plans add, per page kind."""
-        return self._by_kind(
-            [
-                plan.pages_needed(len(state.block_table), self.block_size)
-                for plan, state in zip(plans, kv.layers)
-            ]
-        )
+            layer_pages = pages_needed(wide, kv.layers, self.block_size)
+            num_pages = self._by_kind(layer_pages)
+            if self.fits(num_pages, reserve):
+                return StepPlan(wide, num_pages, layer_pages)
+        return plan
 
     def allocate(
         self,
@@ -252,19 +258,22 @@ class KVCacheManager:
         kv = self._requests[request_id]
         if plan is None:
             plan = self.plan_step(request_id, num_new, completes_prompt, in_prefill)
-        plans = plan.layers
         if in_prefill:
-            plans = self._widened(request_id, plans, num_new, completes_prompt)
-        steps = []
-        for kind, state, layer in zip(self.layer_kinds, kv.layers, plans):
-            extra = cdiv(layer.capacity, self.block_size) - len(state.block_table)
-            if extra > 0:
-                state.block_table.extend(self.pool.allocate(extra, kind))
-            if layer.fresh_compact:
-                num = cdiv(layer.compress_to, self.block_size)
-                state.compact_table = self.pool.allocate(num, kind)
-            steps.append(layer.step(state, num_new))
-        return steps
+            plan = self._widened(request_id, plan, num_new, completes_prompt)
+        per_layer = zip(self.layer_kinds, kv.layers, plan.layers, plan.layer_pages)
+        for kind, state, layer, num_pages in per_layer:
+            if num_pages or layer.fresh_compact:  # most decode steps add no page to a layer
+                self._allocate_layer(kind, state, layer)
+        return [layer.step(state, num_new) for layer, state in zip(plan.layers, kv.layers)]
+
+    def _allocate_layer(self, kind: int, state: LayerKV, layer: LayerPlan) -> None:
+        """Extend a layer's table to its plan's capacity and take its fresh compaction pages."""
+        extra = cdiv(layer.capacity, self.block_size) - len(state.block_table)
+        if extra > 0:
+            state.block_table.extend(self.pool.allocate(extra, kind))
+        if layer.fresh_compact:
+            num = cdiv(layer.compress_to, self.block_size)
+            state.compact_table = self.pool.allocate(num, kind)
 
     def commit(
         self, request_id: str, steps: list[LayerStep], cache_token_ids: Sequence[int] | None = None
@@ -280,7 +289,7 @@ class KVCacheManager:
         kv = self._requests[request_id]
         if cache_token_ids is not None and self.prefix_cache is not None:
             sharing.offer_step(self.prefix_cache, kv.layers, steps, cache_token_ids)
-        for spec, state, step in zip(self.layer_specs, kv.layers, steps):
+        for window, state, step in zip(self._windows, kv.layers, steps):
             held = step.num_held + step.num_new
             if step.compress_to is not None and step.compress_to < held:
                 state.num_evicted += held - step.compress_to
@@ -289,8 +298,8 @@ class KVCacheManager:
             if step.compact_table is not None:
                 self._release([state.block_table])
                 state.block_table, state.compact_table = step.compact_table, None
-            if spec.is_sliding:
-                self._release_outside_window(state, spec.sliding_window)
+            if window is not None:
+                self._release_outside_window(state, window)
             keep = cdiv(state.num_held, self.block_size)
             if len(state.block_table) > keep:
                 self.pool.free(state.block_table[keep:])

@@ -74,13 +74,6 @@ class LayerPlan:
     keep_uncompressed: bool = False
     decode_compaction: bool = False
 
-    def pages_needed(self, num_table_pages: int, block_size: int) -> int:
-        """Pages this plan adds to a layer whose table holds ``num_table_pages``."""
-        extra = max(0, cdiv(self.capacity, block_size) - num_table_pages)
-        if self.fresh_compact:
-            extra += cdiv(self.compress_to, block_size)
-        return extra
-
     def copy_on_write(self, num_held: int) -> LayerPlan:
         """Compact into fresh pages; the table keeps its held slots untouched (a decode step
         still writes its new token there: that slot is never on a shared page, which only
@@ -114,10 +107,12 @@ class StepPlan:
     Attributes:
         layers: one plan per layer (before the act half's optional widening).
         num_pages: pages the plans add, per page kind.
+        layer_pages: pages each layer's plan adds (``pages_needed``).
     """
 
     layers: list[LayerPlan]
     num_pages: list[int]
+    layer_pages: list[int]
 
 
 def plan_layers(
@@ -140,23 +135,39 @@ def plan_layers(
         (completes_prompt or policy.bounded_chunks) if in_prefill else policy.decode_eviction
     )
     plans = []
+    # Layers that only grow share one plan per capacity (plans are never mutated): most
+    # layers of a request hold the same slot count, and a decode step plans 30 of them.
+    plain: dict[int, LayerPlan] = {}
     for state in layers:
         num_held = state.num_held
         total = num_held + num_new
         budget = state.budget
-        if budget is None or total <= budget or not may_compact:
-            plans.append(LayerPlan(total))
-            continue
-        if in_prefill:
-            # Compressed K/V are gathered before being written back, so the layer only needs
-            # room for the larger of what it holds now and what it keeps.
-            plan = LayerPlan(max(num_held, budget), budget)
-        elif total >= budget + block_size:
-            # Decode-time eviction: the new token is written in place and attended on the
-            # decode path, so the table covers held + 1 = budget + block_size slots, the peak.
-            plan = LayerPlan(total, budget, decode_compaction=True)
-        else:
-            plans.append(LayerPlan(total))
-            continue
-        plans.append(plan.copy_on_write(num_held) if is_shared(state.block_table) else plan)
+        plan = None
+        if budget is not None and total > budget and may_compact:
+            if in_prefill:
+                # Compressed K/V are gathered before being written back, so the layer only
+                # needs room for the larger of what it holds now and what it keeps.
+                plan = LayerPlan(max(num_held, budget), budget)
+            elif total >= budget + block_size:
+                # Decode-time eviction: the new token is written in place and attended on the
+                # decode path, so the table covers held + 1 = budget + block_size slots, the
+                # peak.
+                plan = LayerPlan(total, budget, decode_compaction=True)
+        if plan is None:
+            plan = plain.get(total)
+            if plan is None:
+                plan = plain[total] = LayerPlan(total)
+        elif is_shared(state.block_table):
+            plan = plan.copy_on_write(num_held)
+        plans.append(plan)
     return plans
+
+
+def pages_needed(plans: list[LayerPlan], layers: list[LayerKV], block_size: int) -> list[int]:
+    """Pages each layer's plan adds to what its table holds: the pages its capacity lacks,
+    plus ``ceil(compress_to / block_size)`` fresh ones when it compacts into fresh pages."""
+    return [
+        max(0, cdiv(plan.capacity, block_size) - len(state.block_table))
+        + (cdiv(plan.compress_to, block_size) if plan.fresh_compact else 0)
+        for plan, state in zip(plans, layers)
+    ]

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sparsekv.attention.metadata import RequestSlice, build_metadata
+from sparsekv.attention.metadata import BlockTableCache, RequestSlice, build_metadata
 from sparsekv.attention.paged import PagedAttention
 from sparsekv.engine.scheduler_output import SchedulerOutput
 from sparsekv.kv_cache.manager import KVCacheManager
@@ -52,6 +52,7 @@ class ModelRunner:
         self.layer_specs = kv.layer_specs
         self.sampler = Sampler()
         self.logit_softcap = getattr(model, "attn_logit_softcap", None)
+        self._block_tables = BlockTableCache()  # the decode path's tables between steps
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
@@ -84,7 +85,9 @@ class ModelRunner:
                 )
             )
             start += item.num_new_tokens
-        metadata = build_metadata(slices, len(self.layer_specs), self.kv.block_size, self.device)
+        metadata = build_metadata(
+            slices, len(self.layer_specs), self.kv.block_size, self.device, self._block_tables
+        )
         storages = [self.kv.storage(layer) for layer in range(len(self.layer_specs))]
         ctx = PagedAttention(storages, metadata, self.layer_specs, self.logit_softcap)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
