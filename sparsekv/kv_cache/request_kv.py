@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 
@@ -113,16 +112,10 @@ class RequestKV:
         swapped_pages: per layer, host copies of the pages' tensors (codes, then scales for
             quantized formats; leading dimension = pages) while the request is swapped out,
             else ``None``.
-        decode_tables: the attention metadata's cache of the block tables of its last decode
-            step: ``(layers, copies of their page-id lists, [len(layers), longest]`` int64
-            array padded with page 0``)``; reused while the lists are equal.
     """
 
     layers: list[LayerKV]
     swapped_pages: list[tuple[torch.Tensor, ...]] | None = None
-    decode_tables: tuple[tuple[int, ...], list[list[int]], np.ndarray] | None = field(
-        default=None, repr=False, compare=False
-    )
     # Decode steps' queries not yet merged into the layers' windows: (step queries
     # [len(layer_ids), batch, num_heads, head_dim], this request's row, layer_ids).
     _query_log: list[tuple[torch.Tensor, int, tuple[int, ...]]] = field(

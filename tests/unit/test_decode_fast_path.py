@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparsekv.attention.metadata import RequestSlice, build_metadata
+from sparsekv.attention.metadata import BlockTableCache, RequestSlice, build_metadata
 from sparsekv.attention.torch_ref import write_kv
 from sparsekv.kv_cache.plan import LayerStep
 from sparsekv.kv_cache.request_kv import LayerKV, RequestKV
@@ -202,10 +202,11 @@ def _decode_slices(tables_per_request: list[list[list[int]]], kvs: list[RequestK
 
 
 def test_decode_block_tables_cached_only_while_unchanged():
-    """The metadata's per-request table cache gives the tables of the step's lists, also after
-    the lists were edited in place or replaced between steps."""
+    """The runner's table cache (``BlockTableCache``) gives the tables of the step's lists, also
+    after the lists were edited in place or replaced between steps."""
     tables = [[[3, 4, 5], [6, 7]], [[8], [9, 10, 11, 12]]]
     kvs = [RequestKV([LayerKV(), LayerKV()]) for _ in tables]
+    cache = BlockTableCache()
     for edit in (None, "append", "swap", "replace"):
         if edit == "append":
             tables[0][1].append(13)
@@ -213,7 +214,7 @@ def test_decode_block_tables_cached_only_while_unchanged():
             tables[1][1][2] = 42
         elif edit == "replace":
             tables[0][0] = [1, 2]
-        meta = build_metadata(_decode_slices(tables, kvs), 2, 16, torch.device("cpu"))
+        meta = build_metadata(_decode_slices(tables, kvs), 2, 16, torch.device("cpu"), cache)
         for layer in range(2):
             got = meta.decode[layer].block_tables
             for i, request_tables in enumerate(tables):
