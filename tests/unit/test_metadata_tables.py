@@ -77,3 +77,16 @@ def test_cached_tables_with_a_general_path_request():
         got = build_metadata(_slices(tables, num_new), 2, 16, CPU, cache)
         _assert_same(got, build_metadata(_slices(tables, num_new), 2, 16, CPU))
         tables[0][0].append(len(tables[0][0]) + 30)
+
+
+def test_cached_counts_follow_the_held_slots():
+    """Unchanged tables, other held and first slots: the reused tensors show the new counts."""
+    tables = [[[3, 4, 5], [6, 7]], [[8, 9], [10, 11, 12]]]
+    cache = BlockTableCache()
+    for held, first in ((20, 0), (21, 0), (33, 16), (40, 16)):
+        slices = _slices(tables)
+        for s in slices:
+            s.layers = [LayerStep(step.block_table, first, held - first, 1) for step in s.layers]
+        got = build_metadata(slices, 2, 16, CPU, cache)
+        _assert_same(got, build_metadata(slices, 2, 16, CPU))
+        assert got.decode[0].seq_lens.tolist() == [held + 1, held + 1]
