@@ -113,6 +113,42 @@ def test_prefill_large_logits_and_growing_max(amx):
     run_kernel(query, (key.float() * growth).bfloat16(), value)
 
 
+# The kernel's exp2 (a degree-3 polynomial, 7.5e-5 relative error) and fp32 sums bound its lse
+# error well below LSE_ATOL; this checks that bound, with margin for the fp32 reference.
+LSE_TIGHT = 2e-4
+
+
+@pytest.mark.parametrize(
+    "num_queries,num_keys,std", [(500, 700, 1.0), (96, 96, 1.0), (300, 300, 3.0)]
+)
+def test_prefill_lse_precision(amx, num_queries, num_keys, std):
+    query, key, value = make_qkv(9, 3, num_queries, num_keys, 64, seed=num_keys, std=std)
+    _, lse = ops.prefill_attention(query, key, value, 0.125)
+    _, ref_lse = torch_ref.attention_with_lse(
+        query.float(), key.float(), value.float(), 0.125, None
+    )
+    torch.testing.assert_close(lse, ref_lse, atol=LSE_TIGHT, rtol=0)
+
+
+@pytest.mark.parametrize("rise", [0.0, 3.0, 20.0, 300.0])
+@pytest.mark.parametrize("spike", [None, 40.0])
+def test_prefill_lazy_max(amx, rise, spike):
+    # Logits rising linearly along the keys by `rise` (natural log units) over the sequence,
+    # optionally with one late key `spike` above the rest: the kernel keeps a row's max while
+    # a block's probabilities against it stay small (slow rises: probabilities above 1), and
+    # moves it when they would not (fast rises, the spike); out and lse stay exact either way.
+    num_queries, num_keys = 200, 300
+    query, key, value = make_qkv(6, 2, num_queries, num_keys, 64, seed=7, std=0.3)
+    query[..., 0] = 1.0
+    key[..., 0] = torch.linspace(0.0, rise, num_keys).bfloat16()
+    if spike is not None:
+        key[:, 250, 0] = spike + rise
+    out, lse = ops.prefill_attention(query, key, value, 1.0)
+    check(query, key, value, out, lse, 1.0)
+    _, ref_lse = torch_ref.attention_with_lse(query.float(), key.float(), value.float(), 1.0, None)
+    torch.testing.assert_close(lse, ref_lse, atol=LSE_TIGHT * max(1.0, rise / 100), rtol=0)
+
+
 @pytest.mark.parametrize("window", [1, 5, 16, 63, 64, 65, 100, 512])
 @pytest.mark.parametrize(
     "num_queries,num_keys", [(1, 1), (17, 17), (200, 200), (333, 333), (100, 700), (513, 1000)]

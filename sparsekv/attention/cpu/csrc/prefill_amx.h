@@ -24,11 +24,16 @@
 // blocks that cross its lower edge, so a local layer costs O(n x window), not O(n^2).
 // Logits are in base 2 (log2(e) folded into the scale).
 //
-// Cost (SmolLM2-135M layer, 4000 tokens, one thread, ~33 ms): about 2/3 tile work, where the
-// tile loads and stores between the products cost as much as the products, 1/3 the softmax
-// (~7 cycles per vector of 16 probabilities). Measured and rejected: interleaving the two in a
-// software pipeline (no faster), key blocks of 32 or 128 and query blocks of 32 (slower: more
-// per-block overhead, or a working set past L1).
+// Cost (SmolLM2-135M layer, 2000 tokens, one thread, ~5.5 ms): about 2/3 tile work, where the
+// tile loads and stores between the products cost as much as the products (loading the O^T
+// accumulators before the value product is the dearest part), 1/3 the softmax (one pass over
+// the logits, ~5 cycles per vector of 16 probabilities: see block_softmax's lazy max).
+// Measured and rejected: interleaving the two in a software pipeline (twice; the second time
+// with one column tile per AMX step, issued before and halfway through each tile's softmax:
+// the lost pairing of the column tiles cost more than the overlap gained, 5.4 -> 6.0 ms; the
+// AMX side alone is ~2x its TMUL bound, latency-bound by tile stores and reloads), prefetching
+// the next block's keys and values into L1 (slower: they evict the scratch), key blocks of 32
+// or 128 and query blocks of 32 (slower: more per-block overhead, or a working set past L1).
 //
 // Tile registers: 0-3 accumulators (two key or dim tiles x two column tiles), 4, 5 key or
 // value tiles, 6, 7 query or probability pairs. All tiles are 16 rows x 64 bytes.
@@ -103,18 +108,19 @@ static int64_t prefill_scratch_amx(const PrefillArgs& a) {
   return prefill_layout(a, nullptr, nullptr) + 16;  // + 16: room to align the base
 }
 
-// 2^t for finite t, ~3e-6 relative error: 2^(t - floor t) by a degree-4 polynomial on [0, 1)
-// (least-squares fit of the relative error), times 2^floor(t) by scalef, which floors its
-// exponent operand itself (and gives 0 or inf past the ends of the range). vreduceps gives
-// t - floor(t) in one instruction: 6 vector instructions in all. The probabilities are rounded
-// to bf16 (2^-9) anyway, and the error moves the lse by ~3e-6.
+// 2^t for finite t to 7.5e-5 (2^-13.7) relative error: 2^(t - floor t) by a degree-3
+// polynomial on [0, 1) (minimax fit of the relative error; 2^0 comes out as 1 - 7.5e-5), times
+// 2^floor(t) by scalef, which floors its exponent operand itself (and gives 0 or inf past the
+// ends of the range). vreduceps gives t - floor(t) in one instruction: 5 vector instructions in
+// all. The probabilities are rounded to bf16 (2^-9 relative) for the value product, where the
+// error is invisible; the row sum l adds them unrounded, so the lse moves by at most 7.5e-5
+// (degree 4, 2.7e-6, cost one more instruction per vector: ~4% of the kernel).
 static inline __m512 prefill_exp2(__m512 t) {
   const __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.013520609587430954f), f,
-                             _mm512_set1_ps(0.052037473767995834f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24142742156982422f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6930066347122192f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000025033950806f));
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.07802419364452362f), f,
+                             _mm512_set1_ps(0.2260672152042389f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6958337426185608f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.9999251961708069f));
   return _mm512_scalef_ps(p, t);
 }
 
@@ -181,36 +187,17 @@ static void block_logits(const PrefillArgs& a, const uint16_t* K, int64_t k0, co
   }
 }
 
-// Online softmax of column tile t over the block's logits: updates m and l, writes the bf16
-// probability pairs and returns alpha = exp2(m_old - m_new) per column. `masked`: the block
-// crosses the tile's diagonal or its window's lower edge; keys a column does not see (past its
-// threshold, or `reach` or more below it) get probability 0.
-static __m512 block_softmax(int64_t k0, int t, bool masked, float scale2, int32_t reach,
-                            const PrefillScratch& w) {
+// Probabilities of a block's logits against the reference max m of each column:
+// p = exp2(s * scale2 - m) for keys k0 + [0, kPKeys), 0 for keys a column does not see
+// (kMasked), written as the bf16 pairs of tile t (see below). Returns the columns' sums of
+// the unrounded p.
+template <bool kMasked>
+static inline __m512 block_probabilities(int64_t k0, int t, __m512 m, float scale2,
+                                         int32_t reach, const PrefillScratch& w) {
   const float* s = w.s + t * kPKeys * 16;
   const __m512i thr = _mm512_loadu_si512(w.thr + t * 16);
   const __m512i reach_v = _mm512_set1_epi32(reach);
-  const __m512 m_old = _mm512_loadu_ps(w.m + t * 16);
-  // Row max: four chains, as vmaxps has a 4-cycle latency.
-  __m512 mx[4];
-  for (int j = 0; j < 4; ++j) mx[j] = _mm512_set1_ps(kNegInf);
-  if (!masked) {
-    for (int64_t k = 0; k < kPKeys; k += 4)
-      for (int j = 0; j < 4; ++j) mx[j] = _mm512_max_ps(mx[j], _mm512_loadu_ps(s + (k + j) * 16));
-  } else {
-    for (int64_t k = 0; k < kPKeys; k += 4)
-      for (int j = 0; j < 4; ++j) {
-        const __mmask16 see = visible_keys(thr, reach_v, k0 + k + j);
-        mx[j] = _mm512_mask_max_ps(mx[j], see, mx[j], _mm512_loadu_ps(s + (k + j) * 16));
-      }
-  }
-  const __m512 block_max =
-      _mm512_max_ps(_mm512_max_ps(mx[0], mx[1]), _mm512_max_ps(mx[2], mx[3]));
-  const __m512 m_new = _mm512_max_ps(m_old, _mm512_mul_ps(block_max, _mm512_set1_ps(scale2)));
-  // alpha by the accurate vexp2 (2e-7 relative; exactly 0 for a column's first visible block,
-  // m_old = kNoMax): its error would add up in l over a row's rescales, and l gives the lse.
-  const __m512 alpha = vexp2(_mm512_sub_ps(m_old, m_new));
-  const __m512 neg_m = _mm512_sub_ps(_mm512_setzero_ps(), m_new), sc = _mm512_set1_ps(scale2);
+  const __m512 neg_m = _mm512_sub_ps(_mm512_setzero_ps(), m), sc = _mm512_set1_ps(scale2);
   // (p[k], p[k + 1]) of each column as one 32-bit word, the pair order of a B tile: the high
   // halves of the fp32 words of p0 and p1 (indices from 32 select from the second source),
   // rounded to nearest (ties away) by adding half a bf16 unit first. Three instructions per
@@ -224,7 +211,7 @@ static __m512 block_softmax(int64_t k0, int t, bool masked, float scale2, int32_
   for (int64_t k = 0; k < kPKeys; k += 2) {
     __m512 p0 = prefill_exp2(_mm512_fmadd_ps(_mm512_loadu_ps(s + k * 16), sc, neg_m));
     __m512 p1 = prefill_exp2(_mm512_fmadd_ps(_mm512_loadu_ps(s + (k + 1) * 16), sc, neg_m));
-    if (masked) {  // masked logits may be anything finite: their exp2 is dropped, inf included
+    if (kMasked) {  // masked logits may be anything finite: their exp2 is dropped, inf included
       p0 = _mm512_maskz_mov_ps(visible_keys(thr, reach_v, k0 + k), p0);
       p1 = _mm512_maskz_mov_ps(visible_keys(thr, reach_v, k0 + k + 1), p1);
     }
@@ -235,8 +222,73 @@ static __m512 block_softmax(int64_t k0, int t, bool masked, float scale2, int32_
         _mm512_add_epi32(_mm512_castps_si512(p1), half_unit));
     _mm512_storeu_si512(p + k * 8, pair);
   }
-  const __m512 l = _mm512_loadu_ps(w.l + t * 16);
-  _mm512_storeu_ps(w.l + t * 16, _mm512_fmadd_ps(l, alpha, _mm512_add_ps(sum0, sum1)));
+  return _mm512_add_ps(sum0, sum1);
+}
+
+// The columns' max of the block's base-2 logits (times scale2), over the keys they see.
+static inline __m512 block_max(int64_t k0, int t, bool masked, float scale2, int32_t reach,
+                               const PrefillScratch& w) {
+  const float* s = w.s + t * kPKeys * 16;
+  const __m512i thr = _mm512_loadu_si512(w.thr + t * 16);
+  const __m512i reach_v = _mm512_set1_epi32(reach);
+  // Four chains, as vmaxps has a 4-cycle latency.
+  __m512 mx[4];
+  for (int j = 0; j < 4; ++j) mx[j] = _mm512_set1_ps(kNegInf);
+  if (!masked) {
+    for (int64_t k = 0; k < kPKeys; k += 4)
+      for (int j = 0; j < 4; ++j) mx[j] = _mm512_max_ps(mx[j], _mm512_loadu_ps(s + (k + j) * 16));
+  } else {
+    for (int64_t k = 0; k < kPKeys; k += 4)
+      for (int j = 0; j < 4; ++j) {
+        const __mmask16 see = visible_keys(thr, reach_v, k0 + k + j);
+        mx[j] = _mm512_mask_max_ps(mx[j], see, mx[j], _mm512_loadu_ps(s + (k + j) * 16));
+      }
+  }
+  const __m512 mx_all = _mm512_max_ps(_mm512_max_ps(mx[0], mx[1]), _mm512_max_ps(mx[2], mx[3]));
+  return _mm512_mul_ps(mx_all, _mm512_set1_ps(scale2));
+}
+
+// A block's probabilities against a column's current max m may reach this much (sum over the
+// block) before the max is moved: a lazy max (see block_softmax). 2^8: the rounded
+// probabilities stay far from bf16's and fp32's limits, and a row's max rarely grows that much
+// after its first keys.
+constexpr float kLazySum = 256.0f;
+
+// Online softmax of column tile t over the block's logits: updates m and l, writes the bf16
+// probability pairs and returns alpha = exp2(m_old - m_new) per column. kMasked: the block
+// crosses the tile's diagonal or its window's lower edge; keys a column does not see (past its
+// threshold, or `reach` or more below it) get probability 0.
+//
+// Lazy max: once every column has a max, the block is first exponentiated against it in one
+// pass (no max pass, no rescale of O). The reference max need not be the running max:
+// m + log2(l) is the same for any reference, it only has to keep the probabilities in range.
+// If some column's block sum exceeds kLazySum (a logit more than ~8 above its max, an inf, a
+// NaN), the block is redone the exact way: max pass, new max, alpha, probabilities. ~8% of the
+// kernel. Numerics: the largest probability of a row is no longer exactly 1, so its bf16
+// rounding (2^-9 relative) reaches the output too, as every other probability's does (against
+// fp32: mean output error +5 to +14%, max 8.6e-3 -> 1.5e-2 on peaked rows with 9 heads x 600
+// tokens); lse is unaffected.
+//
+// noinline: inlined into prefill_item_amx, GCC kept a running sum on the stack (a store-load
+// chain through the exp loop).
+template <bool kMasked>
+static __attribute__((noinline)) __m512 block_softmax(int64_t k0, int t, float scale2,
+                                                      int32_t reach, const PrefillScratch& w) {
+  const __m512 m_old = _mm512_loadu_ps(w.m + t * 16), l = _mm512_loadu_ps(w.l + t * 16);
+  const __m512 one = _mm512_set1_ps(1.0f);
+  if (_mm512_cmp_ps_mask(m_old, _mm512_set1_ps(kNoMax), _CMP_EQ_OQ) == 0) {
+    const __m512 sum = block_probabilities<kMasked>(k0, t, m_old, scale2, reach, w);
+    if (_mm512_cmp_ps_mask(sum, _mm512_set1_ps(kLazySum), _CMP_LE_OQ) == 0xffff) {
+      _mm512_storeu_ps(w.l + t * 16, _mm512_add_ps(l, sum));
+      return one;
+    }
+  }
+  const __m512 m_new = _mm512_max_ps(m_old, block_max(k0, t, kMasked, scale2, reach, w));
+  // alpha by the accurate vexp2 (2e-7 relative; exactly 0 for a column's first visible block,
+  // m_old = kNoMax): its error would add up in l over a row's rescales, and l gives the lse.
+  const __m512 alpha = vexp2(_mm512_sub_ps(m_old, m_new));
+  const __m512 sum = block_probabilities<kMasked>(k0, t, m_new, scale2, reach, w);
+  _mm512_storeu_ps(w.l + t * 16, _mm512_fmadd_ps(l, alpha, sum));
   _mm512_storeu_ps(w.m + t * 16, m_new);
   return alpha;
 }
@@ -359,7 +411,9 @@ static void prefill_item_amx(const PrefillArgs& a, int64_t kvh, int64_t qb, floa
     }
     block_logits(a, K, k0, tiles, nt, w);
     for (int i = 0; i < nt; ++i)
-      rescale_output(block_softmax(k0, tiles[i], masked[i], scale2, reach, w), tiles[i], d, w);
+      rescale_output(masked[i] ? block_softmax<true>(k0, tiles[i], scale2, reach, w)
+                               : block_softmax<false>(k0, tiles[i], scale2, reach, w),
+                     tiles[i], d, w);
     block_values(a, Vt, k0, tiles, nt, w);
   }
   _tile_release();  // see decode_item_amx
