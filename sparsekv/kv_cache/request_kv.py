@@ -24,7 +24,7 @@ class LayerKV:
         budget: slots kept after compression, or ``None`` for a layer that is never compressed.
         recent_queries: ``[num_heads, <= window, head_dim]`` queries of the latest tokens
             (post-RoPE), used to re-score at decode time; ``None`` for uncompressed layers
-            (a property over ``remember_queries`` / ``remember_query``).
+            (a property over ``remember_queries`` and the request's decode query log).
         accumulated: ``[num_kv_heads, num_held]`` fp32 attention mass per slot (H2O).
         compact_table: fresh pages allocated for a compaction in flight (copy-on-write); they
             replace ``block_table`` when the step commits.
@@ -41,11 +41,8 @@ class LayerKV:
     accumulated: torch.Tensor | None = None
     compact_table: list[int] | None = None
     residual: tuple[torch.Tensor, torch.Tensor] | None = None
-    # The window: consolidated rows [num_heads, <= window, head_dim], then decode rows
-    # [num_heads, head_dim] appended since (views of the step's queries; stacked on read).
+    # The window [num_heads, <= window, head_dim]; decode rows wait in the owner's log.
     _queries: torch.Tensor | None = field(default=None, repr=False)
-    _pending: list[torch.Tensor] = field(default_factory=list, repr=False)
-    _window: int = field(default=0, repr=False)
     # The request whose query log (RequestKV.log_decode_queries) may hold rows of this layer
     # not yet merged into the window: merged before the window is read or written.
     _owner: RequestKV | None = field(default=None, repr=False, compare=False)
@@ -57,41 +54,27 @@ class LayerKV:
     @property
     def recent_queries(self) -> torch.Tensor | None:
         self._merge_logged()
-        if self._pending:
-            self._consolidate()
         return self._queries
 
     @recent_queries.setter
     def recent_queries(self, value: torch.Tensor | None) -> None:
         self._merge_logged()
-        self._queries, self._pending = value, []
+        self._queries = value
 
     def remember_queries(self, q: torch.Tensor, window: int) -> None:
         """Keep the last ``window`` of these queries ``[m, num_heads, head_dim]`` (after the
         ones kept before)."""
         self._merge_logged()
-        if self._pending:
-            self._consolidate()
         self._keep_window(q[-window:].transpose(0, 1), window)
 
     def remember_query(self, row: torch.Tensor, window: int) -> None:
-        """Append one decode query ``[num_heads, head_dim]`` to the window: a list append per
-        (request, layer, step); the rows are stacked when read or every ``window`` rows.
-        (The engine's decode path logs whole steps instead: ``RequestKV.log_decode_queries``.)"""
-        self._merge_logged()
-        self._pending.append(row)
-        self._window = window
-        if len(self._pending) >= window:
-            self._consolidate()
+        """Append one query ``[num_heads, head_dim]`` to the window (one copy of the window;
+        the engine's decode path logs whole steps instead: ``RequestKV.log_decode_queries``)."""
+        self.remember_queries(row[None], window)
 
     def _merge_logged(self) -> None:
         if self._owner is not None and self._owner._query_log:
             self._owner.merge_decode_queries()
-
-    def _consolidate(self) -> None:
-        rows, window = self._pending, self._window
-        self._pending = []
-        self._keep_window(torch.stack(rows[-window:], dim=1), window)  # [num_heads, n, head_dim]
 
     def _keep_window(self, new: torch.Tensor, window: int) -> None:
         """The window becomes the last ``window`` rows of the kept ones followed by ``new``
@@ -166,11 +149,8 @@ class RequestKV:
             rows = torch.stack([queries[:, row] for queries, row, _ in steps], dim=2)
             for i, layer in enumerate(layer_ids):  # rows[i]: [num_heads, steps, head_dim]
                 state = self.layers[layer]
-                if state.budget is None:
-                    continue
-                if state._pending:  # rows remembered one by one came first
-                    state._consolidate()
-                state._keep_window(rows[i], window)
+                if state.budget is not None:
+                    state._keep_window(rows[i], window)
             start = end
 
     @property
