@@ -1,6 +1,6 @@
 """Per-request KV bookkeeping: a block table and slot counters for every layer.
 
-Counters follow CONTRACTS.md §2: ``num_slots`` is the logical slot count of a (request, layer)
+Counters: ``num_slots`` is the logical slot count of a (request, layer)
 (``first_slot`` included), distinct from the request's logical ``num_tokens``; ``first_slot`` is
 the logical slot of the first page still held (sliding layers free leading pages).
 """
