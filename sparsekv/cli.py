@@ -12,7 +12,6 @@ from pathlib import Path
 
 from sparsekv.cli_args import OnOffFlag, add_engine_args, engine_config_from_args
 
-
 DEFAULT_PROMPT = "Explain in two sentences why the KV cache limits LLM serving."
 
 

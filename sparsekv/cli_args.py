@@ -191,7 +191,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                     help=help_text,
                 )  # fmt: skip
             elif kind is bool:
-                group.add_argument(flag, dest=dest, action=OnOffFlag, default=default, help=help_text)
+                group.add_argument(
+                    flag, dest=dest, action=OnOffFlag, default=default, help=help_text
+                )
             elif kind is tuple:
                 group.add_argument(
                     flag, dest=dest, type=_int_list, default=default, metavar=_metavar(key, kind),

@@ -57,7 +57,7 @@ COMMANDS = {
     "'snapkv512+cache:--kv-compression snapkv --kv-budget 512 --prefix-cache-uncompressed' "
     "'snapkv512-nocache:--kv-compression snapkv --kv-budget 512 --no-enable-prefix-caching'",
     "context_scope_context": _PREFIX + " --configs 'snapkv512-context:--kv-compression snapkv "
-    "--kv-budget 512' --extra-body '{\"kv_compression\": {\"scope\": \"context\", "
+    '--kv-budget 512\' --extra-body \'{"kv_compression": {"scope": "context", '
     '"context_tokens": 3000}}\'',
     "context_scope_prompt": _PREFIX + " --configs 'snapkv512-prompt:--kv-compression snapkv "
     "--kv-budget 512'",

@@ -1,4 +1,5 @@
-"""A request as the scheduler sees it: token ids and counters (STYLE.md: counters, not phases)."""
+"""A request as the scheduler sees it: token ids and counters (counters, not phases: the
+scheduler closes the gap between computed and total tokens, whatever the request is doing)."""
 
 from __future__ import annotations
 

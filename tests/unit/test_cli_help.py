@@ -35,7 +35,8 @@ def test_every_flag_has_a_description_and_no_internal_metavar(command):
     assert "(default: None)" not in help_text  # unset defaults are described in words
 
 
-def test_engine_flags_show_their_real_defaults():
+def test_engine_flags_show_their_real_defaults(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "400")  # one line per flag: no wrapping inside a phrase
     help_text = " ".join(_subparser("serve").format_help().split())
     assert "--kv-budget N KV slots each budgeted layer keeps" in help_text
     assert "(default: 1024; replaced by --kv-compression-ratio)" in help_text
@@ -50,7 +51,8 @@ def test_engine_flags_show_their_real_defaults():
         assert title in help_text
 
 
-def test_help_follows_set_defaults():
+def test_help_follows_set_defaults(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "400")
     parser = argparse.ArgumentParser()
     cli.add_engine_args(parser)
     parser.set_defaults(compression__budget=512, scheduler__max_num_seqs=8)
