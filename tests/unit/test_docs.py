@@ -19,7 +19,13 @@ LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 CODE_SPAN = re.compile(r"`([^`\s]+)`")
 PATH_LIKE = re.compile(r"^[\w.][\w./-]*/[\w./-]*$|^[\w-]+\.(py|md|toml|h|cpp)$")
 # Names of design pages that live outside the repository, and the section sign that cited them.
-OUTSIDE_PAGES = ["CONTRACTS" + ".md", "DESIGN" + ".md", "REFERENCE" + ".md", "STYLE" + ".md", "\u00a7"]
+OUTSIDE_PAGES = [
+    "CONTRACTS" + ".md",
+    "DESIGN" + ".md",
+    "REFERENCE" + ".md",
+    "STYLE" + ".md",
+    "\u00a7",
+]
 HISTORY = re.compile(
     "sess" + r"ion [0-9]|iss" + r"ue ?#?[0-9]+|this sess" + "ion|previous sess" + "ion",
     re.IGNORECASE,
