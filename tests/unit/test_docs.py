@@ -124,3 +124,47 @@ def test_no_development_history_in_the_repository():
             if HISTORY.search(line):
                 found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()[:80]}")
     assert found == []
+
+
+def _readme_blocks(language: str) -> list[str]:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    return re.findall(rf"```{language}\n(.*?)```", text, flags=re.DOTALL)
+
+
+def test_readme_python_uses_only_names_it_defines_or_imports():
+    import ast
+    import builtins
+
+    blocks = _readme_blocks("python")
+    assert blocks
+    for code in blocks:
+        tree = ast.parse(code)
+        defined = set(dir(builtins))
+        loaded = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Name):
+                (defined if isinstance(node.ctx, ast.Store) else loaded).add(node.id)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                defined |= {(a.asname or a.name).split(".")[0] for a in node.names}
+            elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                defined.add(node.name)
+            elif isinstance(node, ast.arg):
+                defined.add(node.arg)
+        assert loaded - defined == set(), code
+        imported = {
+            a.asname or a.name
+            for n in ast.walk(tree)
+            if isinstance(n, ast.ImportFrom)
+            for a in n.names
+        }
+        assert imported <= loaded, f"unused imports: {imported - loaded}"
+
+
+def test_readme_examples_are_greedy():
+    """Sampled output of a 135M model reads as nonsense: every example asks for temperature 0."""
+    for code in _readme_blocks("python"):
+        for call in re.findall(r"SamplingParams\(([^)]*)\)", code):
+            assert "temperature=0" in call, call
+    for command in _readme_blocks("bash"):
+        for body in re.findall(r"-d '(\{.*?\})'", command, flags=re.DOTALL):
+            assert '"temperature": 0' in body, body
