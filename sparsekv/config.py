@@ -51,7 +51,7 @@ class ModelConfig:
         if self.dtype not in ("auto", "bfloat16", "float32", "bf16", "fp32"):
             raise ValueError(f"dtype must be auto, bfloat16 or float32, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
-            raise ValueError("max_model_len must be > 0")
+            raise ValueError(f"max_model_len must be > 0 tokens, got {self.max_model_len}")
 
 
 @dataclass
@@ -90,11 +90,13 @@ class CacheConfig:
 
     def validate(self) -> None:
         if not self.kv_cache_memory > 0:
-            raise ValueError("kv_cache_memory must be > 0 GiB")
+            raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
-            raise ValueError("block_size must be a positive power of two")
+            raise ValueError(
+                f"block_size must be a positive power of two (16, 32, ...), got {self.block_size}"
+            )
         if self.num_pages is not None and self.num_pages < 1:
-            raise ValueError("num_pages must be >= 1")
+            raise ValueError(f"num_pages must be >= 1, got {self.num_pages}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
@@ -102,9 +104,14 @@ class CacheConfig:
             )
         layers = self.kv_cache_full_precision_layers or ()
         if any(not isinstance(x, int) or x < 0 for x in layers):
-            raise ValueError("kv_cache_full_precision_layers must be layer indices >= 0")
+            raise ValueError(
+                f"kv_cache_full_precision_layers must be layer indices >= 0, got {layers}"
+            )
         if layers and self.kv_cache_dtype == "auto":
-            raise ValueError("kv_cache_full_precision_layers needs a quantized kv_cache_dtype")
+            raise ValueError(
+                "kv_cache_full_precision_layers needs a quantized kv_cache_dtype (int8, fp8 or "
+                "int4), got auto"
+            )
 
 
 @dataclass
@@ -170,21 +177,27 @@ class CompressionConfig:
                 "kv_compression.budget and kv_compression.compression_ratio are exclusive"
             )
         if self.window < 1:
-            raise ValueError("kv_compression.window must be >= 1")
+            raise ValueError(f"kv_compression.window must be >= 1, got {self.window}")
         if self.budget is not None and self.budget < self.window + 1:
             raise ValueError(
                 f"kv_compression.budget ({self.budget}) must be >= window + 1 ({self.window + 1})"
             )
         if self.compression_ratio is not None and not 0 <= self.compression_ratio < 1:
-            raise ValueError("kv_compression.compression_ratio must be in [0, 1)")
+            raise ValueError(
+                f"kv_compression.compression_ratio must be in [0, 1), got {self.compression_ratio}"
+            )
         if self.pooling not in ("max", "avg", "none"):
-            raise ValueError("kv_compression.pooling must be max, avg or none")
+            raise ValueError(
+                f"kv_compression.pooling must be max, avg or none, got {self.pooling!r}"
+            )
         if self.kernel_size < 1 or self.kernel_size % 2 == 0:
-            raise ValueError("kv_compression.kernel_size must be a positive odd number")
+            raise ValueError(
+                f"kv_compression.kernel_size must be a positive odd number, got {self.kernel_size}"
+            )
         if self.gqa_agg not in ("mean", "max"):
-            raise ValueError("kv_compression.gqa_agg must be mean or max")
+            raise ValueError(f"kv_compression.gqa_agg must be mean or max, got {self.gqa_agg!r}")
         if self.full_layers < 0:
-            raise ValueError("kv_compression.full_layers must be >= 0")
+            raise ValueError(f"kv_compression.full_layers must be >= 0, got {self.full_layers}")
         if self.layer_budgets is not None:
             for b in self.layer_budgets:
                 if b != 0 and b < self.window + 1:
@@ -192,11 +205,15 @@ class CompressionConfig:
                         f"kv_compression.layer_budgets: {b} is below window + 1 ({self.window + 1})"
                     )
         if self.chunked_mode not in ("exact", "bounded"):
-            raise ValueError("kv_compression.chunked_mode must be exact or bounded")
+            raise ValueError(
+                f"kv_compression.chunked_mode must be exact or bounded, got {self.chunked_mode!r}"
+            )
         if self.scope not in ("prompt", "context"):
-            raise ValueError("kv_compression.scope must be prompt or context")
+            raise ValueError(f"kv_compression.scope must be prompt or context, got {self.scope!r}")
         if self.context_tokens is not None and self.context_tokens < 1:
-            raise ValueError("kv_compression.context_tokens must be >= 1")
+            raise ValueError(
+                f"kv_compression.context_tokens must be >= 1, got {self.context_tokens}"
+            )
 
     def merged(self, overrides: dict) -> CompressionConfig:
         """Return a copy with ``overrides`` applied field by field.
@@ -209,7 +226,9 @@ class CompressionConfig:
         names = {f.name for f in dataclasses.fields(self)}
         for key in overrides:
             if key not in names:
-                raise ValueError(f"kv_compression.{key}: unknown field")
+                raise ValueError(
+                    f"kv_compression.{key}: unknown field; fields: {', '.join(sorted(names))}"
+                )
         values = dict(overrides)
         if "budget" in values and "compression_ratio" not in values:
             values["compression_ratio"] = None
@@ -245,13 +264,17 @@ class SchedulerConfig:
 
     def validate(self) -> None:
         if self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_batched_tokens must be >= 1")
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
         if self.max_num_seqs < 1:
-            raise ValueError("max_num_seqs must be >= 1")
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.preemption_mode not in ("swap", "recompute"):
-            raise ValueError("preemption_mode must be swap or recompute")
+            raise ValueError(
+                f"preemption_mode must be swap or recompute, got {self.preemption_mode!r}"
+            )
         if self.max_waiting < 1:
-            raise ValueError("max_waiting must be >= 1")
+            raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
 
 
 @dataclass

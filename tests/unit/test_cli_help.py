@@ -134,3 +134,25 @@ def test_llm_kv_compression_takes_a_dict_like_generate():
     assert (config.scheduler.max_num_seqs, config.cache.block_size) == (4, 32)
     with pytest.raises(ValueError, match="^max_seqs: unknown engine setting; LLM takes model"):
         _apply_kwargs(config, {"max_seqs": 4})
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (CompressionConfig(pooling="sum"), "kv_compression.pooling must be max, avg or none, got 'sum'"),
+        (CompressionConfig(kernel_size=4), "kv_compression.kernel_size must be a positive odd number, got 4"),
+        (CompressionConfig(budget=None, compression_ratio=1.0), r"kv_compression\.compression_ratio must be in \[0, 1\), got 1.0"),
+        (CacheConfig(block_size=24), r"block_size must be a positive power of two \(16, 32, ...\), got 24"),
+        (CacheConfig(kv_cache_dtype="int2"), "kv_cache_dtype must be one of auto, int8, fp8, int4, got 'int2'"),
+    ],
+)  # fmt: skip
+def test_config_errors_name_the_parameter_and_the_allowed_values(config, message):
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        config.validate()
+
+
+def test_unknown_policy_field_lists_the_fields():
+    with pytest.raises(
+        ValueError, match=r"^kv_compression\.windw: unknown field; fields: budget, "
+    ):
+        CompressionConfig().merged({"windw": 8})
