@@ -111,6 +111,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                         "text": completion.text,
                         "token_ids": completion.token_ids,
                         "finish_reason": completion.finish_reason,
+                        "kv_tokens_kept": stats.tokens_kept if stats else 0,
+                        "kv_tokens_full": stats.tokens_full if stats else 0,
                         "kv_compression_ratio": stats.compression_ratio if stats else 0.0,
                     }
                 )
