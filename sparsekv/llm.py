@@ -79,8 +79,17 @@ class LLM:
             ValueError: invalid input; nothing is queued in that case.
         """
         prompt_list = _as_prompt_list(prompts)
-        params = _broadcast(sampling_params or SamplingParams(), len(prompt_list), "sampling")
+        params = _broadcast(
+            sampling_params or SamplingParams(), len(prompt_list), "sampling_params"
+        )
         policies = _broadcast(kv_compression, len(prompt_list), "kv_compression")
+        for policy in policies:
+            if policy is not None and not isinstance(policy, (dict, CompressionConfig)):
+                raise ValueError(
+                    "kv_compression: expected None, a dict of CompressionConfig fields or a "
+                    f"CompressionConfig (or a list of them, one per prompt), got "
+                    f"{type(policy).__name__}"
+                )
         encoded = [encode_prompt(self.tokenizer, p) for p in prompt_list]
         policies = [self._chat_context(p, t, c) for p, t, c in zip(prompt_list, encoded, policies)]
         ids = [f"offline-{next(self._ids)}" for _ in encoded]

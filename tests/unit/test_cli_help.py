@@ -11,6 +11,7 @@ import pytest
 from sparsekv import cli
 from sparsekv.cli_args import engine_config_from_args, field_docs, first_sentence
 from sparsekv.config import CacheConfig, CompressionConfig
+from sparsekv.sampling_params import SamplingParams
 
 
 def _subparser(name: str) -> argparse.ArgumentParser:
@@ -156,3 +157,13 @@ def test_unknown_policy_field_lists_the_fields():
         ValueError, match=r"^kv_compression\.windw: unknown field; fields: budget, "
     ):
         CompressionConfig().merged({"windw": 8})
+
+
+def test_generate_rejects_a_policy_of_the_wrong_type_before_queueing():
+    from sparsekv.llm import LLM
+
+    llm = LLM.__new__(LLM)  # no engine: the check runs before any prompt is encoded
+    with pytest.raises(ValueError, match="^kv_compression: expected None, a dict .* got str$"):
+        llm.generate("hi", kv_compression="snapkv")
+    with pytest.raises(ValueError, match="^sampling_params: got 2 entries for 1 prompts$"):
+        llm.generate("hi", [SamplingParams(), SamplingParams()])
