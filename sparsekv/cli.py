@@ -3,30 +3,92 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import logging
+import socket
 import sys
+from pathlib import Path
 
-from sparsekv.cli_args import add_engine_args, engine_config_from_args
+from sparsekv.cli_args import OnOffFlag, add_engine_args, engine_config_from_args
+
+DEFAULT_PROMPT = "Explain in two sentences why the KV cache limits LLM serving."
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=None)
+    group = parser.add_argument_group("sampling")
+    group.add_argument(
+        "--max-tokens", type=int, default=128, metavar="N",
+        help="most tokens to generate per prompt (default: %(default)s)",
+    )  # fmt: skip
+    group.add_argument(
+        "--temperature", type=float, default=0.0, metavar="T",
+        help="softmax temperature; 0 is greedy decoding (default: %(default)s)",
+    )  # fmt: skip
+    group.add_argument(
+        "--top-p", type=float, default=1.0, metavar="P",
+        help="nucleus sampling: keep the smallest token set of this mass (default: %(default)s)",
+    )  # fmt: skip
+    group.add_argument(
+        "--top-k", type=int, default=0, metavar="K",
+        help="keep the K most likely tokens; 0 keeps all (default: %(default)s)",
+    )  # fmt: skip
+    group.add_argument(
+        "--seed", type=int, default=None, metavar="N",
+        help="sampling seed, for repeatable sampled outputs (default: none)",
+    )  # fmt: skip
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    """The ``--prompt`` values, then the non-empty lines of ``--prompts-file``.
+
+    Raises:
+        ValueError: ``--prompts-file`` names a file that cannot be read.
+    """
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        path = Path(args.prompts_file)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ValueError(f"--prompts-file: no such file: {path}") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--prompts-file: cannot read {path}: {exc}") from None
+        prompts.extend(line for line in text.splitlines() if line.strip())
+    return prompts or [DEFAULT_PROMPT]
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Bind ``(host, port)`` once and release it, before the model loads.
+
+    Raises:
+        ValueError: the port is in use or cannot be bound (names ``--port``/``--host``).
+    """
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port must be in 0..65535, got {port}")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise ValueError(f"--host: cannot resolve {host!r}: {exc}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise ValueError(
+                    f"--port: {host}:{port} is already in use; stop what listens there or "
+                    "choose another port"
+                ) from None
+            raise ValueError(f"--host/--port: cannot bind {host}:{port}: {exc}") from None
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from sparsekv.llm import LLM
     from sparsekv.sampling_params import SamplingParams
 
-    prompts = list(args.prompt or [])
-    if args.prompts_file:
-        with open(args.prompts_file, encoding="utf-8") as fh:
-            prompts.extend(line.rstrip("\n") for line in fh if line.strip())
-    if not prompts:
-        prompts = ["Explain in two sentences why the KV cache limits LLM serving."]
+    prompts = read_prompts(args)
     config = engine_config_from_args(args)
     llm = LLM(engine_config=config)
     params = SamplingParams(
@@ -49,6 +111,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                         "text": completion.text,
                         "token_ids": completion.token_ids,
                         "finish_reason": completion.finish_reason,
+                        "kv_tokens_kept": stats.tokens_kept if stats else 0,
+                        "kv_tokens_full": stats.tokens_full if stats else 0,
                         "kv_compression_ratio": stats.compression_ratio if stats else 0.0,
                     }
                 )
@@ -59,6 +123,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    check_port_free(args.host, args.port)  # before minutes of model loading, not after
     from sparsekv.server.app import serve
 
     return serve(args)
@@ -88,52 +153,91 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sparsekv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate offline for one or more prompts")
-    gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
-    gen.add_argument("--prompts-file", help="a file with one prompt per line")
-    gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True)
-    gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    gen = sub.add_parser(
+        "generate",
+        help="generate offline for one or more prompts",
+        description="Generate offline for one or more prompts (continuous batching, no server).",
+    )
+    prompts = gen.add_argument_group("prompts and output")
+    prompts.add_argument(
+        "--prompt", action="append", metavar="TEXT",
+        help=f"a prompt; repeat the flag for several (default: {DEFAULT_PROMPT!r})",
+    )  # fmt: skip
+    prompts.add_argument(
+        "--prompts-file", metavar="PATH", help="a UTF-8 file with one prompt per line"
+    )
+    prompts.add_argument(
+        "--chat", action=OnOffFlag, default=True,
+        help="send each prompt as one user message through the chat template; --no-chat "
+        "sends the raw text (base models) (default: on)",
+    )  # fmt: skip
+    prompts.add_argument(
+        "--json", action="store_true",
+        help="print one JSON object per prompt (text, token ids, finish reason, KV usage)",
+    )  # fmt: skip
     _add_sampling_args(gen)
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
 
-    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    serve.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument(
-        "--api-key",
-        default=None,
-        help="require 'Authorization: Bearer KEY' on /v1 (default: env SPARSEKV_API_KEY)",
+    serve = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server",
+        description="Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models) "
+        "plus /health and /metrics.",
     )
-    serve.add_argument(
-        "--max-body-bytes", type=int, default=8 << 20, help="largest request body (413 past it)"
+    server = serve.add_argument_group("server")
+    server.add_argument(
+        "--host", default="127.0.0.1", metavar="ADDRESS",
+        help="address to bind (default: %(default)s, this machine only)",
+    )  # fmt: skip
+    server.add_argument(
+        "--port", type=int, default=8000, metavar="N", help="TCP port (default: %(default)s)"
     )
-    serve.add_argument(
-        "--request-timeout",
-        type=float,
-        default=None,
-        help="seconds before a request is aborted; also the SIGTERM drain limit (default: none)",
-    )
+    server.add_argument(
+        "--api-key", default=None, metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on /v1 (default: env SPARSEKV_API_KEY, "
+        "else none)",
+    )  # fmt: skip
+    server.add_argument(
+        "--max-body-bytes", type=int, default=8 << 20, metavar="N",
+        help="largest request body; larger ones get HTTP 413 (default: %(default)s = 8 MiB)",
+    )  # fmt: skip
+    server.add_argument(
+        "--request-timeout", type=float, default=None, metavar="SECONDS",
+        help="abort a request after this long; also how long SIGTERM waits for running "
+        "requests (default: none)",
+    )  # fmt: skip
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 
     convert = sub.add_parser("convert", help="write a Hugging Face folder from a GGUF file")
-    convert.add_argument("gguf", help="GGUF path or built-in model name")
-    convert.add_argument("out_dir")
+    convert.add_argument("gguf", metavar="MODEL", help="GGUF path or built-in model name")
+    convert.add_argument(
+        "out_dir", metavar="OUT_DIR", help="folder to write (config.json, safetensors, tokenizer)"
+    )
     convert.set_defaults(func=cmd_convert)
 
-    bench = sub.add_parser("bench", help="benchmarks: throughput, kernels, serve, sweep")
+    bench = sub.add_parser(
+        "bench", help="benchmarks (`sparsekv bench --help` lists them; docs/benchmarks.md)"
+    )
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     bench.set_defaults(func=cmd_bench)
 
-    evaluate = sub.add_parser("eval", help="long-context accuracy and fidelity")
+    evaluate = sub.add_parser(
+        "eval", help="long-context accuracy per method and ratio (`sparsekv eval --help`)"
+    )
     evaluate.add_argument("eval_args", nargs=argparse.REMAINDER)
     evaluate.set_defaults(func=cmd_eval)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one ``sparsekv`` command; returns its exit status (2 for invalid input)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    # INFO lines (model loading, native kernel builds) go to stderr, so --json output stays clean.
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     # bench and eval parse their own flags (argparse's REMAINDER rejects a leading flag).
     if argv and argv[0] in ("bench", "eval"):
         from sparsekv.evaluation.provenance import code_version

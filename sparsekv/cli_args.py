@@ -1,9 +1,18 @@
-"""CLI flags generated from the config dataclasses (CONTRACTS.md §3), so names never drift."""
+"""CLI flags generated from the config dataclasses, so flag names, defaults and help never drift.
+
+Each field of ``ModelConfig``, ``CacheConfig``, ``CompressionConfig`` and ``SchedulerConfig``
+becomes one flag in a help section named after its dataclass; the help line is the first
+sentence of the field's entry under ``Attributes:`` in the dataclass docstring, followed by the
+field's default. Parsed values land in ``args.<section>__<field>`` and
+:func:`engine_config_from_args` turns them back into an ``EngineConfig``.
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
+import re
 import types
 import typing
 
@@ -20,8 +29,14 @@ from sparsekv.kv_cache.quant import KV_CACHE_DTYPES
 SECTIONS = {
     "model": ModelConfig,
     "cache": CacheConfig,
-    "scheduler": SchedulerConfig,
     "compression": CompressionConfig,
+    "scheduler": SchedulerConfig,
+}
+SECTION_TITLES = {
+    "model": "model (weights and precision)",
+    "cache": "cache (paged KV memory, prefix caching, KV quantization)",
+    "compression": "compression (default per-layer KV compression policy)",
+    "scheduler": "scheduler (continuous batching and preemption)",
 }
 
 # Flag names that are not the field name in kebab case.
@@ -40,17 +55,79 @@ CHOICES = {
     ("model", "dtype"): ("auto", "bfloat16", "float32"),
     ("cache", "kv_cache_dtype"): KV_CACHE_DTYPES,
 }
+METAVARS = {
+    ("model", "model"): "NAME|PATH",
+    ("model", "served_model_name"): "NAME",
+    ("cache", "kv_cache_memory"): "GIB",
+    ("cache", "kv_cache_full_precision_layers"): "L0,L1,...",
+    ("compression", "layer_budgets"): "B0,B1,...",
+    ("compression", "compression_ratio"): "R",
+}
+# What a ``None`` default means, for the help line.
+NONE_DEFAULTS = {
+    ("model", "served_model_name"): "the built-in name or the file stem",
+    ("model", "max_model_len"): "the model's own",
+    ("cache", "kv_cache_full_precision_layers"): "none",
+    ("cache", "num_pages"): "derived from --kv-cache-memory",
+    ("compression", "compression_ratio"): "unset",
+    ("compression", "layer_budgets"): "unset",
+}
 SKIPPED = {("model", "seed"), ("compression", "context_tokens")}
 
 
+class _DefaultBudget(int):
+    """The budget flag's default (1024): an ``int`` that remembers it was not given, so that
+    ``--kv-compression-ratio`` alone replaces it while ``--kv-budget`` with the ratio is an
+    error."""
+
+
+class OnOffFlag(argparse.BooleanOptionalAction):
+    """``--flag`` / ``--no-flag`` whose help carries our own default text (Python 3.11's
+    BooleanOptionalAction appends ``(default: True)`` itself, 3.13's does not)."""
+
+    def __init__(self, *args, help: str | None = None, **kwargs) -> None:  # noqa: A002
+        super().__init__(*args, help=None, **kwargs)
+        self.help = help
+
+
 def flag_name(section: str, field_name: str) -> str:
+    """``--kv-budget`` style flag name (without dashes) of a config field."""
     if (section, field_name) in FLAG_NAMES:
         return FLAG_NAMES[(section, field_name)]
     prefix = "kv-" if section == "compression" else ""
     return prefix + field_name.replace("_", "-")
 
 
+def field_docs(cls: type) -> dict[str, str]:
+    """Field name -> its text under ``Attributes:`` in ``cls``'s docstring, on one line and
+    without reStructuredText markup."""
+    docs: dict[str, str] = {}
+    lines = inspect.cleandoc(cls.__doc__ or "").splitlines()
+    if "Attributes:" not in lines:
+        return docs
+    current = None
+    for line in lines[lines.index("Attributes:") + 1 :]:
+        match = re.match(r"^    (\w+): (.*)$", line)
+        if match:
+            current = match.group(1)
+            docs[current] = match.group(2).strip()
+        elif line.startswith("        ") and current:
+            docs[current] += " " + line.strip()
+        elif line.strip():
+            break
+    return {name: text.replace("``", "") for name, text in docs.items()}
+
+
+def first_sentence(text: str) -> str:
+    """The text up to its first full stop that ends a sentence."""
+    match = re.search(r"(?<!e\.g)(?<!i\.e)\.(\s+(?=[A-Z0-9(])|$)", text)
+    return text[: match.start() + 1] if match else text
+
+
 def _base_type(annotation) -> type:
+    """``int`` for ``int | None``, ``tuple`` for ``tuple[int, ...] | None``, and so on."""
+    if typing.get_origin(annotation) is tuple:
+        return tuple
     hints = typing.get_args(annotation)
     if isinstance(annotation, types.UnionType) or hints:
         non_none = [h for h in hints if h is not type(None)]
@@ -71,41 +148,70 @@ def _int_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError("expected a comma-separated list of integers") from exc
 
 
+def _default_text(key: tuple[str, str], default) -> str:
+    if default is None:
+        return NONE_DEFAULTS.get(key, "unset")
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    if isinstance(default, float):
+        return f"{default:g}"
+    return "%(default)s"  # argparse fills it in, after any parser.set_defaults
+
+
+def _metavar(key: tuple[str, str], kind: type) -> str | None:
+    if key in METAVARS:
+        return METAVARS[key]
+    if key in CHOICES:
+        return None  # argparse shows {a,b,c}
+    return {int: "N", float: "X"}.get(kind, key[1].upper())
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Add one flag per config field; defaults are the dataclass defaults."""
+    """Add one flag per config field, grouped by section; defaults are the dataclass defaults."""
     for section, cls in SECTIONS.items():
-        group = parser.add_argument_group(section)
+        group = parser.add_argument_group(SECTION_TITLES[section])
         hints = typing.get_type_hints(cls)
+        docs = field_docs(cls)
         for f in dataclasses.fields(cls):
-            if (section, f.name) in SKIPPED:
+            key = (section, f.name)
+            if key in SKIPPED:
                 continue
             dest = f"{section}__{f.name}"
             flag = "--" + flag_name(section, f.name)
             default = f.default
-            if (section, f.name) == ("compression", "budget"):
-                default = None  # resolved below: 1024 unless a ratio is given
+            text = first_sentence(docs.get(f.name, "")).replace("%", "%%")
+            help_text = f"{text} (default: {_default_text(key, default)})".lstrip()
+            if key == ("compression", "budget"):
+                default = _DefaultBudget(default)
+                help_text = f"{text} (default: %(default)s; replaced by --kv-compression-ratio)"
             kind = _base_type(hints[f.name])
-            doc = f"(default: {default})"
             if f.name == "decode_eviction":
-                group.add_argument(flag, dest=dest, type=_on_off, default=default, help="on|off")
+                group.add_argument(
+                    flag, dest=dest, type=_on_off, default=default, metavar="{on,off}",
+                    help=help_text,
+                )  # fmt: skip
             elif kind is bool:
                 group.add_argument(
-                    flag, dest=dest, action=argparse.BooleanOptionalAction, default=default
+                    flag, dest=dest, action=OnOffFlag, default=default, help=help_text
                 )
-            elif f.name in ("layer_budgets", "kv_cache_full_precision_layers"):
-                group.add_argument(flag, dest=dest, type=_int_list, default=None, help=doc)
-            else:
-                choices = CHOICES.get((section, f.name))
+            elif kind is tuple:
                 group.add_argument(
-                    flag, dest=dest, type=kind, default=default, choices=choices, help=doc
-                )
+                    flag, dest=dest, type=_int_list, default=default, metavar=_metavar(key, kind),
+                    help=help_text,
+                )  # fmt: skip
+            else:
+                group.add_argument(
+                    flag, dest=dest, type=kind, default=default, choices=CHOICES.get(key),
+                    metavar=_metavar(key, kind), help=help_text,
+                )  # fmt: skip
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """Build and validate an ``EngineConfig`` from parsed flags.
 
     Raises:
-        ValueError: an invalid combination (e.g. both --kv-budget and --kv-compression-ratio).
+        ValueError: an invalid value or combination (e.g. both --kv-budget and
+            --kv-compression-ratio), naming the parameter.
     """
     values: dict[str, dict] = {section: {} for section in SECTIONS}
     for key, value in vars(args).items():
@@ -114,8 +220,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             if section in values:
                 values[section][name] = value
     compression = values["compression"]
-    if compression.get("budget") is None and compression.get("compression_ratio") is None:
-        compression["budget"] = CompressionConfig.budget
+    budget = compression.get("budget")
+    if isinstance(budget, _DefaultBudget):
+        given_ratio = compression.get("compression_ratio") is not None
+        compression["budget"] = None if given_ratio else int(budget)
     config = EngineConfig(**{s: SECTIONS[s](**v) for s, v in values.items()})
     config.validate()
     return config

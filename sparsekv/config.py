@@ -1,8 +1,9 @@
 """Typed engine configuration, validated once.
 
 Every user-facing setting lives in one of these dataclasses; the CLI flags are generated from
-their fields (``sparsekv.cli_args``), so names and defaults never drift from CONTRACTS.md §3.
-Validation raises ``ValueError`` naming the offending parameter.
+their fields (``sparsekv.cli_args``), the help line of each flag being the first sentence of
+the field's entry under ``Attributes:``, so names, defaults and help never drift. Validation
+raises ``ValueError`` naming the offending parameter and its allowed values.
 """
 
 from __future__ import annotations
@@ -29,13 +30,13 @@ class ModelConfig:
     """Which weights to serve and in which precision.
 
     Attributes:
-        model: GGUF file path, Hugging Face folder, or built-in name
-            (``smollm2-135m-instruct``, ``gemma3-270m``).
-        served_model_name: id reported by /v1/models; defaults to the built-in name or file stem.
-        dtype: ``auto`` (bf16 where the CPU has AVX512-BF16/AMX or on CUDA, else fp32),
-            ``bfloat16`` or ``float32``.
-        device: torch device string (``cpu`` or ``cuda``).
-        max_model_len: context length in tokens; defaults to the model's own.
+        model: built-in name (``smollm2-135m-instruct``, ``gemma3-270m``), GGUF file or
+            Hugging Face folder (config.json + safetensors).
+        served_model_name: model id reported by /v1/models and accepted in requests.
+        dtype: compute dtype: ``auto`` is bf16 where the CPU has AVX512-BF16 or AMX (or on
+            CUDA), else fp32.
+        device: torch device; ``cpu`` (the CUDA kernels are not written yet).
+        max_model_len: context length in tokens (prompt + output).
         seed: seed for requests that give none (sampling stays reproducible per request).
     """
 
@@ -50,32 +51,33 @@ class ModelConfig:
         if self.dtype not in ("auto", "bfloat16", "float32", "bf16", "fp32"):
             raise ValueError(f"dtype must be auto, bfloat16 or float32, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
-            raise ValueError("max_model_len must be > 0")
+            raise ValueError(f"max_model_len must be > 0 tokens, got {self.max_model_len}")
 
 
 @dataclass
 class CacheConfig:
-    """Paged KV memory (CONTRACTS.md §2).
+    """Paged KV memory: pool size, page size, page format and prefix caching.
 
     Attributes:
-        kv_cache_memory: GiB for the page pool(s) and side state (stored window queries,
-            H2O accumulators).
-        block_size: slots per page.
-        kv_cache_dtype: storage format of K/V pages: ``auto`` (the model dtype), ``int8``,
-            ``fp8`` (float8_e4m3 codes, one scale per slot) or ``int4`` (KIVI: keys per
-            channel, values per token, the latest tokens at full precision); see
-            ``kv_cache.quant``. The pool holds as many pages as fit their quantized size.
-        kv_cache_full_precision_layers: with a quantized format, layers whose pages stay in
-            the model dtype (a second pool, sized from the layer counts), e.g. ``(0, 1)``.
-        enable_prefix_caching: share full pages of identical prefixes between requests
-            (chained hashes of token-id pages, ref-counted pages, LRU eviction of unreferenced
-            cached pages only when the pool needs them). Off for models with sliding-window
-            layers.
-        prefix_cache_uncompressed: at a compressing prefill, also keep the budgeted layers'
-            uncompressed prompt pages as evictable cached pages while the pool has room, so a
-            later request with the same prefix skips its compute (then compresses its own copy).
-        num_pages: pool size in pages, overriding the size derived from ``kv_cache_memory``
-            (tests and benchmarks that need an exact pool).
+        kv_cache_memory: GiB of KV memory: the page pool(s) plus side state (stored window
+            queries, H2O accumulators).
+        block_size: token slots per KV page (a power of two).
+        kv_cache_dtype: page format: ``auto`` (the model dtype), ``int8``, ``fp8`` (e4m3) or
+            ``int4`` (KIVI). ``int8``/``fp8`` keep one scale per page, K/V, head and slot;
+            ``int4`` quantizes keys per channel and values per token and keeps the latest
+            tokens at full precision (``kv_cache.quant``). The pool holds as many pages as fit
+            their quantized size.
+        kv_cache_full_precision_layers: layers kept in the model dtype when the page format is
+            quantized, e.g. ``0,1``. They live in a second pool sized from the layer counts.
+        enable_prefix_caching: share the KV pages of identical prompt prefixes between
+            requests. Full pages are keyed by chained hashes of their token ids, ref-counted,
+            and evicted least recently used only when the pool needs pages. Off for models
+            with sliding-window layers.
+        prefix_cache_uncompressed: also cache the uncompressed prompt of compressed requests
+            while the pool has room. A later request with the same prefix then skips its
+            compute and compresses its own copy.
+        num_pages: pool size in pages, instead of deriving it from the memory size (tests
+            and benchmarks that need an exact pool).
     """
 
     kv_cache_memory: float = 2.0
@@ -88,11 +90,13 @@ class CacheConfig:
 
     def validate(self) -> None:
         if not self.kv_cache_memory > 0:
-            raise ValueError("kv_cache_memory must be > 0 GiB")
+            raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
-            raise ValueError("block_size must be a positive power of two")
+            raise ValueError(
+                f"block_size must be a positive power of two (16, 32, ...), got {self.block_size}"
+            )
         if self.num_pages is not None and self.num_pages < 1:
-            raise ValueError("num_pages must be >= 1")
+            raise ValueError(f"num_pages must be >= 1, got {self.num_pages}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
@@ -100,29 +104,45 @@ class CacheConfig:
             )
         layers = self.kv_cache_full_precision_layers or ()
         if any(not isinstance(x, int) or x < 0 for x in layers):
-            raise ValueError("kv_cache_full_precision_layers must be layer indices >= 0")
+            raise ValueError(
+                f"kv_cache_full_precision_layers must be layer indices >= 0, got {layers}"
+            )
         if layers and self.kv_cache_dtype == "auto":
-            raise ValueError("kv_cache_full_precision_layers needs a quantized kv_cache_dtype")
+            raise ValueError(
+                "kv_cache_full_precision_layers needs a quantized kv_cache_dtype (int8, fp8 or "
+                "int4), got auto"
+            )
 
 
 @dataclass
 class CompressionConfig:
-    """A KV compression policy (CONTRACTS.md §1 and §3), for the engine or one request.
+    """A KV compression policy, for the engine (its default) or one request.
+
+    Budgets: a budgeted layer keeps ``budget`` slots, the observation window included; with
+    ``compression_ratio`` r instead, each budgeted layer keeps
+    ``max(window + 1, ceil((1 - r) * n_prompt))`` slots. The first ``full_layers`` layers and
+    sliding-window layers are never compressed. ``pyramidkv`` reads the budget as the average
+    over budgeted layers. ``docs/compression.md`` describes every method.
 
     Attributes:
-        method: compressor name, one of ``COMPRESSION_METHODS``; ``none`` disables compression.
-        budget: slots each budgeted layer keeps, observation window included.
-        compression_ratio: fraction of prompt tokens removed per budgeted layer, in [0, 1);
-            exclusive with ``budget``. ``0`` turns the policy off for the request.
-        window: observation window (the last ``window`` prompt tokens' queries score the rest).
-        pooling: score smoothing over tokens, ``max`` or ``avg``.
-        kernel_size: pooling kernel (odd), stride 1, padding ``kernel_size // 2``.
-        gqa_agg: aggregation of a KV group's query-head scores, ``mean`` or ``max``.
+        method: compression method; ``none`` keeps the full cache.
+        budget: KV slots each budgeted layer keeps, observation window included; prompts
+            this short or shorter are not compressed.
+        compression_ratio: fraction of the prompt's tokens removed in each budgeted layer, in
+            [0, 1), instead of a budget. ``0`` turns the policy off for the request.
+        window: observation window: the last N prompt tokens, whose queries score the rest.
+        pooling: smoothing of the scores over neighbouring tokens (``none`` = off).
+        kernel_size: pooling kernel width (odd; stride 1, same padding).
+        gqa_agg: how the scores of a KV group's query heads are combined.
         full_layers: the first N layers keep a full cache.
-        layer_budgets: explicit budget per layer (0 = full); overrides budget/ratio/full_layers.
-        decode_eviction: re-score and compact a layer at ``budget + block_size`` slots.
-        chunked_mode: ``exact`` (score after the last chunk) or ``bounded`` (after every chunk).
-        scope: ``prompt`` or ``context`` (compress the shared context only).
+        layer_budgets: explicit budget per layer (0 = full cache), e.g. ``0,0,512,...``;
+            overrides budget, ratio and full_layers.
+        decode_eviction: during decode, re-score a layer and compact it back to its budget
+            when it holds ``budget + block_size`` slots.
+        chunked_mode: when a chunked prefill is scored: ``exact`` (once, after the last
+            chunk) or ``bounded`` (after every chunk: less memory, approximate).
+        scope: what is compressed: the whole ``prompt``, or only the ``context`` before the
+            last user message (compressed once, then shared by later requests).
         context_tokens: for scope ``context`` on a completion prompt, the context length.
     """
 
@@ -157,21 +177,27 @@ class CompressionConfig:
                 "kv_compression.budget and kv_compression.compression_ratio are exclusive"
             )
         if self.window < 1:
-            raise ValueError("kv_compression.window must be >= 1")
+            raise ValueError(f"kv_compression.window must be >= 1, got {self.window}")
         if self.budget is not None and self.budget < self.window + 1:
             raise ValueError(
                 f"kv_compression.budget ({self.budget}) must be >= window + 1 ({self.window + 1})"
             )
         if self.compression_ratio is not None and not 0 <= self.compression_ratio < 1:
-            raise ValueError("kv_compression.compression_ratio must be in [0, 1)")
+            raise ValueError(
+                f"kv_compression.compression_ratio must be in [0, 1), got {self.compression_ratio}"
+            )
         if self.pooling not in ("max", "avg", "none"):
-            raise ValueError("kv_compression.pooling must be max, avg or none")
+            raise ValueError(
+                f"kv_compression.pooling must be max, avg or none, got {self.pooling!r}"
+            )
         if self.kernel_size < 1 or self.kernel_size % 2 == 0:
-            raise ValueError("kv_compression.kernel_size must be a positive odd number")
+            raise ValueError(
+                f"kv_compression.kernel_size must be a positive odd number, got {self.kernel_size}"
+            )
         if self.gqa_agg not in ("mean", "max"):
-            raise ValueError("kv_compression.gqa_agg must be mean or max")
+            raise ValueError(f"kv_compression.gqa_agg must be mean or max, got {self.gqa_agg!r}")
         if self.full_layers < 0:
-            raise ValueError("kv_compression.full_layers must be >= 0")
+            raise ValueError(f"kv_compression.full_layers must be >= 0, got {self.full_layers}")
         if self.layer_budgets is not None:
             for b in self.layer_budgets:
                 if b != 0 and b < self.window + 1:
@@ -179,14 +205,18 @@ class CompressionConfig:
                         f"kv_compression.layer_budgets: {b} is below window + 1 ({self.window + 1})"
                     )
         if self.chunked_mode not in ("exact", "bounded"):
-            raise ValueError("kv_compression.chunked_mode must be exact or bounded")
+            raise ValueError(
+                f"kv_compression.chunked_mode must be exact or bounded, got {self.chunked_mode!r}"
+            )
         if self.scope not in ("prompt", "context"):
-            raise ValueError("kv_compression.scope must be prompt or context")
+            raise ValueError(f"kv_compression.scope must be prompt or context, got {self.scope!r}")
         if self.context_tokens is not None and self.context_tokens < 1:
-            raise ValueError("kv_compression.context_tokens must be >= 1")
+            raise ValueError(
+                f"kv_compression.context_tokens must be >= 1, got {self.context_tokens}"
+            )
 
     def merged(self, overrides: dict) -> CompressionConfig:
-        """Return a copy with ``overrides`` applied field by field (CONTRACTS.md §3).
+        """Return a copy with ``overrides`` applied field by field.
 
         Budget and ratio are one choice: giving either replaces the other.
 
@@ -196,7 +226,9 @@ class CompressionConfig:
         names = {f.name for f in dataclasses.fields(self)}
         for key in overrides:
             if key not in names:
-                raise ValueError(f"kv_compression.{key}: unknown field")
+                raise ValueError(
+                    f"kv_compression.{key}: unknown field; fields: {', '.join(sorted(names))}"
+                )
         values = dict(overrides)
         if "budget" in values and "compression_ratio" not in values:
             values["compression_ratio"] = None
@@ -211,14 +243,17 @@ class CompressionConfig:
 
 @dataclass
 class SchedulerConfig:
-    """Continuous batching limits (CONTRACTS.md §2-§3).
+    """Continuous batching limits and preemption.
 
     Attributes:
-        max_num_batched_tokens: step token budget, the most tokens one engine step processes.
-        max_num_seqs: running requests at most.
-        preemption_mode: ``swap`` (default; bit-exact for compressed requests) or ``recompute``.
-        max_waiting: waiting-queue length at most (the server answers 503 past it).
-        watermark_pages: free pages kept in reserve when admitting a waiting request.
+        max_num_batched_tokens: the most tokens one engine step processes (decodes plus
+            prefill chunks).
+        max_num_seqs: the most requests running at once.
+        preemption_mode: what happens to the newest request when pages run out: ``swap``
+            (its pages go to host memory and come back bit-exactly) or ``recompute``
+            (full-cache requests only).
+        max_waiting: the most requests waiting for admission; the server answers 503 past it.
+        watermark_pages: free pages kept in reserve when a waiting request is admitted.
     """
 
     max_num_batched_tokens: int = 4096
@@ -229,13 +264,17 @@ class SchedulerConfig:
 
     def validate(self) -> None:
         if self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_batched_tokens must be >= 1")
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
         if self.max_num_seqs < 1:
-            raise ValueError("max_num_seqs must be >= 1")
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.preemption_mode not in ("swap", "recompute"):
-            raise ValueError("preemption_mode must be swap or recompute")
+            raise ValueError(
+                f"preemption_mode must be swap or recompute, got {self.preemption_mode!r}"
+            )
         if self.max_waiting < 1:
-            raise ValueError("max_waiting must be >= 1")
+            raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
 
 
 @dataclass

@@ -1,5 +1,8 @@
 """Housekeeping of the C++ extensions' build cache (``~/.cache/sparsekv/ext``).
 
+:func:`build_progress` logs a build while it runs: a build takes one to three minutes on two
+cores, and a server that says nothing for that long looks hung.
+
 ``torch.utils.cpp_extension`` serialises builds of one folder with a ``lock`` file that the
 builder deletes when it finishes; a builder that is killed (out of memory, Ctrl-C, a CI timeout)
 leaves it behind, and every later process then waits on it forever. A build here takes one to
@@ -8,11 +11,18 @@ three minutes, so a lock much older than that has no live builder.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import threading
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
+logger = logging.getLogger(__name__)
+
 STALE_LOCK_SECONDS = 900.0  # 15 min: several times the slowest build seen on a busy 2-core VM
+PROGRESS_INTERVAL_S = 15.0
 
 
 def clear_stale_lock(directory: Path, max_age_s: float = STALE_LOCK_SECONDS) -> bool:
@@ -36,3 +46,49 @@ def clear_stale_lock(directory: Path, max_age_s: float = STALE_LOCK_SECONDS) -> 
         stacklevel=2,
     )
     return True
+
+
+@contextlib.contextmanager
+def build_progress(
+    name: str, directory: Path, num_sources: int, interval_s: float = PROGRESS_INTERVAL_S
+) -> Iterator[None]:
+    """Log the compilation of extension ``name`` into ``directory`` while the block runs.
+
+    Nothing is logged when ``directory / f"{name}.so"`` exists (the extension loads from the
+    cache in about a second). Otherwise one INFO line at the start, one every ``interval_s``
+    seconds with the count of object files compiled so far out of ``num_sources``, and one at
+    the end with the time taken.
+    """
+    directory = Path(directory)
+    if (directory / f"{name}.so").exists():
+        yield
+        return
+    start = time.monotonic()
+    logger.info(
+        "building native kernels %s (%d C++ sources; once per machine and version, about "
+        "1-3 min on 2 cores) in %s",
+        name,
+        num_sources,
+        directory,
+    )
+    done = threading.Event()
+
+    def report() -> None:
+        while not done.wait(interval_s):
+            compiled = len(list(directory.glob("*.o")))
+            logger.info(
+                "building %s: %d/%d sources compiled, %.0f s",
+                name,
+                min(compiled, num_sources),
+                num_sources,
+                time.monotonic() - start,
+            )
+
+    reporter = threading.Thread(target=report, name=f"{name}-build-progress", daemon=True)
+    reporter.start()
+    try:
+        yield
+    finally:
+        done.set()
+        reporter.join()
+    logger.info("built %s in %.0f s", name, time.monotonic() - start)

@@ -6,9 +6,9 @@ its mmap threshold (128 KiB to start, raised by itself up to 32 MiB as it sees b
 a fresh ``mmap`` and unmaps it on ``free``, and trims freed memory above 128 KiB at the top of
 the heap: the next step then page-faults every 4 KiB page of the same sizes again (the kernel
 zeroes each one). Measured on the 2-core test VM, S1 (16 x 2000 tokens, 128 out): prefill steps
-of ~1.23 s fall to ~0.92 s, 17.0 s -> 14.8 s in all, with sys time halved, by raising both
-thresholds once at start, which is ``mallopt``'s documented use (``man 3 mallopt``). The same
-cost is why vLLM's and Intel's CPU guides preload tcmalloc or jemalloc; this needs no preload.
+take ~0.92 s instead of ~1.23 s (14.8 s instead of 17.0 s in all, sys time halved) when both
+thresholds are raised once at start, which is ``mallopt``'s documented use (``man 3 mallopt``).
+The same cost is why vLLM's and Intel's CPU guides preload tcmalloc or jemalloc; this needs no preload.
 
 The tuning is skipped where the C library is not glibc, where the user already set glibc's own
 ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_``, where another allocator is preloaded

@@ -26,8 +26,10 @@ class LLM:
     Args:
         model: GGUF path, Hugging Face folder, or built-in name.
         dtype: ``auto``, ``bfloat16`` or ``float32``.
-        kv_compression: default compression policy (``None`` = CONTRACTS.md's default policy;
-            ``CompressionConfig(method="none")`` = full cache).
+        kv_compression: default compression policy: ``None`` (snapkv, budget 1024, the first 2
+            layers full), a ``CompressionConfig``, or a dict of ``CompressionConfig`` fields
+            applied over that default (``{"method": "none"}`` = full cache,
+            ``{"compression_ratio": 0.75}`` = keep 25% of each budgeted layer).
         kv_cache_memory: GiB for the page pool.
         engine_config: a full ``EngineConfig`` (overrides the keyword settings).
         **kwargs: other ``ModelConfig``/``CacheConfig``/``SchedulerConfig`` fields by name.
@@ -40,7 +42,7 @@ class LLM:
         self,
         model: str = "smollm2-135m-instruct",
         dtype: str = "auto",
-        kv_compression: CompressionConfig | None = None,
+        kv_compression: CompressionConfig | dict | None = None,
         kv_cache_memory: float = 2.0,
         engine_config: EngineConfig | None = None,
         **kwargs,
@@ -49,7 +51,7 @@ class LLM:
             engine_config = EngineConfig(
                 model=ModelConfig(model=model, dtype=dtype),
                 cache=CacheConfig(kv_cache_memory=kv_cache_memory),
-                compression=kv_compression or CompressionConfig(),
+                compression=_default_policy(kv_compression),
             )
             _apply_kwargs(engine_config, kwargs)
         self.engine = LLMEngine(engine_config)
@@ -67,17 +69,27 @@ class LLM:
 
         Args:
             prompts: one prompt or a list (text, token ids, or chat messages).
-            sampling_params: one for all prompts or one per prompt (default: greedy-free
-                ``SamplingParams()``).
-            kv_compression: per-request policy override: one for all or a list.
+            sampling_params: one for all prompts or one per prompt (default:
+                ``SamplingParams()``: temperature 1, 16 tokens).
+            kv_compression: per-request policy: a ``CompressionConfig``, or a dict of its
+                fields applied over the engine's default policy; one for all prompts or a list.
             use_tqdm: show a progress bar.
 
         Raises:
             ValueError: invalid input; nothing is queued in that case.
         """
         prompt_list = _as_prompt_list(prompts)
-        params = _broadcast(sampling_params or SamplingParams(), len(prompt_list), "sampling")
+        params = _broadcast(
+            sampling_params or SamplingParams(), len(prompt_list), "sampling_params"
+        )
         policies = _broadcast(kv_compression, len(prompt_list), "kv_compression")
+        for policy in policies:
+            if policy is not None and not isinstance(policy, (dict, CompressionConfig)):
+                raise ValueError(
+                    "kv_compression: expected None, a dict of CompressionConfig fields or a "
+                    f"CompressionConfig (or a list of them, one per prompt), got "
+                    f"{type(policy).__name__}"
+                )
         encoded = [encode_prompt(self.tokenizer, p) for p in prompt_list]
         policies = [self._chat_context(p, t, c) for p, t, c in zip(prompt_list, encoded, policies)]
         ids = [f"offline-{next(self._ids)}" for _ in encoded]
@@ -121,6 +133,24 @@ class LLM:
         return self.generate([messages], sampling_params)[0]
 
 
+def _default_policy(kv_compression: CompressionConfig | dict | None) -> CompressionConfig:
+    """The engine's default policy from ``LLM(kv_compression=...)``.
+
+    Raises:
+        ValueError: an unknown field, an invalid policy, or a value that is neither.
+    """
+    if kv_compression is None:
+        return CompressionConfig()
+    if isinstance(kv_compression, CompressionConfig):
+        return kv_compression
+    if isinstance(kv_compression, dict):
+        return CompressionConfig().merged(kv_compression)
+    raise ValueError(
+        "kv_compression: expected None, a dict of CompressionConfig fields or a "
+        f"CompressionConfig, got {type(kv_compression).__name__}"
+    )
+
+
 def _as_prompt_list(prompts) -> list:
     if isinstance(prompts, str):
         return [prompts]
@@ -143,10 +173,20 @@ def _broadcast(value, count: int, name: str) -> list:
 
 
 def _apply_kwargs(config: EngineConfig, kwargs: dict) -> None:
+    """Set ``ModelConfig``/``CacheConfig``/``SchedulerConfig`` fields given to ``LLM`` by name.
+
+    Raises:
+        ValueError: a name that is no field of those (the message lists the fields).
+    """
+    parts = (config.model, config.cache, config.scheduler)
     for key, value in kwargs.items():
-        for part in (config.model, config.cache, config.scheduler, config.compression):
-            if hasattr(part, key):
+        for part in parts:
+            if key in {f.name for f in dataclasses.fields(part)}:
                 setattr(part, key, value)
                 break
         else:
-            raise ValueError(f"{key}: unknown engine setting")
+            names = sorted(f.name for part in parts for f in dataclasses.fields(part))
+            raise ValueError(
+                f"{key}: unknown engine setting; LLM takes model, dtype, kv_compression, "
+                f"kv_cache_memory, engine_config or one of: {', '.join(names)}"
+            )

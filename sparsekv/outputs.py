@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class KVStats:
-    """KV footprint of one request at its end (CONTRACTS.md §1).
+    """KV footprint of one request at its end.
 
     Attributes:
         kept_per_layer: slots held per layer (KV heads of a layer always hold the same count).

@@ -1,5 +1,6 @@
 """Shared fixtures: the real tokenizer and model loaded once, tiny random models, and the
-page-leak check that runs after every test (REFERENCE.md §5: no page leaks)."""
+page-leak check that runs after every test (no page leaks: the free count returns to its
+baseline after every request, finished, aborted, failed or preempted)."""
 
 from __future__ import annotations
 

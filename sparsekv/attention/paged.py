@@ -12,7 +12,7 @@
   appended as activations, attention returns each row's log-sum-exp, and a compressing layer
   scores the slots with the observation window (reusing that LSE), keeps the top ``budget``
   per KV head and writes only the kept K/V into its pages. A single-shot prefill therefore never
-  writes a budgeted layer's uncompressed prompt into the pool (DESIGN.md §4), unless the step
+  writes a budgeted layer's uncompressed prompt into the pool, unless the step
   keeps it for the prefix cache (``LayerStep.keep_uncompressed``). A layer whose pages are
   shared compacts into the fresh pages of ``LayerStep.compact_table`` (copy-on-write).
 

@@ -1,13 +1,13 @@
 """Plain-PyTorch attention over the paged KV layout: the CPU path and the oracle of every kernel.
 
-Page layout (CONTRACTS.md §2): one pool tensor ``[num_pages, 2 (K, V), num_kv_heads, block_size,
+Page layout (docs/design.md, "KV memory"): one pool tensor ``[num_pages, 2 (K, V), num_kv_heads, block_size,
 head_dim]``; a (request, layer) owns a block table of page ids, and its logical slot ``s`` lives
 in page ``block_table[(s - first_slot) // block_size]`` at offset ``s % block_size``
 (``first_slot`` is a multiple of ``block_size``; sliding layers free leading pages this way).
 
 Masks come from the physical cache: a query sees every held slot up to its own (causal by slot
 count), optionally limited to a sliding window of slots. Each function returns the log-sum-exp
-of every query row (natural log, fp32), which compression scoring reuses (DESIGN.md §4).
+of every query row (natural log, fp32), which compression scoring reuses (window scores need one extra pass over the window rows only).
 """
 
 from __future__ import annotations

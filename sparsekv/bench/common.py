@@ -1,8 +1,8 @@
 """Shared mechanics of the offline benchmark commands.
 
 Build one engine around a checkpoint, submit a workload all at once, step it to the end while
-sampling the pool after every step, and write reports with provenance (CONTRACTS.md §4:
-benchmarks are commands with reports, never timed tests). Every command takes an optional
+sampling the pool after every step, and write reports with provenance (benchmarks are
+commands with reports, never timed tests). Every command takes an optional
 ``checkpoint`` so tests can run it end to end on a tiny random model.
 """
 
@@ -52,7 +52,7 @@ class StepTrace:
         pages_total: pool size in pages.
         peak_running: most requests running at once (``scheduler.num_running``).
         num_preemptions: preemptions during the workload.
-        ratio_samples: engine-wide effective compression ratio after each step (CONTRACTS.md §1).
+        ratio_samples: engine-wide effective compression ratio after each step (``1 - held slots / (layers x tokens)``).
     """
 
     num_steps: int = 0

@@ -1,12 +1,12 @@
 """``sparsekv bench compression``: full cache vs compressed caches, side by side, one engine.
 
-Shape S2 (CONTRACTS.md §4): 20 requests x 4000 random prompt tokens / 256 output tokens under a
+Shape S2 (docs/benchmarks.md): 20 requests x 4000 random prompt tokens / 256 output tokens under a
 1 GiB KV pool, submitted at once, once per policy: the full cache, then each ``--methods`` entry
 (default: the ``--kv-compression`` method, snapkv) with ``--kv-budget`` (default 512 here) and
 ``--kv-full-layers`` (default 2). A compressed request holds fewer pages, so more requests run
 at once and fewer are preempted. ``--quick`` runs 6 x 1500 / 64 under a pool of 2.5 full-cache
 requests. Reported per policy: output and total tokens/s, TTFT P50/P90, peak running requests,
-preemptions, peak pages and the effective compression ratio (CONTRACTS.md §1).
+preemptions, peak pages and the effective compression ratio.
 """
 
 from __future__ import annotations

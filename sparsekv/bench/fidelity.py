@@ -1,6 +1,6 @@
 """``sparsekv bench fidelity``: how closely each compressed cache follows the full one.
 
-Protocol (CONTRACTS.md §4): on real long texts found on this machine
+Protocol (docs/benchmarks.md, "Fidelity"): on real long texts found on this machine
 (``evaluation.long_texts``: licenses and stdlib sources, >= 3000 tokens), the full cache decodes
 a 64-token greedy continuation with its logits; then every (method, ratio) run is teacher-forced
 on those tokens with its logits collected. Greedy agreement and mean KL(p_full || p_compressed)

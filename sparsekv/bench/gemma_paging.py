@@ -201,7 +201,7 @@ def run_batch(engine, prompts: list[list[int]], output_len: int) -> dict:
     """Submit every prompt at once and step to the end, sampling the pool in every step.
 
     Pages are sampled inside each step, after its allocation and before the window trim (the
-    true peak, CONTRACTS.md §2), and again after it. A step counts as decode-only when, before
+    true peak), and again after it. A step counts as decode-only when, before
     it runs, nothing waits and every running request has its prompt computed.
     """
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)

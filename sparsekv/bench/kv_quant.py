@@ -10,7 +10,7 @@ format (the same checkpoint):
 2. **speed**: ``--num-prompts`` random prompts of ``--input-len`` tokens / ``--output-len``
    greedy tokens submitted at once under ``--kv-cache-memory`` GiB (default 20 x 4000 / 256 in
    1 GiB): output tokens/s, TTFT P50, peak running requests, preemptions;
-3. **fidelity** (CONTRACTS.md §4): on ``--num-texts`` real long texts, the full-precision,
+3. **fidelity** (greedy agreement and KL, docs/benchmarks.md): on ``--num-texts`` real long texts, the full-precision,
    uncompressed cache decodes 64 greedy tokens; each cell is teacher-forced on them: greedy
    agreement and KL(p_full || p_cell).
 

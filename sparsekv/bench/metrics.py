@@ -1,4 +1,5 @@
-"""Serving metrics as pure functions over per-request event timelines (REFERENCE.md §2).
+"""Serving metrics as pure functions over per-request event timelines, with vLLM's
+benchmark definitions (docs/benchmarks.md, "Serving metrics").
 
 A load generator records, for every request, when it was sent and when each streamed output
 token arrived; everything here derives the figures from those timestamps alone, so the math is

@@ -5,7 +5,7 @@ Streams ``/v1/completions`` (token-id prompts, or text with ``--prompt-format te
 tokens; ``stream_options.include_usage`` gives the server's token counts. Requests go out at a
 fixed concurrency (``--max-concurrency``) and/or as a Poisson process (``--request-rate``).
 Each request's timeline (send time, arrival of every chunk with text, usage) is kept; the
-figures (TTFT, TPOT, ITL, E2EL, throughput, goodput; REFERENCE.md §2) come from
+figures (TTFT, TPOT, ITL, E2EL, throughput, goodput; docs/benchmarks.md) come from
 :mod:`sparsekv.bench.metrics`. Writes a JSON report with provenance (``--output``).
 """
 
@@ -271,7 +271,7 @@ def parse_extra_body(text: str | None) -> dict[str, Any]:
 
 
 def write_document(path: str | Path, document: dict[str, Any], config: dict[str, Any]) -> Path:
-    """Write ``document`` plus provenance (CONTRACTS.md §4; load averages too, since other
+    """Write ``document`` plus provenance (load averages too, since other
     jobs on the machine skew timings) as indented JSON, creating the folder."""
     from sparsekv.evaluation.provenance import provenance
 

@@ -8,7 +8,7 @@ the server with SIGTERM before the next one starts, so configurations never shar
 
 Every level sends its own prompts (no prompt repeats across levels, so a prefix cache never
 turns the sweep into cache hits); every server gets the same prompts. Default preset
-(CONTRACTS.md §4): 4000 input / 500 output tokens at concurrency 1, 2, 5, 10, 20 with two
+(the sweep shape, docs/benchmarks.md): 4000 input / 500 output tokens at concurrency 1, 2, 5, 10, 20 with two
 requests per concurrency slot; ``--quick``: 1, 5, 10 with 2 requests per level.
 
 Writes ``<output>.json`` / ``.md`` / ``.png`` (output throughput vs concurrency, one line per

@@ -5,7 +5,7 @@ N requests of exactly ``--input-len`` random tokens and ``--output-len`` generat
 output and total tokens/s, requests/s, wall time, peak KV pages, and each request's TTFT. With
 ``--hf-baseline`` the same workload runs through Hugging Face ``generate`` in the same process
 (dense weights, same dtype, SDPA, DynamicCache, left padding, one batch) for a speed ratio.
-``--single-ttft N`` and ``--decode-batch1`` add issue 2's latency targets: TTFT of one N-token
+``--single-ttft N`` and ``--decode-batch1`` add the latency figures: TTFT of one N-token
 prompt, and decode tokens/s of one request.
 """
 

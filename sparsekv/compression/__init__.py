@@ -1,6 +1,7 @@
 """KV cache compressors: one small class per method, shared top-k mechanics in the base.
 
-See DESIGN.md §5 and docs/internals.md ("Compression").
+Methods and when to use them: docs/compression.md; the interface: docs/design.md
+("Compression").
 """
 
 from sparsekv.compression.base import Compressor, LayerView, top_indices_prefer_recent

@@ -1,5 +1,5 @@
 """The compressor interface: a read-only layer view in, scores out; the base turns scores into
-kept slots under a budget (DESIGN.md §5, CONTRACTS.md §1 and §4, docs/internals.md).
+kept slots under a budget (docs/design.md, "Compression"; docs/compression.md).
 
 Subclasses implement one hook, ``score``. ``select`` does the shared mechanics once: force-keep
 the most recent slots (the observation window), take the top scores among the rest per KV head
@@ -111,7 +111,7 @@ class Compressor(abc.ABC):
         return window
 
     def select(self, view: LayerView, budget: int, window: int) -> torch.Tensor:
-        """Slots to keep per KV head (CONTRACTS.md §1, §4).
+        """Slots to keep per KV head (the budget includes the window; ties go to the newer slot).
 
         The last ``num_recent(budget, window)`` slots are always kept; the other
         ``budget - recent`` are the highest scores among the older slots, ties going to the

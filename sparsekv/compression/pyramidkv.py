@@ -1,6 +1,6 @@
 """PyramidKV (Cai et al., arXiv 2406.02069): SnapKV scores under budgets that shrink with depth.
 
-Scoring is SnapKV's unchanged; the per-layer budgets (REFERENCE.md §1 schedule, the configured
+Scoring is SnapKV's unchanged; the per-layer budgets (the paper's linear schedule, the configured
 budget being the average over budgeted layers) come from ``sparsekv.kv_cache.budget``.
 """
 

@@ -1,4 +1,4 @@
-"""Random baseline (as in kvpress's RandomPress; RULER figures in REFERENCE.md §1).
+"""Random baseline (as in kvpress's RandomPress), the floor any method should beat.
 
 Score = uniform random numbers from ``LayerView.generator``; a seeded generator makes the kept
 set reproducible. Only the forced window is protected.

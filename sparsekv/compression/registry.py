@@ -1,4 +1,4 @@
-"""Method name -> compressor class (CONTRACTS.md §3 ``--kv-compression``)."""
+"""Method name -> compressor class (the values of ``--kv-compression``)."""
 
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ COMPRESSORS: dict[str, type[Compressor]] = {
 def get_compressor(config: CompressionConfig) -> Compressor | None:
     """The compressor of a policy, or ``None`` when the policy is off.
 
-    Off = method ``none`` or compression ratio 0 (``CompressionConfig.enabled``, CONTRACTS.md
-    §1); ``layer_budgets`` gives every layer a full cache then too.
+    Off = method ``none`` or compression ratio 0 (``CompressionConfig.enabled``);
+    ``layer_budgets`` gives every layer a full cache then too.
 
     Raises:
         ValueError: unknown method name.

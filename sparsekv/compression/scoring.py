@@ -1,6 +1,6 @@
 """Shared scoring math of the compressors: attention mass per slot, pooling, GQA aggregation.
 
-Follows REFERENCE.md §1 (SnapKV arXiv 2404.14469, H2O arXiv 2306.14048, "fused scoring"):
+SnapKV (arXiv 2404.14469), H2O (arXiv 2306.14048) and fused scoring (reuse the attention's LSE):
 the softmax weight of query ``i`` on slot ``j`` is ``exp(q_i.k_j * scale - lse_i)``, so with the
 log-sum-exp the attention kernel already returns, a slot's attention mass needs one pass over the
 scoring queries only (cost ``num_queries x n``, never an ``n x n`` matrix at once).

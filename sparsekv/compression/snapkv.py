@@ -1,7 +1,7 @@
 """SnapKV (Li et al., arXiv 2404.14469): keep the prefix tokens the observation window attends to.
 
 Score of prefix slot ``j`` at query head ``h``: the mean over the ``w`` window queries of their
-causal softmax weight on ``j`` (REFERENCE.md §1 sums; the mean is the same ranking and mirrors
+causal softmax weight on ``j`` (the paper sums; the mean is the same ranking and mirrors
 kvpress exactly), smoothed by 1-D pooling over the prefix only, then aggregated over each KV
 group's query heads. The window slots score ``+inf``; the base keeps them anyway.
 """

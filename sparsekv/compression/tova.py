@@ -3,7 +3,7 @@
 Score = the causal softmax weights of the *last* window query (the newest token) on each slot,
 aggregated over each KV group's query heads (``gqa_agg``, mean by default = the paper's head
 average). No pooling. Choice: the base still force-keeps the observation window, so every
-method honours the contract that a budget includes the window (CONTRACTS.md §1); with
+method honours the contract that a budget includes the window; with
 ``window = 1`` only the newest token is protected, as in the paper's decode loop.
 """
 

@@ -7,7 +7,7 @@ through ``loop.call_soon_threadsafe``. The event loop therefore never waits on a
 
 An exception inside a step fails only that step's requests (``LLMEngine.step`` handles it); an
 exception escaping the loop itself marks the engine dead (``is_alive`` False), fails every
-pending request with ``EngineDeadError`` and stops the thread (CONTRACTS.md §5).
+pending request with ``EngineDeadError`` and stops the thread; ``/health`` then answers 503.
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ class EngineSnapshot:
         num_waiting: requests (samples) waiting or preempted.
         num_pages_used: pool pages in use.
         num_pages_total: pool pages in all.
-        compression_ratio: engine-wide effective ratio over running requests (CONTRACTS.md §1).
+        compression_ratio: engine-wide effective ratio over running requests
+            (``1 - held slots / (layers x tokens)``).
         stats: a copy of the engine's monotonic counters.
     """
 

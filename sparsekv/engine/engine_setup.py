@@ -1,6 +1,6 @@
 """Build the engine's parts from a config: weights, model, page pool, scheduler, runner.
 
-Pool sizing (CONTRACTS.md §2): ``--kv-cache-memory`` GiB covers the pages and the side state
+Pool sizing: ``--kv-cache-memory`` GiB covers the pages and the side state
 kept outside the pool (stored window queries, H2O accumulators), reserved for ``max_num_seqs``
 requests; the rest becomes pages, each counted at its stored size (codes and scales of a
 quantized ``--kv-cache-dtype``). With full-precision layers beside quantized ones the page

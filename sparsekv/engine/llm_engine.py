@@ -2,7 +2,7 @@
 
 ``step()`` = schedule -> execute -> commit -> append tokens and detokenize -> outputs. An
 exception inside a step fails only that step's requests (their pages are freed) and the engine
-goes on (CONTRACTS.md §5).
+goes on.
 """
 
 from __future__ import annotations
@@ -57,7 +57,8 @@ class LLMEngine:
     def resolve_compression(
         self, compression: CompressionConfig | dict | None
     ) -> CompressionConfig | None:
-        """Merge a per-request policy over the engine default (CONTRACTS.md §3).
+        """Merge a per-request policy over the engine default, field by field (budget
+        and ratio are one choice: giving either replaces the other).
 
         Raises:
             ValueError: an unknown field or an invalid merged policy.
@@ -306,7 +307,7 @@ class LLMEngine:
         return self._emit(touched)
 
     def kv_usage(self) -> dict[str, float]:
-        """Pool occupancy and the engine-wide effective compression ratio (CONTRACTS.md §1)."""
+        """Pool occupancy and the engine-wide effective compression ratio."""
         held = full = 0
         for request in self.scheduler.running:
             if self.kv.has(request.request_id):

@@ -1,4 +1,5 @@
-"""A request as the scheduler sees it: token ids and counters (STYLE.md: counters, not phases)."""
+"""A request as the scheduler sees it: token ids and counters (counters, not phases: the
+scheduler closes the gap between computed and total tokens, whatever the request is doing)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ class Request:
         output_token_ids: generated so far.
         num_computed_tokens: tokens whose K/V are in the cache (or were scored and evicted).
         generator: per-request RNG when a seed is given (survives preemption).
-        num_preemptions: preemptions in a row without progress (CONTRACTS.md §2).
+        num_preemptions: preemptions in a row without progress (at 3, the oldest
+            request is not preempted again).
         forced_token_ids: teacher forcing: tokens appended instead of sampled ones (fidelity).
         collect_logits: keep each sampled position's fp32 logits in ``logits`` (fidelity).
         compressor: the request's compressor instance, or ``None`` for a full cache.

@@ -3,7 +3,7 @@
 Every step closes the gap between each request's ``num_computed_tokens`` and ``num_tokens``
 under a step token budget: decodes and prefill chunks share one batch. Running requests go
 first, oldest first; when the pool runs out of pages the newest running request is preempted
-(swapped, or recomputed for full-cache requests when configured; CONTRACTS.md §2). Waiting
+(swapped, or recomputed for full-cache requests when configured). Waiting
 requests are admitted only when nothing was preempted and their next step fits with a watermark.
 A request admitted with nothing computed first takes its longest cached prefix (the prefix
 cache's pages count as free until attached, so they are evicted before anyone is preempted).

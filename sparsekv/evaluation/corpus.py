@@ -1,6 +1,6 @@
 """Real text that ships with every CPython install and Debian image, read offline.
 
-Two kinds of text are found here, never downloaded (REFERENCE.md §3):
+Two kinds of text are found here, never downloaded:
 
 * prose paragraphs from ``pydoc_data.topics`` (the Python language reference that ``help()``
   shows), used as the essay haystack;

@@ -1,4 +1,5 @@
-"""Fidelity of a compressed KV cache to the full one (CONTRACTS.md §4).
+"""Fidelity of a compressed KV cache to the full one: greedy agreement and KL
+(docs/benchmarks.md, "Fidelity").
 
 Protocol: decode the full cache's greedy continuation (64 tokens), then feed those same tokens
 to the compressed run (teacher forcing) and keep both runs' logits at those positions.

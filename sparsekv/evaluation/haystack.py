@@ -1,6 +1,6 @@
 """Haystacks: filler text, cut to a word count, with needle sentences placed at given depths.
 
-RULER (arXiv 2404.06654, REFERENCE.md §3) uses two haystacks reproduced here:
+RULER (arXiv 2404.06654) uses two haystacks reproduced here:
 
 * ``noise``: the sentence group "The grass is green. The sky is blue. The sun is yellow. Here we
   go. There and back again." repeated;
@@ -110,7 +110,7 @@ class Haystack:
 
 
 def noise_haystack() -> Haystack:
-    """RULER's noise haystack (REFERENCE.md §3)."""
+    """RULER's noise haystack: its five filler sentences, repeated."""
     return Haystack("noise", NOISE_SENTENCES)
 
 

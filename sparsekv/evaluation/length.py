@@ -1,6 +1,6 @@
 """Token counting with the chat template, and fitting a prompt to a target length.
 
-RULER (arXiv 2404.06654, REFERENCE.md §3) sizes every sample so that the templated prompt plus
+RULER (arXiv 2404.06654) sizes every sample so that the templated prompt plus
 the expected answer lands within a few tokens of the target context length. Here a task
 describes its prompt as a function of one integer (haystack words, list items), and
 :func:`fit_length` searches that integer.

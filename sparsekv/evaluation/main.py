@@ -1,6 +1,6 @@
 """``sparsekv eval``: long-context accuracy of each compression method, offline.
 
-Runs RULER-style tasks (REFERENCE.md §3) at the given lengths through the offline engine, for
+Runs RULER-style tasks (arXiv 2404.06654) at the given lengths through the offline engine, for
 ``none`` (full cache) and every method x compression ratio, and writes under ``--output-dir``:
 
 * ``eval.json`` / ``eval.csv`` / ``eval.md``: mean score (0-100) per task, length, method and

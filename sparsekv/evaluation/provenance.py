@@ -1,4 +1,4 @@
-"""Provenance of a measurement: code version, library versions, threads, CPU (CONTRACTS.md §4)."""
+"""Provenance of a measurement: code version, library versions, threads, CPU."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-# Flags that decide which kernels and dtypes are fast on this CPU (CONTRACTS.md §3 --dtype).
+# Flags that decide which kernels and dtypes are fast on this CPU (``--dtype auto`` reads them).
 CPU_FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]

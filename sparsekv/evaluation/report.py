@@ -1,6 +1,6 @@
 """Report writer: rows of measurements to JSON, a Markdown table and a PNG figure.
 
-Every report carries its provenance (CONTRACTS.md §4; see :func:`provenance`). Figures are
+Every report carries its provenance (see :func:`provenance`). Figures are
 drawn on a bare :class:`matplotlib.figure.Figure` with the Agg canvas, so no pyplot state or
 display is touched.
 """

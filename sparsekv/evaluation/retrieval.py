@@ -1,6 +1,6 @@
-"""Retrieval tasks: passkey and needle-in-a-haystack (RULER, arXiv 2404.06654; REFERENCE.md §3).
+"""Retrieval tasks: passkey and needle-in-a-haystack (RULER, arXiv 2404.06654).
 
-The needle sentences follow REFERENCE.md word for word; the surrounding instructions are our
+The needle sentences follow RULER's word for word; the surrounding instructions are our
 own wording. NIAH variants are one generator with RULER's three counts: keys hidden
 (``num_keys``; extra keys are distractors), values per key (``num_values``) and keys asked
 (``num_queries``).

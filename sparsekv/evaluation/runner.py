@@ -53,7 +53,7 @@ def build_cells(
     methods: Sequence[str], ratios: Sequence[float], base: CompressionConfig
 ) -> list[Cell]:
     """``none`` once at ratio 0, every other method at every ratio (window, pooling, full
-    layers... from ``base``; the size is the ratio, CONTRACTS.md §1).
+    layers... from ``base``; the size is the ratio).
 
     Raises:
         ValueError: an unknown method or a ratio outside [0, 1).

@@ -1,6 +1,6 @@
 """Scoring of generated answers against reference strings, in percent (0-100).
 
-RULER (arXiv 2404.06654; REFERENCE.md §3): ``all`` = fraction of references found in the output
+RULER (arXiv 2404.06654): ``all`` = fraction of references found in the output
 (case-insensitive substring), ``part`` = 100 if any is found; the passkey is correct when its
 digits appear in the answer.
 """

@@ -1,4 +1,4 @@
-"""Long-context task generators (RULER, arXiv 2404.06654; REFERENCE.md §3), by name.
+"""Long-context task generators (RULER, arXiv 2404.06654), by name.
 
 Every generator takes ``(tokenizer, length, ...)``, is deterministic given ``seed``, and
 returns a :class:`Sample` whose templated prompt plus expected answer is within a few tokens of

@@ -1,4 +1,4 @@
-"""Multi-hop tracing: variable tracking (RULER, arXiv 2404.06654; REFERENCE.md §3).
+"""Multi-hop tracing: variable tracking (RULER, arXiv 2404.06654).
 
 A chain ``VAR ABCDE = 12345``, ``VAR FGHIJ = VAR ABCDE``, ... is hidden in the haystack, one
 statement per sentence boundary, in chain order. The answer is every variable that ends up

@@ -2,14 +2,14 @@
 
 The pool knows nothing about layers, requests or attention: it hands out page ids, counts
 references (the prefix cache shares pages between requests), and takes them back. Page storage
-itself is one tensor owned by the KV manager (CONTRACTS.md §2 layout).
+itself is one tensor owned by the KV manager (layout in docs/design.md, "KV memory").
 
 A page may carry one extra reference held by the prefix cache (``cache_ref``). A page whose
 only reference is the cache's is *reclaimable*: it holds cached K/V nobody uses right now, and
 ``allocate`` takes it back (through the evictor the prefix cache installs) when the free list
 runs short. Free + reclaimable pages are what admission may count on.
 
-A pool may hold several *kinds* of pages (CONTRACTS.md §2: layers kept at full precision while
+A pool may hold several *kinds* of pages (layers kept at full precision while
 the others store quantized K/V draw from a second pool): kind ``k`` owns the contiguous page
 ids ``[start_k, start_k + size_k)``, with its own free list; a layer always allocates from its
 kind, and reference counts and caching work on the global ids.

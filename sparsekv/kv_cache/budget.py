@@ -1,8 +1,9 @@
-"""Per-layer KV budgets and peak footprints: pure functions of a policy (CONTRACTS.md §1-§2).
+"""Per-layer KV budgets and peak footprints: pure functions of a policy
+(docs/design.md, "Budgets and ratios" and "KV memory").
 
 A budget is the number of slots a budgeted layer keeps, observation window included; ``None``
 means the layer keeps a full cache (full-first-N layers, sliding-window layers, policy off).
-Schedules: uniform, PyramidKV (arXiv 2406.02069, REFERENCE.md §1), explicit list.
+Schedules: uniform, PyramidKV (arXiv 2406.02069), explicit list.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def pyramid_budgets(
 ) -> list[int]:
     """PyramidKV's linearly falling budgets over ``num_layers`` budgeted layers (bottom first).
 
-    REFERENCE.md §1: with ``B = budget`` (average, window included), ``W = window``,
+    The paper's schedule, with ``B = budget`` (average, window included), ``W = window``,
     ``n = num_prompt_tokens``::
 
         min_num = (B - W) // beta;  max_num = 2 * (B - W) - min_num
@@ -58,7 +59,7 @@ def pyramid_budgets(
     Fallbacks: ``n < B`` keeps everything and ``n < 2 * (B - W)`` is uniform SnapKV; both return
     a uniform ``B`` (a layer with ``n <= B`` keeps every prompt token at prefill, and decode
     eviction still works against ``B``). One layer is uniform too. Budgets are clamped to
-    ``>= W + 1`` (CONTRACTS.md §1) for tiny ``B - W`` where the schedule reaches ``W``.
+    ``>= W + 1`` (the smallest valid budget) for tiny ``B - W`` where the schedule reaches ``W``.
 
     Returns:
         ``num_layers`` budgets in slots.
@@ -86,7 +87,7 @@ def layer_budgets(
     num_prompt_tokens: int,
     compressible: list[bool],
 ) -> list[int | None]:
-    """Budget of every layer of a request (CONTRACTS.md §1); ``None`` = full cache.
+    """Budget of every layer of a request; ``None`` = full cache.
 
     Order of rules: policy off (method ``none`` or ratio 0) -> all ``None``; an explicit
     ``config.layer_budgets`` list wins next (0 = full); otherwise the first ``full_layers``
@@ -138,7 +139,7 @@ def peak_layer_slots(
     block_size: int,
     decode_eviction: bool,
 ) -> int:
-    """Most slots a full (``budget=None``) or budgeted layer ever holds (CONTRACTS.md §2).
+    """Most slots a full (``budget=None``) or budgeted layer ever holds.
 
     Full: ``n + max_tokens``. Budgeted with decode eviction:
     ``min(n + max_tokens, max(min(n, budget), budget + block_size))``; without it
@@ -167,7 +168,7 @@ def may_compact(
     decode_eviction: bool,
 ) -> bool:
     """Whether any budgeted layer can ever compact: the prompt exceeds its budget, or decode
-    eviction reaches ``budget + block_size`` slots within ``max_tokens`` (CONTRACTS.md §1)."""
+    eviction reaches ``budget + block_size`` slots within ``max_tokens``."""
     for budget in budgets:
         if budget is None:
             continue
@@ -188,11 +189,11 @@ def peak_request_pages(
     decode_eviction: bool,
     bounded_chunks: bool,
 ) -> int:
-    """Peak pages of a request over all layers (CONTRACTS.md §2), for the never-fits check.
+    """Peak pages of a request over all layers, for the never-fits check.
 
     Sliding layers hold at most their window plus one step and a page; an exact-mode chunked
     prefill (prompt over the step token budget) holds a budgeted layer's uncompressed earlier
-    chunks until the last one, while a single-shot prefill never writes them (DESIGN.md §4).
+    chunks until the last one, while a single-shot prefill never writes them.
     """
     n = num_prompt_tokens
     total = 0

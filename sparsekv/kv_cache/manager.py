@@ -2,7 +2,7 @@
 
 It owns the page storage (``kv_cache.storage``: one ``KVStorage`` per page kind, full
 precision or quantized) and the ``BlockPool``, and keeps one ``RequestKV`` per live request. For every step it plans, per layer, how many slots are held, how many new tokens are
-written and whether the layer compresses (CONTRACTS.md §1-§2), allocates exactly the pages
+written and whether the layer compresses (docs/design.md, "KV memory"), allocates exactly the pages
 that plan needs, and after the step trims what compression or a sliding window released.
 """
 
@@ -151,7 +151,7 @@ class KVCacheManager:
     def peak_pages(
         self, budgets: list[int | None], num_prompt_tokens: int, max_tokens: int, policy: KVPolicy
     ) -> list[int]:
-        """Peak pages a request can hold per page kind (CONTRACTS.md §2), for the never-fits
+        """Peak pages a request can hold per page kind, for the never-fits
         check against ``pool.kind_sizes``."""
         peaks = []
         for kind in range(self.pool.num_kinds):

@@ -1,7 +1,6 @@
 """Per-layer step plans: what each layer of a request holds, writes and keeps in one step.
 
-Pure functions of each layer's counters, the request's policy and which pages are shared
-(CONTRACTS.md §1-§2); the KV manager checks a step's plans against the pool
+Pure functions of each layer's counters, the request's policy and which pages are shared; the KV manager checks a step's plans against the pool
 (``KVCacheManager.plan_step``), turns them into page allocations (``allocate``) and the runner
 reads the resulting ``LayerStep``s.
 """
@@ -124,7 +123,8 @@ def plan_layers(
     block_size: int,
     is_shared: Callable[[list[int]], bool],
 ) -> list[LayerPlan]:
-    """Capacity and compaction target of each layer (CONTRACTS.md §1 compression rules).
+    """Capacity and compaction target of each layer (the budget rules of
+    docs/design.md).
 
     Compaction happens at the last prompt chunk (every chunk in bounded mode) when the layer
     holds more than its budget, and during decode at ``budget + block_size`` slots. A

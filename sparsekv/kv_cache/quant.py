@@ -1,4 +1,4 @@
-"""KV-cache quantization formats: int8, fp8 (e4m3) and KIVI-style int4 (CONTRACTS.md §2).
+"""KV-cache quantization formats: int8, fp8 (e4m3) and KIVI-style int4.
 
 Every format stores a value as ``code * scale`` (int4: ``code * scale + zero``) with the scale
 beside the page:

@@ -1,6 +1,6 @@
 """Per-request KV bookkeeping: a block table and slot counters for every layer.
 
-Counters follow CONTRACTS.md §2: ``num_slots`` is the logical slot count of a (request, layer)
+Counters: ``num_slots`` is the logical slot count of a (request, layer)
 (``first_slot`` included), distinct from the request's logical ``num_tokens``; ``first_slot`` is
 the logical slot of the first page still held (sliding layers free leading pages).
 """
@@ -117,8 +117,8 @@ class RequestKV:
 
         The decode path calls this once per request and step with the step's queries of all
         those layers stacked (``queries[i, row]`` is layer ``layer_ids[i]``'s
-        ``[num_heads, head_dim]``), where ``LayerKV.remember_query`` took one call per
-        (request, layer): 480 a step for 16 requests over 30 layers. The rows reach the
+        ``[num_heads, head_dim]``): one call where ``LayerKV.remember_query`` per (request,
+        layer) would take 480 a step for 16 requests over 30 layers. The rows reach the
         budgeted layers' windows when one of them is read or written, or every ``window``
         steps (which bounds the step tensors kept alive).
 

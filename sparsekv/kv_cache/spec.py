@@ -2,7 +2,7 @@
 
 A model declares one ``LayerSpec`` per layer: ``full`` layers may become ``budgeted`` by a
 request's compression policy; ``sliding`` layers keep only a model-defined window (Gemma 3 local
-layers) and are never compressed (CONTRACTS.md §1).
+layers) and are never compressed.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """The OpenAI-compatible server end to end: real `sparsekv serve` (SmolLM2, fp32) on 127.0.0.1,
-the official `openai` client, and raw httpx for SSE framing (REFERENCE.md §4, CONTRACTS.md §3/§5).
+the official `openai` client, and raw httpx for SSE framing (the API contract of
+docs/server.md: error bodies, stream framing, usage fields, drain on SIGTERM).
 
 The server starts once per session (conftest.py); the SIGTERM test stops it and runs last.
 """

@@ -2,7 +2,7 @@
 
 It keeps every token's K/V and query, and per (layer, KV head) a boolean *kept* mask over token
 positions. Attention is plain softmax over the visible kept positions; compression events are
-decided by the same counters the contract fixes (CONTRACTS.md §1: compress at the end of the
+decided by the same counters as the engine's budget rules (compress at the end of the
 prompt when it exceeds the budget; at decode when a layer holds ``budget + block_size``) and
 choose tokens by brute force: the full softmax matrix of the window queries, pooled, GQA-averaged,
 top-k with ties to the more recent token. No paging, no LSE reuse, no gathering: a different

@@ -1,4 +1,4 @@
-"""Context reuse (issue 7 item 3): ``kv_compression.scope = "context"`` compresses a shared
+"""Context reuse: ``kv_compression.scope = "context"`` compresses a shared
 context once; later requests with the same context and policy attach it read-only and append
 their own questions uncompressed (the kvpress pattern). fp32, tiny random Llama, one check of
 the chat context on SmolLM2's template.

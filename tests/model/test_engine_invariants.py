@@ -1,6 +1,6 @@
 """Engine-core invariants on tiny random Llama models against Hugging Face (fp32).
 
-REFERENCE.md §5: greedy outputs equal batched vs alone, chunked vs one-shot, preempted vs not;
+Invariants real engines got wrong: greedy outputs equal batched vs alone, chunked vs one-shot, preempted vs not;
 logits equal HF's; seeded sampling repeats; pages always return to the pool.
 """
 

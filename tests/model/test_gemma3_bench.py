@@ -1,5 +1,5 @@
 """``sparsekv bench gemma-paging`` end to end on a tiny random Gemma 3 (a smoke test, not a
-measurement: CONTRACTS.md §4)."""
+measurement: benchmarks are commands with reports, never timed tests)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Passkey retrieval with Gemma 3 270M at 4k tokens, 5 depths (RULER-style, fp32).
 
 The full cache and SnapKV on the global layers at 75% removed (the sliding-window layers keep
-their window rule, CONTRACTS.md §1) must each find the key at >= 4 of 5 depths.
+their window rule and are never compressed) must each find the key at >= 4 of 5 depths.
 
 The 270M checkpoint is a base model: given the chat template it repeats the instruction ("A pass
 key is hidden somewhere...": 0/5 at 4k, measured), and with the answer prefix "The pass key is"

@@ -1,4 +1,4 @@
-"""Kept indices on the real SmolLM2-135M (issue 3): per layer and KV head, the slots the engine
+"""Kept indices on the real SmolLM2-135M: per layer and KV head, the slots the engine
 keeps at the end of a 700-token prompt equal the exact top-k of the brute-force dense reference
 (``dense_reference.DenseMaskedAttention``: float64 softmax of the window queries over every
 position, max-pooled, GQA-averaged, ties to the more recent token). fp32.

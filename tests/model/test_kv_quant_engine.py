@@ -1,11 +1,11 @@
-"""KV-cache quantization inside the engine (issue 8).
+"""KV-cache quantization inside the engine.
 
 Exactness where it must hold (fp32, tiny random Llama): a prefix-cache hit over quantized pages
 equals a cold run chunked at the hit boundary (both read the same quantized prefix); a request
 preempted by swapping equals one never preempted (codes, scales and int4 residuals restored
 bit-exactly); full-precision layers draw from their own pool. Chunked prefill with compression
 runs clean in every format. On SmolLM2-135M: round-trip errors on real K/V, and teacher-forced
-greedy agreement with the full-precision cache (CONTRACTS.md §4) per format, alone and with
+greedy agreement with the full-precision cache (teacher-forced, as in ``bench fidelity``) per format, alone and with
 snapkv at 75% removed, above floors measured on this project's machines.
 """
 

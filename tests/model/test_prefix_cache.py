@@ -1,4 +1,4 @@
-"""Prefix caching inside the engine (issue 7), fp32: greedy outputs equal with the cache on and
+"""Prefix caching inside the engine, fp32: greedy outputs equal with the cache on and
 off, hits skip compute with and without compression, aborts and stop strings leave the cache
 clean, and cached pages are evicted before running requests are preempted.
 

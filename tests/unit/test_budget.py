@@ -1,4 +1,5 @@
-"""Per-layer budgets and peak slots (CONTRACTS.md §1-§2, REFERENCE.md §1 PyramidKV)."""
+"""Per-layer budgets and peak slots (docs/design.md, "Budgets and ratios"; PyramidKV's
+schedule, arXiv 2406.02069)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Compressors against a brute-force float64 reference (REFERENCE.md §1, CONTRACTS.md §4).
+"""Compressors against a brute-force float64 reference (each method as its paper defines it;
+top-k ties go to the newer slot).
 
 The reference builds the full causal softmax matrix, computes each method's scores with plain
 formulas and loops, and picks the kept set by sorting on (score, index) so ties go to the more

@@ -1,5 +1,5 @@
 """The batch-1 decode fast path: native KV write, bf16 GEMV, packed linears at one row, the
-fused ops' per-step scope and the recent-query window, each against the code it replaces."""
+fused ops' per-step scope and the recent-query window, each against the plain code path it stands for."""
 
 from __future__ import annotations
 
@@ -141,7 +141,7 @@ def test_logged_decode_queries_equal_one_shot(held, steps):
     recent = torch.randn(4, held, 2) if held else None
     for layer in (0, 2):
         kv.layers[layer].recent_queries = expected[layer].recent_queries = recent
-    first = torch.randn(4, 2)  # remembered the old way before any log entry
+    first = torch.randn(4, 2)  # remembered one row at a time, before any log entry
     kv.layers[0].remember_query(first, window)
     expected[0].remember_queries(first[None], window)
     for step in range(steps):

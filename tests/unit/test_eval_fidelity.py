@@ -1,4 +1,4 @@
-"""Greedy agreement and KL (CONTRACTS.md §4) on hand-made logits."""
+"""Greedy agreement and KL (teacher-forced, vs the full cache) on hand-made logits."""
 
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
-"""A killed extension build's lock file is cleared once stale (``sparsekv.ext_cache``)."""
+"""Extension build cache: a killed build's lock file is cleared once stale, and a build is logged
+while it runs (``sparsekv.ext_cache``)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
@@ -47,3 +49,27 @@ def test_build_modules_clear_the_lock_before_building(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="stop before building"):
         attention_build.compile_extension()
     assert seen == [tmp_path]
+
+
+def test_build_progress_logs_a_build_and_stays_quiet_on_a_cached_load(tmp_path, caplog):
+    from sparsekv.ext_cache import build_progress
+
+    caplog.set_level(logging.INFO, logger="sparsekv.ext_cache")
+    with build_progress("ext", tmp_path, 3, interval_s=0.01):
+        (tmp_path / "a.o").write_bytes(b"")
+        (tmp_path / "b.o").write_bytes(b"")
+        deadline = time.monotonic() + 30
+        while "2/3 sources compiled" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.01)
+        (tmp_path / "ext.so").write_bytes(b"")
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages[0] == (
+        "building native kernels ext (3 C++ sources; once per machine and version, about "
+        f"1-3 min on 2 cores) in {tmp_path}"
+    )
+    assert any(m.startswith("building ext: 2/3 sources compiled, ") for m in messages[1:-1])
+    assert messages[-1].startswith("built ext in ") and messages[-1].endswith(" s")
+    caplog.clear()
+    with build_progress("ext", tmp_path, 3, interval_s=0.01):
+        time.sleep(0.05)
+    assert caplog.records == []

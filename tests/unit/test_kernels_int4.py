@@ -14,7 +14,7 @@ Tolerances: the output of fp32 queries atol 1e-5 + rtol 1e-5 (outputs reach ~18 
 each is a difference of terms up to ~60: the slot scale times the code, the value zero; the
 largest error measured over these cases, every variant, was a third of the tolerance, 1.4e-5
 on an output of ~18); lse and mass atol 2e-6 + rtol 2e-6 (measured: a third); bf16 queries
-rtol 1.6e-2 + atol 1e-2 on the output (CONTRACTS.md §4), lse and mass as for fp32 (the oracle
+rtol 1.6e-2 + atol 1e-2 on the output (the bf16 kernel tolerance), lse and mass as for fp32 (the oracle
 takes the same bf16 query values).
 """
 

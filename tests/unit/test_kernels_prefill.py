@@ -8,7 +8,7 @@ lengths around the 16-row tiles and 64-key blocks, page-unaligned ones, and no q
 Where the AMX kernel is unavailable (no AMX, or an AVX2-only CI machine) only the fallback
 tests run.
 
-Tolerances (CONTRACTS.md §4 for bf16): out rtol 1.6e-2 + atol 1e-2 (the kernel rounds the
+Tolerances (the project's bf16 kernel tolerance): out rtol 1.6e-2 + atol 1e-2 (the kernel rounds the
 probabilities to bf16 for the value product, as SDPA does); lse 1e-2 absolute (it is computed
 in fp32 from fp32 logits: errors measured ~1e-5).
 """

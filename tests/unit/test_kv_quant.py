@@ -1,4 +1,4 @@
-"""KV-cache quantization (issue 8): format error bounds, page storage semantics, attention over
+"""KV-cache quantization: format error bounds, page storage semantics, attention over
 quantized pages, page kinds of the pool, and config errors.
 
 Error bounds per element (x a row of head_dim values, or for int4 keys a channel over a page):

@@ -1,4 +1,4 @@
-"""Serving metric math (REFERENCE.md §2) on synthetic event timelines: exact values."""
+"""Serving metric math (vLLM's definitions, docs/benchmarks.md) on synthetic event timelines: exact values."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ from types import ModuleType
 
 import torch
 
-from sparsekv.ext_cache import clear_stale_lock
+from sparsekv.ext_cache import build_progress, clear_stale_lock
 
 EXTENSION_NAME = "sparsekv_cpu_kernels"
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
@@ -88,18 +88,19 @@ def compile_extension(verbose: bool = False) -> ModuleType:
     directory = build_directory()
     directory.mkdir(parents=True, exist_ok=True)
     clear_stale_lock(directory)  # a killed build's lock would hang this process forever
-    cpp_extension.load(
-        name=EXTENSION_NAME,
-        sources=[str(CSRC_DIR / name) for name in SOURCES],
-        # Copies: cpp_extension appends to the lists it is given while it builds, which would
-        # change source_digest (and so build_directory) for the rest of the process.
-        extra_cflags=list(EXTRA_CFLAGS),
-        extra_ldflags=list(EXTRA_LDFLAGS),
-        extra_include_paths=[str(CSRC_DIR)],
-        build_directory=str(directory),
-        verbose=verbose,
-        is_python_module=False,  # TORCH_LIBRARY operators, loaded into torch.ops
-    )
+    with build_progress(EXTENSION_NAME, directory, len(SOURCES)):
+        cpp_extension.load(
+            name=EXTENSION_NAME,
+            sources=[str(CSRC_DIR / name) for name in SOURCES],
+            # Copies: cpp_extension appends to the lists it is given while it builds, which
+            # would change source_digest (and so build_directory) for the rest of the process.
+            extra_cflags=list(EXTRA_CFLAGS),
+            extra_ldflags=list(EXTRA_LDFLAGS),
+            extra_include_paths=[str(CSRC_DIR)],
+            build_directory=str(directory),
+            verbose=verbose,
+            is_python_module=False,  # TORCH_LIBRARY operators, loaded into torch.ops
+        )
     return torch.ops.sparsekv_cpu
 
 

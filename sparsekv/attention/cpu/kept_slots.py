@@ -1,8 +1,8 @@
 """Prefill compaction in one copy: the kept rows of dense keys and values straight into pages.
 
-A layer compressed at prefill holds its keys and values as dense activations; the kept slots
-used to be gathered out of them (``keys[heads, kept]``, one copy) and then written to the
-layer's pages (``torch_ref.write_leading_slots``, a second). ``write_kept_slots`` writes each
+A layer compressed at prefill holds its keys and values as dense activations. Gathering the
+kept slots out of them (``keys[heads, kept]``) and then writing them to the layer's pages
+(``torch_ref.write_leading_slots``) would copy twice; ``write_kept_slots`` writes each
 kept row to its page slot directly (``csrc/compaction_binding.cpp``), with the same bytes in
 the pages: a copy, no conversion.
 """

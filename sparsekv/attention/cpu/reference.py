@@ -22,7 +22,7 @@ def window_scores_paged(
     num_slots: int,
     scale: float,
 ) -> torch.Tensor:
-    """Attention each held slot receives from the observation window (DESIGN.md §4).
+    """Attention each held slot receives from the observation window (SnapKV's score, docs/compression.md).
 
     ``out[h, j] = sum_i exp(q_i . k_j * scale - lse_i)`` over window rows ``i`` that see slot
     ``j``: row ``i`` is the query of slot ``num_slots - window + i`` and sees slots up to it.
@@ -51,7 +51,7 @@ def window_scores_paged(
 def dequantize_pool(
     kv_data: torch.Tensor, kv_scales: torch.Tensor, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """The pool an int8 or fp8 page store stands for (``kv_cache.quant``; CONTRACTS.md §2).
+    """The pool an int8 or fp8 page store stands for (``kv_cache.quant``).
 
     ``torch_ref.paged_decode_attention(query, dequantize_pool(data, scales), ...)`` is the
     oracle of ``ops.paged_decode_attention_quantized(query, data, scales, ...)``.

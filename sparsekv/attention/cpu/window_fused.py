@@ -57,8 +57,8 @@ def window_scores_fused(
         scale: softmax scale.
 
     Returns:
-        scores ``[num_heads, n]`` fp32 (``sum_i exp(q_i . k_j * scale - lse_i)``; REFERENCE.md
-        §1's SnapKV sums) and lse ``[num_heads, w]`` fp32 (natural log; the given one when
+        scores ``[num_heads, n]`` fp32 (``sum_i exp(q_i . k_j * scale - lse_i)``: SnapKV's
+        window sums) and lse ``[num_heads, w]`` fp32 (natural log; the given one when
         passed).
 
     Raises:

@@ -1,6 +1,6 @@
 """Page storage: where the K/V of a page kind live, in full precision or quantized.
 
-A ``KVStorage`` owns the tensors of one page kind (CONTRACTS.md §2): the codes
+A ``KVStorage`` owns the tensors of one page kind: the codes
 ``[num_pages, 2 (K, V), num_kv_heads, block_size, head_dim]`` (int4: ``head_dim // 2`` bytes)
 and, for quantized formats, the scales beside them. Page ids are global (``BlockPool`` kinds);
 a storage subtracts its ``page_offset``. Everything above this module reads and writes K/V in

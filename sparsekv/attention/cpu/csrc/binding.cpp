@@ -263,7 +263,8 @@ std::vector<at::Tensor> run_decode(const skv::KernelTable& table, const at::Tens
   // Splits of a (request, KV head) still running: the thread that finishes the last one merges
   // them in the same parallel region. A second region for the merge costs a wake-up and a
   // barrier per call, and far more when other processes hold a core (one decode step, 30
-  // layers, batch 16 x 2000 slots, 2 threads, a third busy process: ~470 -> ~240 ms).
+  // layers, batch 16 x 2000 slots, 2 threads, a third busy process: ~240 ms here against
+  // ~470 ms with a second region).
   std::vector<std::atomic<int64_t>> pending(batch * kvh);
   std::vector<float> idle_buf;  // (request, KV head) pairs without items: nothing visible
   for (int64_t i = 0; i < batch * kvh; ++i) {
@@ -529,8 +530,8 @@ std::vector<at::Tensor> prefill_attention(const at::Tensor& query_in, const at::
   args.out = reinterpret_cast<uint16_t*>(out.data_ptr());
   args.lse = lse.data_ptr<float>();
   // Items: (KV head, query block), KV head by KV head so that the threads share one head's
-  // K and V in cache (interleaving the heads thrashed L2: 45 -> 39 ms on one thread at 4k
-  // tokens), the last query blocks (most keys) first so that the short ones balance the end.
+  // K and V in cache (interleaving the heads thrashes L2: 45 ms against 39 ms on one thread
+  // at 4k tokens), the last query blocks (most keys) first so that the short ones balance the end.
   const int64_t num_blocks = (nq + block - 1) / block;
   const int64_t span = args.window > 0 && args.window < nk - nq / 2 ? args.window : nk - nq / 2;
   const int64_t work = H * nq * span * d * 2;

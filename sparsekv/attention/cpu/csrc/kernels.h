@@ -5,7 +5,7 @@
 // the binding could be merged by the linker into its AVX-512 copy and then run on a CPU without
 // AVX-512. They see only these plain structs and raw pointers.
 //
-// Page layout (CONTRACTS.md §2): pool [num_pages, 2 (K, V), num_kv_heads, block_size, head_dim],
+// Page layout (docs/design.md, "KV memory"): pool [num_pages, 2 (K, V), num_kv_heads, block_size, head_dim],
 // contiguous; one head's slots of a page are contiguous rows of head_dim elements. bf16 elements
 // are passed as their raw 16-bit patterns, fp8 (e4m3fn) codes as their 8-bit patterns.
 // Quantized pools (int8, fp8) come with scales [num_pages, 2, num_kv_heads, block_size] fp32:

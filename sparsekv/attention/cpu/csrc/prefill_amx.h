@@ -30,7 +30,7 @@
 // the logits, ~5 cycles per vector of 16 probabilities: see block_softmax's lazy max).
 // Measured and rejected: interleaving the two in a software pipeline (twice; the second time
 // with one column tile per AMX step, issued before and halfway through each tile's softmax:
-// the lost pairing of the column tiles cost more than the overlap gained, 5.4 -> 6.0 ms; the
+// the lost pairing of the column tiles cost more than the overlap gained, 6.0 ms against 5.4; the
 // AMX side alone is ~2x its TMUL bound, latency-bound by tile stores and reloads), prefetching
 // the next block's keys and values into L1 (slower: they evict the scratch), key blocks of 32
 // or 128 and query blocks of 32 (slower: more per-block overhead, or a working set past L1).
@@ -264,10 +264,10 @@ constexpr float kLazySum = 256.0f;
 // m + log2(l) is the same for any reference, it only has to keep the probabilities in range.
 // If some column's block sum exceeds kLazySum (a logit more than ~8 above its max, an inf, a
 // NaN), the block is redone the exact way: max pass, new max, alpha, probabilities. ~8% of the
-// kernel. Numerics: the largest probability of a row is no longer exactly 1, so its bf16
-// rounding (2^-9 relative) reaches the output too, as every other probability's does (against
-// fp32: mean output error +5 to +14%, max 8.6e-3 -> 1.5e-2 on peaked rows with 9 heads x 600
-// tokens); lse is unaffected.
+// kernel. Numerics: the largest probability of a row is not exactly 1, so its bf16 rounding
+// (2^-9 relative) reaches the output too, as every other probability's does (against fp32:
+// max error 1.5e-2 on peaked rows with 9 heads x 600 tokens, 8.6e-3 with an exact max pass;
+// mean error 5-14% higher); lse is unaffected.
 //
 // noinline: inlined into prefill_item_amx, GCC kept a running sum on the stack (a store-load
 // chain through the exp loop).

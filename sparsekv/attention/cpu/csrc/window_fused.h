@@ -6,7 +6,7 @@
 // window rows i = 0 .. w - 1 (row i is position n - w + i and sees keys j <= n - w + i):
 //   lse[h, i]  = log sum_j exp(q[h, i] . key[k, j] * scale)                 (if not given)
 //   out[h, j]  = sum_i exp(q[h, i] . key[k, j] * scale - lse[h, i])
-// SnapKV's summed window attention (REFERENCE.md section 1) and its softmax denominators in
+// SnapKV's summed window attention (docs/compression.md) and its softmax denominators in
 // one kernel: the logits of a KV head's group x w rows are computed once on AMX tiles into a
 // cache-resident buffer, and each visible logit takes one exponential (the window-score
 // kernel plus a separate LSE pass take two, and an attention call for the LSE also multiplies
