@@ -14,12 +14,12 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from sparsekv.attention.cpu import build, ops
+from sparsekv.attention.cpu import build, ops, window_fused
 
 FAMILIES: dict[str, tuple[str, ...]] = {
     "decode": ("avx512_amx", "avx512", "avx2", "avx2_w16", "generic"),
     "prefill": ops.PREFILL_VARIANTS,
-    "window_fused": (ops.PREFILL_ISA,),
+    "window_fused": window_fused.VARIANTS,
 }
 
 
@@ -56,13 +56,12 @@ def _runnable(family: str) -> tuple[str, ...]:
         return ops.available_isas()
     if family == "prefill":
         return ops.prefill_isas()
-    ext = build.load_extension()
-    return (ops.PREFILL_ISA,) if ext is not None and ext.prefill_available() else ()
+    return window_fused.window_fused_isas()
 
 
 def _why_not(family: str, variant: str) -> str:
     ext = build.load_extension()
-    if family == "prefill" or variant == ops.PREFILL_ISA:
+    if family != "decode" or variant == ops.PREFILL_ISA:  # the same CPU checks as prefill's
         return ops.prefill_isa_status(variant)
     if variant == "avx512":
         return "no AVX-512F"
@@ -77,7 +76,7 @@ def _default(family: str) -> tuple[str | None, str]:
     elif family == "prefill":
         chosen = ops.prefill_isa()
     else:
-        chosen = ops.PREFILL_ISA if ops.amx_tiles_enabled() else None
+        chosen = window_fused.window_fused_isa()
     if chosen is None:
         if forced:
             return None, f"{ops.ISA_ENV}={forced} names none of its variants: PyTorch fallback"
