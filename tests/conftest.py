@@ -195,3 +195,25 @@ def run_to_completion(engine, requests):
             if output.finished:
                 finished[output.request_id] = output
     return finished
+
+
+# Kernel variants (tests/kernel_variants.py): the cases of variants this CPU cannot run are
+# deselected and named as untested in a one-line summary at the end of the run.
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "kernel_variant(family, variant=None): checks that native kernel variant"
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    from tests import kernel_variants
+
+    kernel_variants.select(config, items)
+
+
+def pytest_terminal_summary(terminalreporter):
+    from tests import kernel_variants
+
+    line = kernel_variants.summary()
+    if line is not None:
+        terminalreporter.write_line(line)

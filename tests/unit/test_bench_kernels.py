@@ -20,13 +20,7 @@ TINY = ["--batch", "1", "--tokens", "40", "--layers", "1", "--dtypes", "bf16", "
 TINY += ["--prefill-tokens", "0", "--fused-layers", "2", "--fused-slots", "48", "--repeats", "2"]
 FUSED_NAME = "window fused 2 layers 9h x32 rows x48 slots bf16"
 
-amx = pytest.mark.skipif(
-    not wf.supports_window_fused(
-        torch.zeros(1, 1, 64, dtype=torch.bfloat16),
-        torch.zeros(1, 2, 1, 16, 64, dtype=torch.bfloat16),
-    ),
-    reason="needs the AMX kernels",
-)
+amx = pytest.mark.kernel_variant("window_fused")  # a fused window kernel
 
 
 @pytest.fixture(autouse=True)
@@ -81,19 +75,23 @@ def test_fused_row_skipped_in_a_run_where_unsupported(tmp_path, capsys, monkeypa
     assert all(not row["name"].startswith("window fused") for row in report["results"])
     assert len(report["results"]) == (2 if ops.available_isas() else 0)  # decode + window native
     printed = capsys.readouterr().out
-    assert f"{FUSED_NAME:<46} skipped: the fused AMX window kernel does not run here" in printed
+    assert f"{FUSED_NAME:<46} skipped: the fused window kernel does not run here" in printed
     assert "window fused" not in out.with_suffix(".md").read_text()
 
 
 @pytest.mark.parametrize(
     "env, argv, reason",
     [
-        ("avx512", [], "the fused AMX window kernel does not run here"),
-        ("", ["--isa", "generic"], "--isa generic (the kernel runs on avx512_amx only)"),
+        ("avx512", [], "the fused window kernel does not run here"),
+        (
+            "",
+            ["--isa", "generic"],
+            "--isa generic (the kernel runs on avx512_amx or avx512_bf16 only)",
+        ),
     ],
 )
 def test_fused_row_skipped_for_another_variant(env, argv, reason, capsys, monkeypatch):
-    monkeypatch.setenv(ops.ISA_ENV, env)  # a forced non-AMX variant turns the AMX kernels off
+    monkeypatch.setenv(ops.ISA_ENV, env)  # a forced variant without it turns the kernel off
     args = kernels.build_parser().parse_args(TINY + argv)
     assert kernels.bench_window_fused(args, MACHINE) == []
     assert f"{FUSED_NAME:<46} skipped: {reason}" in capsys.readouterr().out
@@ -103,3 +101,28 @@ def test_fused_slots_below_the_window_raise():
     args = kernels.build_parser().parse_args(TINY + ["--fused-slots", "16"])
     with pytest.raises(ValueError, match="--fused-slots 16 < --window 32"):
         kernels.bench_window_fused(args, MACHINE)
+
+
+@pytest.mark.kernel_variant("prefill")
+def test_list_prints_cpu_features_and_the_variant_of_each_family(capsys, monkeypatch):
+    from sparsekv.attention.cpu import ops, variants
+
+    monkeypatch.delenv(ops.ISA_ENV, raising=False)
+    assert kernels.main(["--list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "CPU features: " + " ".join(variants.cpu_features())
+    assert "avx2" in lines[0].split()  # every CI machine class has AVX2
+    prefill = next(line for line in lines if line.startswith("prefill "))
+    runnable = ops.prefill_isas()
+    assert prefill == f"prefill      {runnable[0]} (the fastest this CPU runs); runs " + ", ".join(
+        runnable
+    )
+    for variant in set(ops.PREFILL_VARIANTS) - set(runnable):
+        assert f"               not {variant}: {ops.prefill_isa_status(variant)}" in lines
+    monkeypatch.setenv(ops.ISA_ENV, "generic")
+    status = variants.family_status("prefill")
+    assert status.chosen is None
+    assert status.reason == f"{ops.ISA_ENV}=generic names none of its variants: PyTorch fallback"
+    assert variants.family_status("decode").chosen == "generic"
+    with pytest.raises(ValueError, match="family must be one of"):
+        variants.family_status("gemm")

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from sparsekv.attention import compaction
-from sparsekv.attention.cpu import ops as native
 from sparsekv.attention.metadata import RequestSlice
 from sparsekv.attention.paged import PagedAttention
 from sparsekv.attention.torch_ref import gather_kv, write_leading_slots
@@ -20,14 +19,6 @@ from sparsekv.kv_cache.storage import KVStorage
 BLOCK = 16
 KV_HEADS, HEADS, HEAD_DIM = 3, 9, 64
 SCALE = HEAD_DIM**-0.5
-
-pytestmark = pytest.mark.skipif(
-    not native.supports_prefill(
-        torch.zeros(HEADS, 1, HEAD_DIM, dtype=torch.bfloat16),
-        torch.zeros(KV_HEADS, 1, HEAD_DIM, dtype=torch.bfloat16),
-    ),
-    reason="needs the AMX kernels (bf16)",
-)
 
 
 def _setup(
@@ -74,6 +65,7 @@ def _kept_kv(storage, request, budget):
         (1, 48, 32, 32, False),
     ],
 )
+@pytest.mark.kernel_variant("window_fused")  # a fused window kernel (AMX or AVX512-BF16)
 def test_compaction_from_pages_equals_gathered_route(
     num_layers, num_slots, budget, window, copy_on_write
 ):
@@ -95,6 +87,7 @@ def test_compaction_from_pages_equals_gathered_route(
         torch.testing.assert_close(v, ref_v, rtol=0, atol=0)
 
 
+@pytest.mark.kernel_variant("decode")  # the extension, any variant
 def test_move_slots_in_place_and_to_fresh_pages():
     g = torch.Generator().manual_seed(3)
     pool = torch.randn(40, 2, KV_HEADS, BLOCK, HEAD_DIM, generator=g).to(torch.bfloat16)
@@ -122,6 +115,7 @@ def test_move_slots_in_place_and_to_fresh_pages():
     assert torch.equal(gather_kv(written, torch.tensor([33, 34, 35]), 37)[0], expected[0][0])
 
 
+@pytest.mark.kernel_variant("window_fused")  # a fused window kernel (AMX or AVX512-BF16)
 def test_applies_only_to_window_scored_plain_bf16_pages():
     storage, request = _setup(2, 56, 40, 8, False, seed=1)
     assert compaction.applies(request, [0, 1], [storage, storage])
@@ -133,6 +127,7 @@ def test_applies_only_to_window_scored_plain_bf16_pages():
     assert not compaction.applies(request, [0, 1], [storage, storage])
 
 
+@pytest.mark.kernel_variant("decode")  # the extension, any variant
 def test_move_slots_rejects_out_of_range_slots_and_pages():
     pool = torch.zeros(4, 2, KV_HEADS, BLOCK, HEAD_DIM, dtype=torch.bfloat16)
     kept = torch.arange(3).expand(1, KV_HEADS, 3).contiguous()

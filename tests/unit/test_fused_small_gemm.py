@@ -18,8 +18,8 @@ from sparsekv.models.fused import build
 
 def _small_gemm():
     ext = build.load_extension()
-    if ext is None or not ext.has_gemm_bf16_small():
-        pytest.skip("no AMX-BF16 small-M GEMM on this CPU (or the fused ops are off)")
+    assert ext is not None, "the fused ops failed to build"
+    assert ext.has_gemm_bf16_small(), "deselected where the CPU has no AMX small-M GEMM"
     return ext.gemm_bf16_small
 
 
@@ -40,6 +40,7 @@ ROWS = [1, 2, 3, 5, 8, 15, 16, 17, 31, 32, 33, 48, 100]
     "shape",
     [(7, 33), (65, 31), (100, 70), (576, 576), (960, 576), (192, 576), (1000, 576), (576, 1536)],
 )
+@pytest.mark.kernel_variant("fused_small_gemm", "avx512_amx")
 @pytest.mark.parametrize("rows", ROWS)
 def test_small_gemm_matches_fp32_reference(shape, rows):
     gemm = _small_gemm()
@@ -49,6 +50,7 @@ def test_small_gemm_matches_fp32_reference(shape, rows):
     assert_bf16_linear(gemm(x, weight), x, weight)
 
 
+@pytest.mark.kernel_variant("fused_small_gemm", "avx512_amx")
 @pytest.mark.parametrize("rows", [2, 16, 32])
 def test_small_gemm_lm_head_shape(rows):
     gemm = _small_gemm()
@@ -58,6 +60,7 @@ def test_small_gemm_lm_head_shape(rows):
     assert_bf16_linear(gemm(x, weight), x, weight)
 
 
+@pytest.mark.kernel_variant("fused_small_gemm", "avx512_amx")
 def test_small_gemm_strided_inputs():
     gemm = _small_gemm()
     torch.manual_seed(0)
@@ -69,6 +72,7 @@ def test_small_gemm_strided_inputs():
     assert_bf16_linear(gemm(transposed, weight), transposed, weight)
 
 
+@pytest.mark.kernel_variant("fused_small_gemm", "avx512_amx")
 def test_small_gemm_special_values():
     gemm = _small_gemm()
     weight = torch.ones(48, 64, dtype=torch.bfloat16)
@@ -80,6 +84,7 @@ def test_small_gemm_special_values():
     assert bool(torch.isinf(y[1]).all()) and bool(torch.isnan(y[2]).all())
 
 
+@pytest.mark.kernel_variant("fused_small_gemm", "avx512_amx")
 def test_small_gemm_empty_and_argument_errors():
     gemm = _small_gemm()
     weight = torch.randn(16, 32, dtype=torch.bfloat16)
@@ -103,6 +108,7 @@ def _packed(out_features: int = 832, in_features: int = 576, **kwargs) -> prepac
         pytest.skip("oneDNN without bf16 packing")
 
 
+@pytest.mark.kernel_variant("fused_small_gemm", "avx512_amx")
 def test_packed_linear_dispatches_by_row_count(monkeypatch):
     _small_gemm()
     packed = _packed()
@@ -136,6 +142,7 @@ class _TiedLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
 
+@pytest.mark.kernel_variant("fused_small_gemm", "avx512_amx")
 @pytest.mark.parametrize("tied", [True, False])
 def test_tied_lm_head_reads_the_embedding(tied):
     _small_gemm()

@@ -103,6 +103,7 @@ def run_decode(isa, query, pool, tables, lens, first=None, window=None, softcap=
     return got, reference_decode(query, pool, tables, lens, scale, first, window, softcap)
 
 
+@pytest.mark.kernel_variant("decode")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("group", [1, 3, 4])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
@@ -123,6 +124,7 @@ def test_decode_matches_reference(isas, dtype, group, head_dim, block_size):
         torch.testing.assert_close(mass, ref_mass, **FP32_TOL)
 
 
+@pytest.mark.kernel_variant("decode")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("group", [2, 5, 6, 7, 8, 16, 17, 24])
 def test_decode_any_group_size(isas, group, dtype):
@@ -136,6 +138,7 @@ def test_decode_any_group_size(isas, group, dtype):
         torch.testing.assert_close(mass, ref_mass, **FP32_TOL)
 
 
+@pytest.mark.kernel_variant("decode")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("block_size", [8, 24, 48])
 def test_decode_and_window_block_sizes_off_16(isas, dtype, block_size):
@@ -160,6 +163,7 @@ def test_decode_and_window_block_sizes_off_16(isas, dtype, block_size):
         torch.testing.assert_close(got, want, **FP32_TOL)
 
 
+@pytest.mark.kernel_variant("decode")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_decode_sliding_window_first_slots(isas, dtype):
     lens, first = [40, 100, 1000, 17, 64], [16, 48, 960, 0, 32]
@@ -175,6 +179,7 @@ def test_decode_sliding_window_first_slots(isas, dtype):
             torch.testing.assert_close(mass, ref_mass, **FP32_TOL)
 
 
+@pytest.mark.kernel_variant("decode")
 def test_decode_logit_softcap(isas):
     pool, tables, lens, _ = make_paged([5, 300], 2, 32, 128, torch.float32)
     query = torch.randn(2, 8, 128) * 4
@@ -187,6 +192,7 @@ def test_decode_logit_softcap(isas):
         torch.testing.assert_close(mass, ref_mass, **FP32_TOL)
 
 
+@pytest.mark.kernel_variant("decode")
 def test_decode_long_single_request_splits(isas):
     # One (request, KV head) of 5000 slots is split across threads and merged by lse.
     pool, tables, lens, _ = make_paged([5000], 1, 16, 64, torch.float32)
@@ -197,6 +203,7 @@ def test_decode_long_single_request_splits(isas):
         torch.testing.assert_close(lse, ref_lse, **FP32_TOL)
 
 
+@pytest.mark.kernel_variant("decode")
 def test_decode_ignores_garbage_in_unheld_slots(isas):
     # Slots past seq_len in the last page and padding pages may hold anything (torch.empty).
     pool, tables, lens, _ = make_paged([17, 40], 2, 16, 64, torch.float32)
@@ -214,6 +221,7 @@ def test_decode_ignores_garbage_in_unheld_slots(isas):
         torch.testing.assert_close(got[1], want[1], **FP32_TOL)
 
 
+@pytest.mark.kernel_variant("decode")
 def test_decode_empty_batch_and_no_mass(isas):
     pool, tables, lens, _ = make_paged([3], 2, 16, 64, torch.float32)
     out, lse, mass = backend.decode_attention(
@@ -224,6 +232,7 @@ def test_decode_empty_batch_and_no_mass(isas):
     assert mass is None and out.shape == (1, 4, 64)
 
 
+@pytest.mark.kernel_variant("decode")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("group", [1, 3, 4])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
@@ -244,6 +253,7 @@ def test_window_scores_match_reference(isas, dtype, group, head_dim, block_size)
             torch.testing.assert_close(got, want, **FP32_TOL)
 
 
+@pytest.mark.kernel_variant("decode")
 def test_backend_window_scores(isas):
     pool, tables, _, _ = make_paged([100], 3, 16, 64, torch.float32)
     queries, lse = torch.randn(9, 8, 64), torch.full((9, 8), 4.0)
@@ -273,6 +283,7 @@ def test_prefill_attention_equals_reference(dtype, num_queries):
         torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=0)
 
 
+@pytest.mark.kernel_variant("decode")
 def test_kernel_variants_match_cpu_flags(isas):
     assert isas[-1] == "generic"
     status = build.load_extension().amx_status()
@@ -282,6 +293,7 @@ def test_kernel_variants_match_cpu_flags(isas):
         assert ops.pick_isa(64) == "avx512_amx" or ops.ISA_ENV in os.environ
 
 
+@pytest.mark.kernel_variant("decode", "avx512_amx")
 def test_amx_bf16_decode_softcap_window_and_mass(amx):
     # The AMX path against the reference where its tiles meet ragged edges: unaligned first
     # slots and sliding windows (masked row groups), odd tile lengths (value pairs padded with
@@ -299,6 +311,7 @@ def test_amx_bf16_decode_softcap_window_and_mass(amx):
             torch.testing.assert_close(mass, ref_mass, **FP32_TOL)
 
 
+@pytest.mark.kernel_variant("decode", "avx512_amx")
 def test_amx_fp32_and_mixed_dtypes_use_vector_kernels(amx):
     # fp32 pools never go through bf16 tiles; fp32 window queries over a bf16 pool neither.
     pool, tables, lens, _ = make_paged([300], 2, 16, 64, torch.float32)
@@ -312,6 +325,7 @@ def test_amx_fp32_and_mixed_dtypes_use_vector_kernels(amx):
     torch.testing.assert_close(got, want, **FP32_TOL)
 
 
+@pytest.mark.kernel_variant("decode")
 def test_isa_env_forces_each_variant(isas, monkeypatch):
     pool, tables, lens, _ = make_paged([70], 2, 16, 64, torch.bfloat16)
     query = torch.randn(1, 6, 64).to(torch.bfloat16)

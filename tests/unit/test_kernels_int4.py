@@ -166,6 +166,7 @@ def check_all(isas, query, case, first=None, window=None, softcap=None) -> None:
         torch.testing.assert_close(mass, want[2], **STAT_TOL, msg=lambda m, i=isa: f"{i}: {m}")
 
 
+@pytest.mark.kernel_variant("decode")
 @QUERY_DTYPES
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_int4_decode_matches_reference(isas, query_dtype, block_size):
@@ -175,6 +176,7 @@ def test_int4_decode_matches_reference(isas, query_dtype, block_size):
     check_all(isas, query, case)
 
 
+@pytest.mark.kernel_variant("decode")
 @QUERY_DTYPES
 def test_int4_decode_head_dim_128(isas, query_dtype):
     case = make_int4([5, 128, 333], 2, 16, 128, seed=1)
@@ -182,6 +184,7 @@ def test_int4_decode_head_dim_128(isas, query_dtype):
     check_all(isas, query, case)
 
 
+@pytest.mark.kernel_variant("decode")
 @QUERY_DTYPES
 def test_int4_decode_sliding_window_first_slots(isas, query_dtype):
     lens, first = [40, 100, 1000, 17, 64], [16, 48, 960, 0, 32]
@@ -191,6 +194,7 @@ def test_int4_decode_sliding_window_first_slots(isas, query_dtype):
         check_all(isas, query, case, case[4], window)
 
 
+@pytest.mark.kernel_variant("decode")
 @QUERY_DTYPES
 def test_int4_decode_logit_softcap(isas, query_dtype):
     case = make_int4([5, 300], 3, 32, 64, seed=3)
@@ -198,6 +202,7 @@ def test_int4_decode_logit_softcap(isas, query_dtype):
     check_all(isas, query, case, softcap=3.0)
 
 
+@pytest.mark.kernel_variant("decode")
 def test_int4_head_dim_takes_whole_chunks(isas):
     # A chunk is 2 * lanes elements (lanes bytes of codes): head_dim 48 fits generic and avx2
     # (4 and 8 lanes), not the 16-lane variants. block_size 8 < 16 lanes: slot by slot.
@@ -220,12 +225,14 @@ def test_int4_head_dim_takes_whole_chunks(isas):
     assert ops.supports_int4(query, *tensors)
 
 
+@pytest.mark.kernel_variant("decode")
 def test_int4_decode_long_request_splits(isas):
     # One (request, KV head) of 5000 slots is split across threads and merged by lse.
     case = make_int4([5008], 1, 16, 64, seed=4)
     check_all(isas, random_query(1, 3, 64, seed=4), case)
 
 
+@pytest.mark.kernel_variant("decode")
 def test_int4_decode_empty_batch_and_no_mass(isas):
     tensors, _, tables, lens, _ = make_int4([3], 3, 16, 64)
     out, lse, mass = ops.paged_decode_attention_int4(
@@ -238,6 +245,7 @@ def test_int4_decode_empty_batch_and_no_mass(isas):
     assert mass is None and out.shape == (1, 9, 64) and lse.shape == (1, 9)
 
 
+@pytest.mark.kernel_variant("decode")
 def test_int4_request_without_pages(isas):
     # The engine passes seq_len == first_slot for a request whose slots all sit in its residual:
     # zero output, lse -inf.
@@ -250,6 +258,7 @@ def test_int4_request_without_pages(isas):
     assert bool(torch.isfinite(lse[0]).all())
 
 
+@pytest.mark.kernel_variant("decode")
 def test_every_code_and_nibble_decodes_exactly(isas):
     # Value rows that hold every code at every position (both nibbles of every byte) as the
     # only slot of a request: the output is the dequantized row exactly; with one-hot queries
@@ -273,6 +282,7 @@ def test_every_code_and_nibble_decodes_exactly(isas):
         torch.testing.assert_close(lse, pool[:, 0, 0, 0, :] * 0.5, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.kernel_variant("decode")
 def test_every_fp16_value_zero_decodes_exactly(isas):
     # Each fp16 bit pattern (subnormals, infinities and NaNs included) as the value zero of a
     # one-slot request with value scale 0: the output is that number on every channel.
@@ -312,6 +322,7 @@ def strided(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1).contiguous().transpose(0, 1)
 
 
+@pytest.mark.kernel_variant("decode")
 def test_int4_decode_rejects_bad_arguments(isas):
     tensors, _, tables, lens, _ = make_int4([40], 3, 16, 64)
     codes, key_scale, key_zero, value_scale, value_zero = tensors
@@ -346,6 +357,7 @@ def test_int4_decode_rejects_bad_arguments(isas):
         ops.paged_decode_attention_int4(query, *tensors, tables + 100, lens, 0.1)
 
 
+@pytest.mark.kernel_variant("decode")
 def test_supports_int4(isas):
     tensors, *_ = make_int4([20], 3, 16, 64)
     codes, key_scale, key_zero, value_scale, value_zero = tensors
@@ -365,6 +377,7 @@ def test_supports_int4(isas):
     assert not ops.supports_int4(query, *tensors[:4], value_zero.bfloat16())
 
 
+@pytest.mark.kernel_variant("decode")
 def test_bench_int4_row(isas, capsys):
     # `sparsekv bench kernels --kv-dtypes ...,int4`: bytes per call count the codes (half a
     # byte per element) and the fp16 scales and zeros (per channel of a page for keys, per slot

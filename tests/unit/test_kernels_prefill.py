@@ -1,16 +1,20 @@
-"""Native causal prefill attention on AMX tiles (``ops.prefill_attention``) against
+"""Native causal prefill attention (``ops.prefill_attention``) against
 ``torch_ref.attention_with_lse`` computed in fp32 from the same bf16 inputs, and the dispatch of
 ``backend.prefill_attention`` (the kernel for bf16, the PyTorch paths otherwise).
+
+Variants: the full case set runs on this CPU's default variant (``avx512_amx`` on AMX CPUs,
+``avx512_bf16`` on AVX512-BF16 ones such as AMD Zen 4, ...); every other variant the CPU runs
+gets a few shapes through the same entry point (``isa=``) and through ``SPARSEKV_KERNEL_ISA``.
+Variants the CPU cannot run are deselected and named in the run's summary line
+(``tests/kernel_variants.py``); a failed build fails these tests.
 
 Cases: GQA groups 1, 3 and 4; head_dim 64, 128 and 256 (96 too: any multiple of 32); whole
 prompts (queries = keys) and chunks of a chunked prefill (the last queries of more keys);
 lengths around the 16-row tiles and 64-key blocks, page-unaligned ones, and no query at all.
-Where the AMX kernel is unavailable (no AMX, or an AVX2-only CI machine) only the fallback
-tests run.
 
-Tolerances (the project's bf16 kernel tolerance): out rtol 1.6e-2 + atol 1e-2 (the kernel rounds the
-probabilities to bf16 for the value product, as SDPA does); lse 1e-2 absolute (it is computed
-in fp32 from fp32 logits: errors measured ~1e-5).
+Tolerances (bf16): out rtol 1.6e-2 + atol 1e-2 (the bf16 kernels round the probabilities to
+bf16 for the value product, as SDPA does); lse 1e-2 absolute, and 2e-4 in the precision tests
+(it is computed in fp32 from fp32 logits: errors measured <= 8e-5).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 
 from sparsekv.attention import backend, torch_ref
 from sparsekv.attention.cpu import build, ops
+from tests import kernel_variants
 
 OUT_TOL = {"atol": 1e-2, "rtol": 1.6e-2}
 LSE_ATOL = 1e-2
@@ -27,16 +32,22 @@ LENGTHS = [1, 15, 16, 17, 100, 333]
 GROUPS = pytest.mark.parametrize(
     "num_heads,num_kv_heads", [(2, 2), (6, 2), (8, 2)], ids=["g1", "g3", "g4"]
 )
+NATIVE = kernel_variants.native("prefill")
+native_variant = pytest.mark.kernel_variant("prefill", NATIVE)
+LOWER = [
+    pytest.param(isa, marks=pytest.mark.kernel_variant("prefill", isa))
+    for isa in kernel_variants.lower("prefill")
+]
 
 
 @pytest.fixture(scope="module")
-def amx() -> None:
-    if build.native_disabled():
-        pytest.skip("SPARSEKV_DISABLE_NATIVE is set")
+def kernel() -> str:
+    """The default prefill variant; fails (not skips) when the extension did not build."""
+    assert not build.native_disabled(), "deselected when SPARSEKV_DISABLE_NATIVE is set"
     ext = build.load_extension()
     assert ext is not None, "the native extension failed to build"
-    if not ext.prefill_available():
-        pytest.skip(f"no AMX prefill kernel: {ext.amx_status()}")
+    assert ops.prefill_isa() == NATIVE
+    return NATIVE
 
 
 def make_qkv(num_heads, num_kv_heads, num_queries, num_keys, head_dim, seed=0, std=1.0):
@@ -62,24 +73,26 @@ def check(query, key, value, out, lse, scale, sliding_window=None):
     torch.testing.assert_close(lse, ref_lse, atol=LSE_ATOL, rtol=0)
 
 
-def run_kernel(query, key, value, sliding_window=None):
+def run_kernel(query, key, value, sliding_window=None, isa=None):
     scale = query.shape[-1] ** -0.5
     assert ops.supports_prefill(query, key, value)
-    out, lse = ops.prefill_attention(query, key, value, scale, sliding_window)
+    out, lse = ops.prefill_attention(query, key, value, scale, sliding_window, isa=isa)
     check(query, key, value, out, lse, scale, sliding_window)
 
 
+@native_variant
 @GROUPS
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("length", LENGTHS)
-def test_prefill_whole_prompt(amx, num_heads, num_kv_heads, head_dim, length):
+def test_prefill_whole_prompt(kernel, num_heads, num_kv_heads, head_dim, length):
     run_kernel(*make_qkv(num_heads, num_kv_heads, length, length, head_dim, seed=length))
 
 
+@native_variant
 @GROUPS
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("length", LENGTHS)
-def test_prefill_chunk_after_earlier_keys(amx, num_heads, num_kv_heads, head_dim, length):
+def test_prefill_chunk_after_earlier_keys(kernel, num_heads, num_kv_heads, head_dim, length):
     # The chunk's queries are the last `length` of `length + 77` keys (bottom-right causal).
     qkv = make_qkv(num_heads, num_kv_heads, length, length + 77, head_dim, seed=length)
     run_kernel(*qkv)
@@ -88,11 +101,13 @@ def test_prefill_chunk_after_earlier_keys(amx, num_heads, num_kv_heads, head_dim
 @pytest.mark.parametrize(
     "num_queries,num_keys", [(1, 333), (64, 64), (65, 130), (512, 1000), (1000, 1000)]
 )
-def test_prefill_block_boundaries_and_long(amx, num_queries, num_keys):
+@native_variant
+def test_prefill_block_boundaries_and_long(kernel, num_queries, num_keys):
     run_kernel(*make_qkv(9, 3, num_queries, num_keys, 64, seed=num_keys))
 
 
-def test_prefill_head_dim_96_and_strided_query(amx):
+@native_variant
+def test_prefill_head_dim_96_and_strided_query(kernel):
     query, key, value = make_qkv(4, 1, 50, 90, 96)
     run_kernel(query, key, value)
     # A transposed view, as the model's [tokens, heads, dim] projections give.
@@ -105,7 +120,8 @@ def test_prefill_head_dim_96_and_strided_query(amx):
     run_kernel(spread, key[:, 10:], value[:, 10:])
 
 
-def test_prefill_large_logits_and_growing_max(amx):
+@native_variant
+def test_prefill_large_logits_and_growing_max(kernel):
     # Large logits and key norms growing along the sequence: the running max moves at almost
     # every block, so the output is rescaled often; the lse must stay exact.
     query, key, value = make_qkv(6, 2, 300, 300, 64, std=3.0)
@@ -121,7 +137,8 @@ LSE_TIGHT = 2e-4
 @pytest.mark.parametrize(
     "num_queries,num_keys,std", [(500, 700, 1.0), (96, 96, 1.0), (300, 300, 3.0)]
 )
-def test_prefill_lse_precision(amx, num_queries, num_keys, std):
+@native_variant
+def test_prefill_lse_precision(kernel, num_queries, num_keys, std):
     query, key, value = make_qkv(9, 3, num_queries, num_keys, 64, seed=num_keys, std=std)
     _, lse = ops.prefill_attention(query, key, value, 0.125)
     _, ref_lse = torch_ref.attention_with_lse(
@@ -130,9 +147,10 @@ def test_prefill_lse_precision(amx, num_queries, num_keys, std):
     torch.testing.assert_close(lse, ref_lse, atol=LSE_TIGHT, rtol=0)
 
 
+@native_variant
 @pytest.mark.parametrize("rise", [0.0, 3.0, 20.0, 300.0])
 @pytest.mark.parametrize("spike", [None, 40.0])
-def test_prefill_lazy_max(amx, rise, spike):
+def test_prefill_lazy_max(kernel, rise, spike):
     # Logits rising linearly along the keys by `rise` (natural log units) over the sequence,
     # optionally with one late key `spike` above the rest: the kernel keeps a row's max while
     # a block's probabilities against it stay small (slow rises: probabilities above 1), and
@@ -153,7 +171,8 @@ def test_prefill_lazy_max(amx, rise, spike):
 @pytest.mark.parametrize(
     "num_queries,num_keys", [(1, 1), (17, 17), (200, 200), (333, 333), (100, 700), (513, 1000)]
 )
-def test_prefill_sliding_window(amx, window, num_queries, num_keys):
+@native_variant
+def test_prefill_sliding_window(kernel, window, num_queries, num_keys):
     # Gemma 3's local layers (4 query heads over 1 KV head, head_dim 256): row i sees only its
     # `window` most recent keys; windows below, on and past the 64-key blocks and the 16-row
     # tiles, whole prompts and chunks whose first rows' windows start inside earlier keys.
@@ -161,12 +180,14 @@ def test_prefill_sliding_window(amx, window, num_queries, num_keys):
     run_kernel(*qkv, sliding_window=window)
 
 
+@native_variant
 @GROUPS
-def test_prefill_sliding_window_groups(amx, num_heads, num_kv_heads):
+def test_prefill_sliding_window_groups(kernel, num_heads, num_kv_heads):
     run_kernel(*make_qkv(num_heads, num_kv_heads, 150, 230, 64, std=3.0), sliding_window=40)
 
 
-def test_prefill_window_of_every_key_is_no_window(amx):
+@native_variant
+def test_prefill_window_of_every_key_is_no_window(kernel):
     query, key, value = make_qkv(6, 2, 90, 120, 64)
     plain = ops.prefill_attention(query, key, value, 0.125)
     for window in (120, 121, 10_000):
@@ -174,12 +195,14 @@ def test_prefill_window_of_every_key_is_no_window(amx):
         assert torch.equal(windowed[0], plain[0]) and torch.equal(windowed[1], plain[1])
 
 
-def test_prefill_rejects_a_non_positive_window(amx):
+@native_variant
+def test_prefill_rejects_a_non_positive_window(kernel):
     with pytest.raises(ValueError, match="sliding_window"):
         ops.prefill_attention(*make_qkv(6, 2, 10, 10, 64), 0.125, 0)
 
 
-def test_prefill_no_queries(amx):
+@native_variant
+def test_prefill_no_queries(kernel):
     query, key, value = make_qkv(6, 2, 0, 5, 64)
     out, lse = ops.prefill_attention(query, key, value, 0.125)
     assert out.shape == (6, 0, 64) and lse.shape == (6, 0)
@@ -187,7 +210,8 @@ def test_prefill_no_queries(amx):
     assert out.shape == (6, 0, 64) and lse.shape == (6, 0)
 
 
-def test_prefill_rejects_bad_arguments(amx):
+@native_variant
+def test_prefill_rejects_bad_arguments(kernel):
     query, key, value = make_qkv(6, 2, 20, 10, 64)
     assert not ops.supports_prefill(query, key, value)  # more queries than keys
     with pytest.raises(RuntimeError, match="more queries"):
@@ -220,7 +244,8 @@ class _Spy:
         monkeypatch.setattr(ops, "prefill_attention", spy)
 
 
-def test_backend_picks_the_kernel_for_bf16(amx, monkeypatch):
+@native_variant
+def test_backend_picks_the_kernel_for_bf16(kernel, monkeypatch):
     spy = _Spy(monkeypatch)
     query, key, value = make_qkv(9, 3, 40, 100, 64)
     out, lse = backend.prefill_attention(query, key, value, 0.125)
@@ -258,10 +283,51 @@ def test_backend_falls_back_when_native_is_disabled(monkeypatch):
     assert spy.calls == 0
 
 
-def test_backend_honours_a_forced_isa(amx, monkeypatch):
+@native_variant
+def test_backend_honours_a_forced_isa(kernel, monkeypatch):
+    # A forced variant without a prefill kernel leaves prefill to PyTorch.
     spy = _Spy(monkeypatch)
-    monkeypatch.setenv(ops.ISA_ENV, "avx512")
+    monkeypatch.setenv(ops.ISA_ENV, "generic")
+    assert ops.prefill_isa() is None
     backend.prefill_attention(*make_qkv(6, 2, 30, 30, 64), 0.125)
-    monkeypatch.setenv(ops.ISA_ENV, "avx512_amx")
+    monkeypatch.setenv(ops.ISA_ENV, kernel)
     backend.prefill_attention(*make_qkv(6, 2, 30, 30, 64), 0.125)
     assert spy.calls == 1
+
+
+LOWER_CASES = [(9, 3, 100, 100, 64, None), (6, 2, 17, 94, 128, None), (4, 1, 333, 333, 256, 65)]
+
+
+@pytest.mark.parametrize("isa", LOWER)
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,num_queries,num_keys,head_dim,window",
+    LOWER_CASES,
+    ids=["g3-prompt", "g3-chunk-d128", "g4-window-d256"],
+)
+def test_prefill_lower_variant(
+    isa, num_heads, num_kv_heads, num_queries, num_keys, head_dim, window
+):
+    qkv = make_qkv(num_heads, num_kv_heads, num_queries, num_keys, head_dim, seed=num_keys)
+    run_kernel(*qkv, sliding_window=window, isa=isa)
+
+
+@pytest.mark.parametrize("isa", LOWER)
+def test_prefill_lower_variant_forced_through_the_environment(isa, monkeypatch):
+    spy = _Spy(monkeypatch)
+    monkeypatch.setenv(ops.ISA_ENV, isa)
+    assert ops.prefill_isa() == isa
+    query, key, value = make_qkv(9, 3, 70, 150, 64, std=3.0)
+    out, lse = backend.prefill_attention(query, key, value, 0.125, sliding_window=90)
+    assert spy.calls == 1
+    check(query, key, value, out, lse, 0.125, sliding_window=90)
+
+
+def test_forcing_a_variant_this_cpu_lacks_warns_and_uses_the_default(monkeypatch):
+    missing = [isa for isa in ops.PREFILL_VARIANTS if isa not in ops.prefill_isas()]
+    if not missing:  # an AMX CPU runs every variant
+        assert ops.prefill_isas() == ops.PREFILL_VARIANTS
+        return
+    monkeypatch.setenv(ops.ISA_ENV, missing[0])
+    ops._warn_unusable_prefill_isa.cache_clear()
+    with pytest.warns(RuntimeWarning, match=missing[0]):
+        assert ops.prefill_isa() == (ops.prefill_isas() or (None,))[0]

@@ -141,6 +141,7 @@ def check_all(isas, query, case, first=None, window=None, softcap=None) -> None:
         torch.testing.assert_close(mass, want[2], **FP32_TOL, msg=lambda m, i=isa: f"{i}: {m}")
 
 
+@pytest.mark.kernel_variant("decode")
 @FORMATS
 @QUERY_DTYPES
 @pytest.mark.parametrize("block_size", [16, 32])
@@ -151,6 +152,7 @@ def test_quantized_decode_matches_reference(isas, fmt, query_dtype, block_size):
     check_all(isas, query, case)
 
 
+@pytest.mark.kernel_variant("decode")
 @FORMATS
 @QUERY_DTYPES
 def test_quantized_decode_head_dim_128(isas, fmt, query_dtype):
@@ -159,6 +161,7 @@ def test_quantized_decode_head_dim_128(isas, fmt, query_dtype):
     check_all(isas, query, case)
 
 
+@pytest.mark.kernel_variant("decode")
 def test_quantized_head_dim_takes_whole_quads(isas):
     # Codes are read 4 per 32-bit lane: head_dim must be a multiple of 4 * lanes (a "quad").
     # head_dim 32 fits generic and avx2 (4 and 8 lanes), not the 16-lane variants.
@@ -184,6 +187,7 @@ def test_quantized_head_dim_takes_whole_quads(isas):
     assert ops.supports_quantized(query, data, scales)
 
 
+@pytest.mark.kernel_variant("decode")
 @FORMATS
 @QUERY_DTYPES
 def test_quantized_decode_sliding_window_first_slots(isas, fmt, query_dtype):
@@ -194,6 +198,7 @@ def test_quantized_decode_sliding_window_first_slots(isas, fmt, query_dtype):
         check_all(isas, query, case, case[5], window)
 
 
+@pytest.mark.kernel_variant("decode")
 @FORMATS
 @QUERY_DTYPES
 def test_quantized_decode_logit_softcap(isas, fmt, query_dtype):
@@ -202,6 +207,7 @@ def test_quantized_decode_logit_softcap(isas, fmt, query_dtype):
     check_all(isas, query, case, softcap=3.0)
 
 
+@pytest.mark.kernel_variant("decode")
 @FORMATS
 def test_quantized_decode_long_request_splits(isas, fmt):
     # One (request, KV head) of 5000 slots is split across threads and merged by lse.
@@ -209,6 +215,7 @@ def test_quantized_decode_long_request_splits(isas, fmt):
     check_all(isas, random_query(1, 3, 64, seed=4), case)
 
 
+@pytest.mark.kernel_variant("decode")
 @FORMATS
 def test_quantized_decode_empty_batch_and_no_mass(isas, fmt):
     data, scales, _, tables, lens, _ = make_quantized(fmt, [3], 3, 16, 64)
@@ -222,6 +229,7 @@ def test_quantized_decode_empty_batch_and_no_mass(isas, fmt):
     assert mass is None and out.shape == (1, 9, 64) and lse.shape == (1, 9)
 
 
+@pytest.mark.kernel_variant("decode")
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
 def test_every_code_decodes_exactly(isas, fmt):
     # Every code (fp8: all finite ones, subnormals included; int8: -128..127) as the only slot
@@ -264,6 +272,7 @@ def strided(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1).contiguous().transpose(0, 1)
 
 
+@pytest.mark.kernel_variant("decode")
 def test_quantized_decode_rejects_bad_arguments(isas):
     data, scales, _, tables, lens, _ = make_quantized("int8", [40], 3, 16, 64)
     query = random_query(1, 9, 64)
@@ -291,6 +300,7 @@ def test_quantized_decode_rejects_bad_arguments(isas):
         ops.paged_decode_attention_quantized(query, data, scales, tables, lens, 0.1, isa="x")
 
 
+@pytest.mark.kernel_variant("decode")
 def test_supports_quantized(isas):
     data, scales, *_ = make_quantized("fp8", [20], 3, 16, 64)
     query = random_query(1, 9, 64)
@@ -305,6 +315,7 @@ def test_supports_quantized(isas):
     assert not ops.supports_quantized(query.requires_grad_(), data, scales)
 
 
+@pytest.mark.kernel_variant("decode")
 def test_bench_kv_dtype_rows(isas, capsys):
     # `sparsekv bench kernels --kv-dtypes`: one row per KV dtype at the same shape, with the
     # bytes a call reads (codes + scales) and the rate.

@@ -1,5 +1,8 @@
-"""The fused AMX window-score kernel (``csrc/window_fused_amx.h``): summed window attention
-and the window rows' log-sum-exps, dense and paged, against an fp64 reference."""
+"""The fused window-score kernels (``csrc/window_fused_amx.h`` on AMX tiles,
+``csrc/window_fused_bf16.h`` with AVX512-BF16 dot products): summed window attention and the
+window rows' log-sum-exps, dense and paged, against an fp64 reference. Every case runs on each
+variant this CPU runs (forced through ``SPARSEKV_KERNEL_ISA``); the others are deselected and
+named in the run's summary."""
 
 from __future__ import annotations
 
@@ -9,13 +12,17 @@ import torch
 from sparsekv.attention.cpu import ops
 from sparsekv.attention.cpu import window_fused as wf
 
-pytestmark = pytest.mark.skipif(
-    not wf.supports_window_fused(
-        torch.zeros(1, 1, 64, dtype=torch.bfloat16),
-        torch.zeros(1, 2, 1, 16, 64, dtype=torch.bfloat16),
-    ),
-    reason="needs the AMX kernels",
+
+@pytest.fixture(
+    autouse=True,
+    params=[
+        pytest.param(v, marks=pytest.mark.kernel_variant("window_fused", v)) for v in wf.VARIANTS
+    ],
 )
+def variant(request, monkeypatch) -> str:
+    monkeypatch.setenv(ops.ISA_ENV, request.param)
+    assert wf.window_fused_isa() == request.param
+    return request.param
 
 
 def reference(queries, keys, scale, lse=None):
@@ -119,7 +126,7 @@ def test_bad_arguments_raise():
         wf.window_scores_fused_paged(queries, pool, torch.tensor([[0, 9]]), 20, None, 0.1)
 
 
-def test_support_check(monkeypatch):
+def test_support_check(variant, monkeypatch):
     pool = torch.zeros(2, 2, 1, 16, 64, dtype=torch.bfloat16)
     queries = torch.zeros(3, 4, 64, dtype=torch.bfloat16)
     assert wf.supports_window_fused(queries, pool)

@@ -20,9 +20,12 @@ from sparsekv.compression.snapkv import SnapKVCompressor
 REL_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-4}
 SCALE = 0.125
 
-pytestmark = pytest.mark.skipif(
-    build.load_extension() is None, reason="native kernels unavailable on this machine"
-)
+pytestmark = pytest.mark.kernel_variant("decode")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _native_built() -> None:
+    assert build.load_extension() is not None, "the native extension failed to build"
 
 
 def _inputs(num_kv_heads, group, n, w, head_dim, dtype, seed=0):

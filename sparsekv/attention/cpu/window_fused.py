@@ -1,24 +1,55 @@
-"""Wrappers of the fused AMX window-score kernel (``csrc/window_fused.h``).
+"""Wrappers of the fused window-score kernels (``csrc/window_fused.h``).
 
 SnapKV-family scoring needs, per window row, the softmax denominator over the slots the row
 sees and then the summed probabilities per slot. This kernel does both in one pass over the
-keys: each logit is computed once on AMX tiles into a cache-resident buffer and takes one
+keys: each logit is computed once into a cache-resident buffer (on AMX tiles, ``avx512_amx``, or
+with AVX512-BF16 dot products, ``avx512_bf16``: AMD Zen 4, Intel Cooper Lake) and takes one
 exponential, against two (plus a value product) for an attention call followed by the
 window-score kernel. It reads keys either dense or in pages, several layers at once.
+``SPARSEKV_KERNEL_ISA`` picks a variant as for the other kernels; naming another one
+(``avx512``, ``avx2``, ...) turns the fused kernel off (callers take the unfused route).
 """
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 
-from sparsekv.attention.cpu.ops import _extension, amx_tiles_enabled
+from sparsekv.attention.cpu import build
+from sparsekv.attention.cpu.ops import BF16_ISA, ISA_ENV, PREFILL_ISA, _extension
+
+VARIANTS = (PREFILL_ISA, BF16_ISA)  # fastest first
+
+
+def window_fused_isas() -> tuple[str, ...]:
+    """Fused window-score variants this CPU runs, fastest first (empty without the
+    extension)."""
+    ext = build.load_extension()
+    return _isas(ext) if ext is not None else ()
+
+
+@functools.cache
+def _isas(ext) -> tuple[str, ...]:
+    names = str(ext.window_fused_isas())
+    return tuple(names.split(",")) if names else ()
+
+
+def window_fused_isa() -> str | None:
+    """The variant the wrappers run: the one ``SPARSEKV_KERNEL_ISA`` names if this CPU runs it
+    (``None`` where it names another variant: the fused kernel is off), else the fastest."""
+    isas = window_fused_isas()
+    forced = os.environ.get(ISA_ENV, "").strip()  # read per call: tests set it
+    if forced:
+        return forced if forced in isas else None
+    return isas[0] if isas else None
 
 
 def supports_window_fused(window_queries: torch.Tensor, kv_pool: torch.Tensor) -> bool:
     """True when :func:`window_scores_fused_paged` takes bf16 ``window_queries`` ``[num_heads,
     w, head_dim]`` over this pool: CPU bf16 tensors, head_dim a multiple of 32, pages of a
-    multiple of 16 slots, no autograd, and the AMX kernels enabled
-    (:func:`ops.amx_tiles_enabled`)."""
+    multiple of 16 slots, no autograd, and a kernel variant (:func:`window_fused_isa`)."""
     return (
         kv_pool.dim() == 5
         and kv_pool.shape[3] % 16 == 0
@@ -30,7 +61,7 @@ def supports_window_fused(window_queries: torch.Tensor, kv_pool: torch.Tensor) -
 def supports_window_fused_dense(window_queries: torch.Tensor, keys: torch.Tensor) -> bool:
     """True when :func:`window_scores_fused` takes these window queries and keys (dense
     ``[num_kv_heads, n, head_dim]``, or a page pool): CPU bf16, ``head_dim`` a multiple of 32,
-    no autograd, the AMX kernels enabled."""
+    no autograd, a kernel variant (:func:`window_fused_isa`)."""
     head_dim = keys.shape[-1]
     return (
         window_queries.dtype == keys.dtype == torch.bfloat16
@@ -38,14 +69,14 @@ def supports_window_fused_dense(window_queries: torch.Tensor, keys: torch.Tensor
         and head_dim % 32 == 0
         and window_queries.shape[-1] == head_dim
         and not window_queries.requires_grad
-        and amx_tiles_enabled()
+        and window_fused_isa() is not None
     )
 
 
 def window_scores_fused(
     window_queries: torch.Tensor, keys: torch.Tensor, lse: torch.Tensor | None, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed window attention and the window rows' log-sum-exps in one AMX pass.
+    """Summed window attention and the window rows' log-sum-exps in one pass.
 
     Args:
         window_queries: ``[num_heads, w, head_dim]`` bf16, the queries of the last ``w`` of
@@ -62,10 +93,12 @@ def window_scores_fused(
         passed).
 
     Raises:
-        RuntimeError: the extension or its AMX kernel is unavailable, or it rejects the
+        RuntimeError: the extension or its kernel is unavailable, or it rejects the
             arguments.
     """
-    scores, lse_out = _extension().window_scores_fused(window_queries, keys, lse, float(scale))
+    ext = _extension()
+    isa = window_fused_isa() or PREFILL_ISA
+    scores, lse_out = ext.window_scores_fused(window_queries, keys, lse, float(scale), isa)
     return scores, lse_out
 
 
@@ -96,6 +129,12 @@ def window_scores_fused_paged(
     """
     ext = _extension()
     scores, lse_out = ext.window_scores_fused_paged(
-        window_queries, kv_pool, tables, int(num_slots), lse, float(scale)
+        window_queries,
+        kv_pool,
+        tables,
+        int(num_slots),
+        lse,
+        float(scale),
+        window_fused_isa() or PREFILL_ISA,
     )
     return scores, lse_out

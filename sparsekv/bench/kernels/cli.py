@@ -20,6 +20,9 @@ times, for the given shapes (default: SmolLM2 S1, 16 requests x 2000 tokens, 30 
   bytes read per call (codes + scales) and the GB/s that makes. ``--dtypes ''`` skips the rows
   above.
 
+``--list`` prints the CPU's kernel-relevant features and which variant each kernel family runs
+and why (``bench/kernels/variants.py``), and exits.
+
 Prints ms, bound and ratio per row and writes a JSON report (``--output``) with provenance and
 the same rows as a Markdown table beside it (``.md``).
 """
@@ -41,6 +44,7 @@ from sparsekv.bench.kernels.decode import bench_decode, bench_decode_kv
 from sparsekv.bench.kernels.pages import KV_DTYPES
 from sparsekv.bench.kernels.prefill import bench_prefill
 from sparsekv.bench.kernels.probe import DTYPES, measure_machine, native_isa
+from sparsekv.bench.kernels.variants import print_variants
 from sparsekv.bench.kernels.window import bench_window
 from sparsekv.bench.kernels.window_fused import bench_window_fused
 from sparsekv.evaluation.report import markdown_table
@@ -93,6 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="native kernel variant (default: the fastest this CPU runs; see ops.available_isas)",
     )
     parser.add_argument("--output", default="reports/kernels.json")
+    parser.add_argument(
+        "--list",
+        action="store_true",
+        help="print the CPU features and which variant each kernel uses and why, then exit",
+    )
     return parser
 
 
@@ -198,5 +207,9 @@ def run(args: argparse.Namespace, machine: dict | None = None) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``sparsekv bench kernels [options]``."""
-    run(build_parser().parse_args(argv))
+    args = build_parser().parse_args(argv)
+    if args.list:
+        print_variants()
+        return 0
+    run(args)
     return 0

@@ -1,5 +1,7 @@
-"""Prefill attention rows: ``torch_ref.attention_with_lse`` (explicit mask) and
-``backend.prefill_attention`` over one layer, against the FLOP bound of causal attention."""
+"""Prefill attention rows: ``torch_ref.attention_with_lse`` (explicit mask),
+``backend.prefill_attention`` and, for bf16, each native prefill variant this CPU runs
+(``ops.prefill_isas``: ``avx512_amx``, ``avx512_bf16``, ``avx512``, ``avx2``) over one layer,
+against the FLOP bound of causal attention."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import argparse
 import torch
 
 from sparsekv.attention import backend, torch_ref
+from sparsekv.attention.cpu import ops
 from sparsekv.bench.kernels.probe import DTYPES, row, timed
 
 
@@ -25,7 +28,18 @@ def bench_prefill(args: argparse.Namespace, dtype_name: str, machine: dict) -> l
     note = f"{flops / 1e9:.1f} GFLOP at {rate / 1e9:.0f} GFLOP/s"
     scale = d**-0.5
     repeats = max(1, args.repeats // 2)
-    return [
+    variants = [
+        row(
+            f"prefill native {isa} {n} {dtype_name}",
+            timed(
+                lambda isa=isa: ops.prefill_attention(query, key, value, scale, isa=isa), repeats
+            ),
+            bound,
+            note,
+        )
+        for isa in (ops.prefill_isas() if dtype == torch.bfloat16 else ())
+    ]
+    return variants + [
         row(
             f"prefill attention_with_lse (mask) {n} {dtype_name}",
             timed(lambda: torch_ref.attention_with_lse(query, key, value, scale), repeats),

@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from sparsekv.attention.cpu import ops, window_fused
+from sparsekv.attention.cpu import window_fused
 from sparsekv.bench.kernels.probe import row, timed
 
 
@@ -57,8 +57,8 @@ def fused_bound(args: argparse.Namespace, machine: dict) -> tuple[float, str, st
 def bench_window_fused(args: argparse.Namespace, machine: dict) -> list[dict]:
     """The row of one fused window-score call over ``--fused-layers`` stacked layers of
     ``--fused-slots`` held slots (no LSE given: the kernel computes it, as compaction asks),
-    or no row, with a message, where the kernel does not run (``--isa`` other than
-    ``ops.PREFILL_ISA``, or ``window_fused.supports_window_fused`` false).
+    or no row, with a message, where the kernel does not run (``--isa`` other than one of
+    ``window_fused.VARIANTS``, or ``window_fused.supports_window_fused`` false).
 
     Raises:
         ValueError: ``--fused-slots`` below ``--window`` (each window row sees its own slot).
@@ -69,15 +69,16 @@ def bench_window_fused(args: argparse.Namespace, machine: dict) -> list[dict]:
         f"window fused {args.fused_layers} layers {args.num_heads}h x{args.window} rows "
         f"x{args.fused_slots} slots bf16"
     )
-    if args.isa not in (None, ops.PREFILL_ISA):
-        print(f"{name:<46} skipped: --isa {args.isa} (the kernel runs on {ops.PREFILL_ISA} only)")
+    variants = " or ".join(window_fused.VARIANTS)
+    if args.isa is not None and args.isa not in window_fused.VARIANTS:
+        print(f"{name:<46} skipped: --isa {args.isa} (the kernel runs on {variants} only)")
         return []
     queries, pool, tables = fused_inputs(args)
     if not window_fused.supports_window_fused(queries, pool):
         print(
-            f"{name:<46} skipped: the fused AMX window kernel does not run here "
+            f"{name:<46} skipped: the fused window kernel does not run here "
             "(window_fused.supports_window_fused: bf16, pages of a multiple of 16 slots, "
-            f"head_dim a multiple of 32, the {ops.PREFILL_ISA} kernels enabled)"
+            f"head_dim a multiple of 32, a {variants} CPU)"
         )
         return []
     scale = args.head_dim**-0.5

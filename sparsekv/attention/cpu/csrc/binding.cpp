@@ -23,9 +23,10 @@
 
 #include "isa_select.h"
 #include "kernels.h"
-#include "prefill.h"
+#include "run_items.h"
 
 namespace skv = sparsekv_cpu;
+using skv::run_dynamic;
 
 namespace {
 
@@ -42,27 +43,7 @@ const skv::KernelTable& table_for(c10::string_view isa_name) {
   return *table;
 }
 
-// Below this many multiply-adds (~0.1 ms) a call runs on the calling thread: waking the pool
-// costs more, and far more when other processes keep the cores busy.
-constexpr int64_t kParallelMinWork = 1 << 21;
-
 constexpr int64_t kWindowMaxPages = 8;  // block-table entries per window-score work item
-
-// Runs fn(item, scratch) for item in [0, num_items) on the intra-op threads; items are taken
-// from a shared counter so uneven items balance.
-template <typename F>
-void run_dynamic(int64_t num_items, int64_t work, int64_t scratch_floats, const F& fn) {
-  if (num_items == 0) return;
-  std::atomic<int64_t> next{0};
-  const int64_t num_threads =
-      work < kParallelMinWork ? 1 : std::min<int64_t>(at::get_num_threads(), num_items);
-  at::parallel_for(0, num_threads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(scratch_floats + 64);
-    for (int64_t t = begin; t < end; ++t)
-      for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1))
-        fn(i, scratch.data());
-  });
-}
 
 void check_pool(const at::Tensor& pool) {
   TORCH_CHECK(pool.device().is_cpu(), "kv_pool must be on CPU");
@@ -422,125 +403,6 @@ at::Tensor window_scores(const at::Tensor& window_queries, const at::Tensor& lse
   return out;
 }
 
-// Source K and V of the prefill kernel: [kvh, nk, d] bf16 bits with element stride 1.
-struct PrefillSource {
-  const uint16_t* key;
-  int64_t key_s0, key_s1;
-  const uint16_t* value;
-  int64_t value_s0, value_s1;
-  int64_t nk, nkp, d;
-};
-
-// Keys [k0, k0 + kPrefillKeyBlock) of KV head h into the kernel's tiles (prefill.h): key rows
-// copied 32 elements (64 bytes) at a time, value rows transposed; zero past nk.
-void pack_prefill_block(const PrefillSource& s, int64_t h, int64_t k0, uint16_t* kp,
-                        uint16_t* vt) {
-  const int64_t d = s.d, chunks = d / 32;
-  for (int64_t j = k0; j < k0 + skv::kPrefillKeyBlock; ++j) {
-    const bool held = j < s.nk;
-    const uint16_t* krow = s.key + h * s.key_s0 + j * s.key_s1;
-    uint16_t* kdst = kp + ((h * (s.nkp / 16) + j / 16) * chunks) * 512 + j % 16 * 32;
-    for (int64_t c = 0; c < chunks; ++c) {
-      if (held)
-        std::memcpy(kdst + c * 512, krow + c * 32, 64);
-      else
-        std::memset(kdst + c * 512, 0, 64);
-    }
-    const uint16_t* vrow = s.value + h * s.value_s0 + j * s.value_s1;
-    uint16_t* vdst = vt + (h * (s.nkp / 32) + j / 32) * d * 32 + j % 32;
-    for (int64_t e = 0; e < d; ++e) vdst[e * 32] = held ? vrow[e] : 0;
-  }
-}
-
-bool prefill_available() {
-  return skv::kPrefillAmx.item != nullptr && skv::amx_status() == "ok";
-}
-
-// Query rows per head of one prefill work item: about 64 columns (group x rows) per item,
-// enough to amortise each K/V tile over the group, small enough for L1 (prefill_amx.h).
-int64_t prefill_query_block(int64_t group) {
-  return group >= 3 ? 16 : group == 2 ? 32 : 64;
-}
-
-// Causal attention of the last nq of nk positions on AMX tiles (prefill.h); bf16 query
-// [num_heads, nq, head_dim], key / value [num_kv_heads, nk, head_dim]; window > 0: each row
-// sees only its `window` most recent keys (itself included). Returns [out, lse].
-std::vector<at::Tensor> prefill_attention(const at::Tensor& query_in, const at::Tensor& key,
-                                          const at::Tensor& value, double scale, int64_t window) {
-  TORCH_CHECK(prefill_available(), "the AMX prefill kernel is unavailable: ", skv::amx_status());
-  TORCH_CHECK(query_in.dim() == 3 && key.dim() == 3 && value.dim() == 3,
-              "query, key and value must be 3-D [heads, positions, head_dim]");
-  TORCH_CHECK(query_in.device().is_cpu() && key.device().is_cpu() && value.device().is_cpu(),
-              "query, key and value must be on CPU");
-  TORCH_CHECK(query_in.scalar_type() == at::kBFloat16 && key.scalar_type() == at::kBFloat16 &&
-                  value.scalar_type() == at::kBFloat16,
-              "query, key and value must be bfloat16");
-  TORCH_CHECK(key.sizes() == value.sizes(), "key and value shapes differ: ", key.sizes(), " vs ",
-              value.sizes());
-  const int64_t H = query_in.size(0), nq = query_in.size(1), d = query_in.size(2);
-  const int64_t kvh = key.size(0), nk = key.size(1);
-  TORCH_CHECK(key.size(2) == d, "head_dim of query (", d, ") and key (", key.size(2), ") differ");
-  TORCH_CHECK(d > 0 && d % 32 == 0, "head_dim must be a multiple of 32, got ", d);
-  TORCH_CHECK(kvh > 0 && H % kvh == 0, "num_heads must be a multiple of num_kv_heads");
-  TORCH_CHECK(nq <= nk, "more queries (", nq, ") than keys (", nk, ")");
-  TORCH_CHECK(nk < (int64_t(1) << 30), "too many keys");
-  TORCH_CHECK(window >= 0, "window must be >= 0 (0: none), got ", window);
-  const int64_t group = H / kvh, block = prefill_query_block(group);
-  TORCH_CHECK(group * block <= 1024, "GQA group too large for the prefill kernel: ", group);
-  // Rows are read with their strides: the model's queries are a transposed view.
-  auto query = query_in.stride(2) == 1 ? query_in : query_in.contiguous();
-  auto out = at::empty({H, nq, d}, query.options());
-  auto lse = at::empty({H, nq}, query.options().dtype(at::kFloat));
-  if (nq == 0 || H == 0) return {out, lse};
-
-  // K and V cut into the kernel's tiles (prefill.h), zero past nk, by the threads (one pass;
-  // PyTorch's pad + permute copies took ~1 ms on one thread at 4k tokens).
-  const int64_t nkp = (nk + skv::kPrefillKeyBlock - 1) / skv::kPrefillKeyBlock *
-                      skv::kPrefillKeyBlock;
-  auto key_c = key.stride(2) == 1 ? key : key.contiguous();
-  auto value_c = value.stride(2) == 1 ? value : value.contiguous();
-  auto kp = at::empty({kvh, nkp, d}, key.options());
-  auto vt = at::empty({kvh, nkp, d}, value.options());
-  const PrefillSource src{reinterpret_cast<const uint16_t*>(key_c.data_ptr()), key_c.stride(0),
-                          key_c.stride(1), reinterpret_cast<const uint16_t*>(value_c.data_ptr()),
-                          value_c.stride(0), value_c.stride(1), nk, nkp, d};
-  const int64_t kv_blocks = nkp / skv::kPrefillKeyBlock;
-  // (work: ~8 multiply-adds worth per element moved, by its time)
-  run_dynamic(kvh * kv_blocks, 16 * kvh * nkp * d, 0, [&](int64_t i, float*) {
-    pack_prefill_block(src, i / kv_blocks, i % kv_blocks * skv::kPrefillKeyBlock,
-                       reinterpret_cast<uint16_t*>(kp.data_ptr()),
-                       reinterpret_cast<uint16_t*>(vt.data_ptr()));
-  });
-
-  skv::PrefillArgs args{};
-  args.query = reinterpret_cast<const uint16_t*>(query.data_ptr());
-  args.query_head_stride = query.stride(0);
-  args.query_row_stride = query.stride(1);
-  args.key = reinterpret_cast<const uint16_t*>(kp.data_ptr());
-  args.value_t = reinterpret_cast<const uint16_t*>(vt.data_ptr());
-  args.num_heads = H;
-  args.num_kv_heads = kvh;
-  args.nq = nq;
-  args.nk = nk;
-  args.nkp = nkp;
-  args.head_dim = d;
-  args.query_block = block;
-  args.scale = (float)scale;
-  args.window = window < nk ? window : 0;  // a window of every key is no window
-  args.out = reinterpret_cast<uint16_t*>(out.data_ptr());
-  args.lse = lse.data_ptr<float>();
-  // Items: (KV head, query block), KV head by KV head so that the threads share one head's
-  // K and V in cache (interleaving the heads thrashes L2: 45 ms against 39 ms on one thread
-  // at 4k tokens), the last query blocks (most keys) first so that the short ones balance the end.
-  const int64_t num_blocks = (nq + block - 1) / block;
-  const int64_t span = args.window > 0 && args.window < nk - nq / 2 ? args.window : nk - nq / 2;
-  const int64_t work = H * nq * span * d * 2;
-  run_dynamic(num_blocks * kvh, work, skv::kPrefillAmx.scratch(args), [&](int64_t i, float* buf) {
-    skv::kPrefillAmx.item(args, i / num_blocks, num_blocks - 1 - i % num_blocks, buf);
-  });
-  return {out, lse};
-}
-
 }  // namespace
 
 TORCH_LIBRARY(sparsekv_cpu, m) {
@@ -551,6 +413,4 @@ TORCH_LIBRARY(sparsekv_cpu, m) {
   m.def("paged_decode_quantized", &paged_decode_quantized);
   m.def("paged_decode_int4", &paged_decode_int4);
   m.def("window_scores", &window_scores);
-  m.def("prefill_available", &prefill_available);
-  m.def("prefill_attention", &prefill_attention);
 }

@@ -32,6 +32,15 @@ bool has_avx2_fma() {
 #endif
 }
 
+bool has_fma() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("fma");
+#else
+  return false;
+#endif
+}
+
 // AMX-TILE, AMX-BF16, AVX512-BF16 and AVX512-BW in CPUID, and the tile state granted to this
 // process: "ok" or why not. Linux enables AMX per process on request (arch_prctl
 // ARCH_REQ_XCOMP_PERM; refused e.g. when a thread's signal stack is too small for the tile
@@ -65,6 +74,27 @@ const std::string& amx_check() {
 
 bool has_amx() { return amx_check() == "ok"; }
 
+// CPUID leaf 7 (subleaf 0: ebx, ecx, edx; subleaf 1: eax), zeros where absent.
+struct Leaf7 {
+  unsigned ebx = 0, ecx = 0, edx = 0, eax1 = 0;
+};
+
+bool bit(unsigned word, int i) { return (word >> i) & 1; }
+
+Leaf7 leaf7() {
+  Leaf7 r;
+#if defined(__x86_64__)
+  unsigned eax, ebx, ecx, edx;
+  if (__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) {
+    r.ebx = ebx;
+    r.ecx = ecx;
+    r.edx = edx;
+    if (__get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx)) r.eax1 = eax;
+  }
+#endif
+  return r;
+}
+
 bool always() { return true; }
 
 struct Variant {
@@ -88,6 +118,39 @@ std::vector<std::string> supported_isas() {
   std::vector<std::string> names;
   for (const auto& v : kVariants)
     if (v.table->width > 0 && v.cpu_runs()) names.push_back(v.name);
+  return names;
+}
+
+std::string avx512_bf16_status() {
+  const Leaf7 f = leaf7();
+  if (!has_avx512()) return "no AVX-512F";
+  // EBX bits 30 (BW), 17 (DQ), 31 (VL); leaf 7.1 EAX bit 5 (AVX512-BF16).
+  if (!bit(f.ebx, 30) || !bit(f.ebx, 17) || !bit(f.ebx, 31)) return "no AVX-512 BW / DQ / VL";
+  if (!bit(f.eax1, 5)) return "no AVX512-BF16";
+  return "ok";
+}
+
+std::vector<std::string> cpu_features() {
+  const Leaf7 f = leaf7();
+  const struct {
+    const char* name;
+    bool present;
+  } flags[] = {
+      {"avx2", bit(f.ebx, 5)},
+      {"fma", has_fma()},
+      {"avx512f", bit(f.ebx, 16)},
+      {"avx512bw", bit(f.ebx, 30)},
+      {"avx512dq", bit(f.ebx, 17)},
+      {"avx512vl", bit(f.ebx, 31)},
+      {"avx512_bf16", bit(f.eax1, 5)},
+      {"avx512_vnni", bit(f.ecx, 11)},
+      {"amx_tile", bit(f.edx, 24)},
+      {"amx_bf16", bit(f.edx, 22)},
+      {"amx_int8", bit(f.edx, 25)},
+  };
+  std::vector<std::string> names;
+  for (const auto& flag : flags)
+    if (flag.present) names.push_back(flag.name);
   return names;
 }
 

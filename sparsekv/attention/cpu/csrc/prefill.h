@@ -1,14 +1,22 @@
-// Plain-C++ interface of the causal prefill (flash) attention kernel between the torch binding
-// and the AMX unit (isa_avx512_amx.cpp, prefill_amx.h); plain structs and raw pointers only,
-// for the reasons given in kernels.h.
+// Plain-C++ interface of the causal prefill (flash) attention kernels between the torch binding
+// and the ISA units: AMX tiles (isa_avx512_amx.cpp, prefill_amx.h), AVX512-BF16 dot products
+// (isa_avx512_bf16.cpp, prefill_bf16.h) and fp32 FMAs on AVX-512F or AVX2 (isa_avx512.cpp,
+// isa_avx2.cpp, prefill_fma.h);
+// plain structs and raw pointers only, for the reasons given in kernels.h.
 //
 // Layout. Query row i of head h sits at key index nk - nq + i and sees keys j <= nk - nq + i
 // (bottom-right causal alignment), with a sliding window only those with
 // j > nk - nq + i - window; query head h reads KV head h / group. The binding hands
-// the kernel K and V cut into AMX tiles, each 1 KiB contiguous, for whole key blocks (nkp, a
-// multiple of kPrefillKeyBlock, keys; those past nk are zero):
-//   key     [kvh][nkp / 16][head_dim / 32][16 keys][32 elements]   (A tiles of the logits)
-//   value_t [kvh][nkp / 32][head_dim][32 keys]                      (A tiles of the values)
+// each kernel K and V rearranged for whole key blocks (nkp, a multiple of kPrefillKeyBlock,
+// keys; those past nk are zero), per KV head:
+//   AMX, cut into 1 KiB tiles:
+//     key     [kvh][nkp / 16][head_dim / 32][16 keys][32 elements]   (A tiles of the logits)
+//     value_t [kvh][nkp / 32][head_dim][32 keys]                      (A tiles of the values)
+//   AVX512-BF16, bf16:
+//     key     [kvh][nkp][head_dim]                                     (rows as they are)
+//     value_t [kvh][nkp / 2][head_dim][2 keys]     (the rows of keys 2p and 2p + 1 interleaved)
+//   AVX-512F, AVX2 (key_f32, value_f32 instead, fp32):
+//     key_f32, value_f32 [kvh][nkp][head_dim]
 #pragma once
 
 #include <stdint.h>
@@ -20,14 +28,16 @@ constexpr int64_t kPrefillKeyBlock = 64;  // keys per online-softmax step
 struct PrefillArgs {
   const uint16_t* query;    // [num_heads, nq, head_dim] bf16 bits, element stride 1
   int64_t query_head_stride, query_row_stride;  // in elements (a transposed view is fine)
-  const uint16_t* key;      // bf16 bits, tiles as above
-  const uint16_t* value_t;  // bf16 bits, tiles as above
+  const uint16_t* key;      // bf16 bits, as above (AMX, AVX512-BF16)
+  const uint16_t* value_t;  // bf16 bits, as above (AMX, AVX512-BF16)
   int64_t num_heads, num_kv_heads, nq, nk, nkp, head_dim;
   int64_t query_block;  // query rows (per head) of one work item, a multiple of 16
   float scale;
   int64_t window;  // sliding window in keys (Gemma 3 local layers), 0: none
   uint16_t* out;  // [num_heads, nq, head_dim] bf16 bits
   float* lse;     // [num_heads, nq] natural log
+  const float* key_f32;    // fp32, as above (AVX-512F, AVX2)
+  const float* value_f32;  // fp32, as above (AVX-512F, AVX2)
 };
 
 struct PrefillKernel {
@@ -37,8 +47,11 @@ struct PrefillKernel {
   void (*item)(const PrefillArgs&, int64_t kvh, int64_t qb, float* scratch);
 };
 
-// The AMX-BF16 kernel (both pointers null where the AMX unit is not compiled). The caller
-// checks amx_status() == "ok" before calling it.
+// The kernels (both pointers null where a unit is not compiled). The caller checks that the CPU
+// runs a kernel before calling it (isa_select.h: amx_status, cpu_runs).
 extern const PrefillKernel kPrefillAmx;
+extern const PrefillKernel kPrefillBf16;
+extern const PrefillKernel kPrefillAvx512;
+extern const PrefillKernel kPrefillAvx2;
 
 }  // namespace sparsekv_cpu

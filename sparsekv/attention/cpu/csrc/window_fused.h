@@ -1,6 +1,6 @@
-// Plain-C++ interface of the fused window-score kernel between the torch binding and the AMX
-// unit (isa_avx512_amx.cpp, window_fused_amx.h); plain structs and raw pointers only, for the
-// reasons given in kernels.h.
+// Plain-C++ interface of the fused window-score kernels between the torch binding and the AMX
+// unit (isa_avx512_amx.cpp, window_fused_amx.h) or the AVX512-BF16 unit (isa_avx512_bf16.cpp,
+// window_fused_bf16.h); plain structs and raw pointers only, for the reasons given in kernels.h.
 //
 // What it computes, per KV head k with query heads h = k * group .. (k + 1) * group - 1 and
 // window rows i = 0 .. w - 1 (row i is position n - w + i and sees keys j <= n - w + i):
@@ -41,8 +41,10 @@ struct WindowFusedKernel {
   void (*item)(const WindowFusedArgs&, int64_t kvh, float* scratch);
 };
 
-// The AMX-BF16 kernel (both pointers null where the AMX unit is not compiled). The caller
-// checks amx_status() == "ok" before calling it.
+// The kernels: AMX-BF16 tiles (window_fused_amx.h) and AVX512-BF16 dot products
+// (window_fused_bf16.h); both pointers null where a unit is not compiled. The caller checks
+// amx_status() or avx512_bf16_status() == "ok" before calling one.
 extern const WindowFusedKernel kWindowFusedAmx;
+extern const WindowFusedKernel kWindowFusedBf16;
 
 }  // namespace sparsekv_cpu

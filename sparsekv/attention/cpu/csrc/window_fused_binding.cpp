@@ -1,6 +1,7 @@
 // Torch operators of the fused window-score kernel (window_fused.h):
-//   window_scores_fused(queries, keys, lse?, scale)                   dense keys
-//   window_scores_fused_paged(queries, pool, tables, num_slots, lse?, scale)  keys in pages
+//   window_scores_fused(queries, keys, lse?, scale, isa)                   dense keys
+//   window_scores_fused_paged(queries, pool, tables, num_slots, lse?, scale, isa)  in pages
+//   window_fused_isas()   the variants this CPU runs (avx512_amx, avx512_bf16), fastest first
 // Both return [scores [num_heads, n] fp32, lse [num_heads, w] fp32]. Registered as a fragment
 // of the sparsekv_cpu library (binding.cpp holds the rest).
 #include <ATen/Parallel.h>
@@ -10,6 +11,7 @@
 
 #include <atomic>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "isa_select.h"
@@ -19,13 +21,31 @@ namespace skv = sparsekv_cpu;
 
 namespace {
 
-bool window_fused_available() {
-  return skv::kWindowFusedAmx.item != nullptr && skv::amx_status() == "ok";
+// Variants, fastest first: AMX tiles, AVX512-BF16 dot products.
+std::string variant_status(const skv::WindowFusedKernel& kernel, bool amx) {
+  if (kernel.item == nullptr) return "not compiled (needs a newer GCC)";
+  return amx ? skv::amx_status() : skv::avx512_bf16_status();
+}
+
+std::string window_fused_isas() {  // comma-separated, fastest first
+  std::string out;
+  if (variant_status(skv::kWindowFusedAmx, true) == "ok") out = "avx512_amx";
+  if (variant_status(skv::kWindowFusedBf16, false) == "ok")
+    out += std::string(out.empty() ? "" : ",") + "avx512_bf16";
+  return out;
+}
+
+const skv::WindowFusedKernel& kernel_for(c10::string_view isa) {
+  const bool amx = isa == "avx512_amx";
+  TORCH_CHECK(amx || isa == "avx512_bf16", "no fused window kernel variant '", std::string(isa),
+              "'");
+  const skv::WindowFusedKernel& kernel = amx ? skv::kWindowFusedAmx : skv::kWindowFusedBf16;
+  const std::string status = variant_status(kernel, amx);
+  TORCH_CHECK(status == "ok", "the ", std::string(isa), " window kernel is unavailable: ", status);
+  return kernel;
 }
 
 void check_queries(const at::Tensor& queries, const std::optional<at::Tensor>& lse) {
-  TORCH_CHECK(window_fused_available(), "the AMX window kernel is unavailable: ",
-              skv::amx_status());
   TORCH_CHECK(queries.dim() == 3, "queries must be [num_heads, window, head_dim]");
   TORCH_CHECK(queries.device().is_cpu() && queries.scalar_type() == at::kBFloat16,
               "queries must be bfloat16 on CPU");
@@ -39,9 +59,9 @@ void check_queries(const at::Tensor& queries, const std::optional<at::Tensor>& l
 }
 
 // Fills the shape fields, runs one item per KV head on the intra-op threads.
-std::vector<at::Tensor> run(skv::WindowFusedArgs& a, const at::Tensor& queries,
-                            const std::optional<at::Tensor>& lse, int64_t num_kv_heads,
-                            int64_t n, double scale) {
+std::vector<at::Tensor> run(const skv::WindowFusedKernel& kernel, skv::WindowFusedArgs& a,
+                            const at::Tensor& queries, const std::optional<at::Tensor>& lse,
+                            int64_t num_kv_heads, int64_t n, double scale) {
   const int64_t num_heads = queries.size(0), w = queries.size(1), d = queries.size(2);
   TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0,
               "num_heads must be a multiple of the KV heads");
@@ -63,7 +83,7 @@ std::vector<at::Tensor> run(skv::WindowFusedArgs& a, const at::Tensor& queries,
   a.scale = (float)scale;
   a.out = out.data_ptr<float>();
   a.lse_out = lse_out.data_ptr<float>();
-  const int64_t scratch = skv::kWindowFusedAmx.scratch(a);
+  const int64_t scratch = kernel.scratch(a);
   // Below ~0.1 ms of work one thread is faster than waking the pool.
   const int64_t work = num_kv_heads * a.rows * n * d;
   const int64_t threads =
@@ -73,13 +93,15 @@ std::vector<at::Tensor> run(skv::WindowFusedArgs& a, const at::Tensor& queries,
     std::vector<float> buf(scratch + 64);
     for (int64_t t = begin; t < end; ++t)
       for (int64_t k = next.fetch_add(1); k < num_kv_heads; k = next.fetch_add(1))
-        skv::kWindowFusedAmx.item(a, k, buf.data());
+        kernel.item(a, k, buf.data());
   });
   return {out, lse_out};
 }
 
 std::vector<at::Tensor> window_scores_fused(const at::Tensor& queries, const at::Tensor& keys,
-                                            const std::optional<at::Tensor>& lse, double scale) {
+                                            const std::optional<at::Tensor>& lse, double scale,
+                                            c10::string_view isa) {
+  const skv::WindowFusedKernel& kernel = kernel_for(isa);
   check_queries(queries, lse);
   TORCH_CHECK(keys.dim() == 3 && keys.device().is_cpu() && keys.scalar_type() == at::kBFloat16,
               "keys must be bfloat16 [num_kv_heads, n, head_dim] on CPU");
@@ -94,14 +116,15 @@ std::vector<at::Tensor> window_scores_fused(const at::Tensor& queries, const at:
   skv::WindowFusedArgs a{};
   a.key_blocks = pointers.data();
   a.key_row_stride = k.stride(1);
-  return run(a, queries, lse, kvh, n, scale);
+  return run(kernel, a, queries, lse, kvh, n, scale);
 }
 
 std::vector<at::Tensor> window_scores_fused_paged(const at::Tensor& queries,
                                                   const at::Tensor& pool,
                                                   const at::Tensor& tables, int64_t num_slots,
                                                   const std::optional<at::Tensor>& lse,
-                                                  double scale) {
+                                                  double scale, c10::string_view isa) {
+  const skv::WindowFusedKernel& kernel = kernel_for(isa);
   check_queries(queries, lse);
   TORCH_CHECK(pool.dim() == 5 && pool.size(1) == 2 && pool.is_contiguous() &&
                   pool.device().is_cpu() && pool.scalar_type() == at::kBFloat16,
@@ -127,12 +150,13 @@ std::vector<at::Tensor> window_scores_fused_paged(const at::Tensor& queries,
   skv::WindowFusedArgs a{};
   a.key_blocks = pointers.data();
   a.key_row_stride = d;
-  return run(a, queries, lse, layers * kvh, num_slots, scale);
+  return run(kernel, a, queries, lse, layers * kvh, num_slots, scale);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(sparsekv_cpu, m) {
+  m.def("window_fused_isas", &window_fused_isas);
   m.def("window_scores_fused", &window_scores_fused);
   m.def("window_scores_fused_paged", &window_scores_fused_paged);
 }

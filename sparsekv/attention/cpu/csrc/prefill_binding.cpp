@@ -1,0 +1,261 @@
+// Torch operators of the causal prefill attention kernels (prefill.h):
+//   prefill_isas()                                   variants this CPU runs, fastest first
+//   prefill_isa_status(isa)                          "ok" or why the CPU does not run it
+//   prefill_attention(query, key, value, scale, window, isa) -> [out, lse]
+// and the CPU feature list of `sparsekv bench kernels --list`. Registered as a fragment of the
+// sparsekv_cpu library (binding.cpp holds the rest).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "isa_select.h"
+#include "prefill.h"
+#include "run_items.h"
+
+namespace skv = sparsekv_cpu;
+using skv::run_dynamic;
+
+namespace {
+
+// Source K and V of the prefill kernel: [kvh, nk, d] bf16 bits with element stride 1.
+struct PrefillSource {
+  const uint16_t* key;
+  int64_t key_s0, key_s1;
+  const uint16_t* value;
+  int64_t value_s0, value_s1;
+  int64_t nk, nkp, d;
+};
+
+// Keys [k0, k0 + kPrefillKeyBlock) of KV head h into the kernel's tiles (prefill.h): key rows
+// copied 32 elements (64 bytes) at a time, value rows transposed; zero past nk.
+void pack_prefill_block(const PrefillSource& s, int64_t h, int64_t k0, uint16_t* kp,
+                        uint16_t* vt) {
+  const int64_t d = s.d, chunks = d / 32;
+  for (int64_t j = k0; j < k0 + skv::kPrefillKeyBlock; ++j) {
+    const bool held = j < s.nk;
+    const uint16_t* krow = s.key + h * s.key_s0 + j * s.key_s1;
+    uint16_t* kdst = kp + ((h * (s.nkp / 16) + j / 16) * chunks) * 512 + j % 16 * 32;
+    for (int64_t c = 0; c < chunks; ++c) {
+      if (held)
+        std::memcpy(kdst + c * 512, krow + c * 32, 64);
+      else
+        std::memset(kdst + c * 512, 0, 64);
+    }
+    const uint16_t* vrow = s.value + h * s.value_s0 + j * s.value_s1;
+    uint16_t* vdst = vt + (h * (s.nkp / 32) + j / 32) * d * 32 + j % 32;
+    for (int64_t e = 0; e < d; ++e) vdst[e * 32] = held ? vrow[e] : 0;
+  }
+}
+
+// The same block for the AVX512-BF16 kernel (prefill.h): key rows as they are, the value rows
+// of keys 2p and 2p + 1 interleaved; zero past nk.
+void pack_bf16_block(const PrefillSource& s, int64_t h, int64_t k0, uint16_t* kp, uint16_t* vp) {
+  const int64_t d = s.d;
+  for (int64_t j = k0; j < k0 + skv::kPrefillKeyBlock; ++j) {
+    uint16_t* kdst = kp + (h * s.nkp + j) * d;
+    uint16_t* vdst = vp + (h * s.nkp + j / 2 * 2) * d + j % 2;
+    if (j >= s.nk) {
+      std::memset(kdst, 0, d * sizeof(uint16_t));
+      for (int64_t e = 0; e < d; ++e) vdst[2 * e] = 0;
+      continue;
+    }
+    std::memcpy(kdst, s.key + h * s.key_s0 + j * s.key_s1, d * sizeof(uint16_t));
+    const uint16_t* vrow = s.value + h * s.value_s0 + j * s.value_s1;
+    for (int64_t e = 0; e < d; ++e) vdst[2 * e] = vrow[e];
+  }
+}
+
+// The same block in fp32 for the AVX2 kernel (prefill.h): rows as they are; zero past nk.
+void pack_f32_block(const PrefillSource& s, int64_t h, int64_t k0, float* kp, float* vp) {
+  const int64_t d = s.d;
+  for (int64_t j = k0; j < k0 + skv::kPrefillKeyBlock; ++j) {
+    float* kdst = kp + (h * s.nkp + j) * d;
+    float* vdst = vp + (h * s.nkp + j) * d;
+    const uint16_t* krow = s.key + h * s.key_s0 + j * s.key_s1;
+    const uint16_t* vrow = s.value + h * s.value_s0 + j * s.value_s1;
+    for (int64_t e = 0; e < d; ++e) {
+      const uint32_t kb = j < s.nk ? (uint32_t)krow[e] << 16 : 0;
+      const uint32_t vb = j < s.nk ? (uint32_t)vrow[e] << 16 : 0;
+      std::memcpy(kdst + e, &kb, 4);
+      std::memcpy(vdst + e, &vb, 4);
+    }
+  }
+}
+
+enum class Packing { kAmxTiles, kBf16Pairs, kFloat32 };
+
+struct PrefillVariant {
+  const char* name;
+  const skv::PrefillKernel* kernel;
+  Packing packing;
+};
+
+const PrefillVariant kPrefillVariants[] = {  // fastest first
+    {"avx512_amx", &skv::kPrefillAmx, Packing::kAmxTiles},
+    {"avx512_bf16", &skv::kPrefillBf16, Packing::kBf16Pairs},
+    {"avx512", &skv::kPrefillAvx512, Packing::kFloat32},
+    {"avx2", &skv::kPrefillAvx2, Packing::kFloat32},
+};
+
+std::string variant_status(const PrefillVariant& v) {
+  if (v.kernel->item == nullptr) return "not compiled (needs GCC 11 or newer)";
+  if (v.packing == Packing::kAmxTiles) return skv::amx_status();
+  if (v.packing == Packing::kBf16Pairs) return skv::avx512_bf16_status();
+  // The fp32 kernels live in the units of the decode variants of the same name.
+  return skv::find_table(v.name) != nullptr ? "ok" : std::string("no ") + v.name + " on this CPU";
+}
+
+std::string prefill_isa_status(c10::string_view isa) {
+  for (const auto& v : kPrefillVariants)
+    if (isa == v.name) return variant_status(v);
+  return "no prefill kernel variant '" + std::string(isa) + "'";
+}
+
+std::string prefill_isas() {  // comma-separated, fastest first
+  std::string out;
+  for (const auto& v : kPrefillVariants)
+    if (variant_status(v) == "ok") out += (out.empty() ? "" : ",") + std::string(v.name);
+  return out;
+}
+
+bool prefill_available() { return variant_status(kPrefillVariants[0]) == "ok"; }
+
+std::string cpu_features() {
+  std::string out;
+  for (const auto& f : skv::cpu_features()) out += (out.empty() ? "" : ",") + f;
+  return out;
+}
+
+// Query rows per head of one prefill work item: about 64 columns (group x rows) per item,
+// enough to amortise each K/V load over the group, small enough for L1 (prefill_amx.h).
+int64_t prefill_query_block(int64_t group) {
+  return group >= 3 ? 16 : group == 2 ? 32 : 64;
+}
+
+void check_inputs(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                  int64_t window) {
+  TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3,
+              "query, key and value must be 3-D [heads, positions, head_dim]");
+  TORCH_CHECK(query.device().is_cpu() && key.device().is_cpu() && value.device().is_cpu(),
+              "query, key and value must be on CPU");
+  TORCH_CHECK(query.scalar_type() == at::kBFloat16 && key.scalar_type() == at::kBFloat16 &&
+                  value.scalar_type() == at::kBFloat16,
+              "query, key and value must be bfloat16");
+  TORCH_CHECK(key.sizes() == value.sizes(), "key and value shapes differ: ", key.sizes(), " vs ",
+              value.sizes());
+  const int64_t H = query.size(0), nq = query.size(1), d = query.size(2);
+  const int64_t kvh = key.size(0), nk = key.size(1);
+  TORCH_CHECK(key.size(2) == d, "head_dim of query (", d, ") and key (", key.size(2), ") differ");
+  TORCH_CHECK(d > 0 && d % 32 == 0, "head_dim must be a multiple of 32, got ", d);
+  TORCH_CHECK(kvh > 0 && H % kvh == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(nq <= nk, "more queries (", nq, ") than keys (", nk, ")");
+  TORCH_CHECK(nk < (int64_t(1) << 30), "too many keys");
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: none), got ", window);
+  const int64_t group = H / kvh;
+  TORCH_CHECK(group * prefill_query_block(group) <= 1024,
+              "GQA group too large for the prefill kernel: ", group);
+}
+
+// K and V rearranged as kernel `v` takes them (prefill.h) into args, zero past nk, by the
+// threads (one pass; PyTorch's pad + permute copies took ~1 ms on one thread at 4k tokens).
+// Returns the buffers (kept alive by the caller).
+std::vector<at::Tensor> pack_keys(const PrefillVariant& v, const at::Tensor& key,
+                                  const at::Tensor& value, skv::PrefillArgs& args) {
+  const int64_t kvh = key.size(0), nk = key.size(1), d = key.size(2);
+  const int64_t nkp = (nk + skv::kPrefillKeyBlock - 1) / skv::kPrefillKeyBlock *
+                      skv::kPrefillKeyBlock;
+  auto key_c = key.stride(2) == 1 ? key : key.contiguous();
+  auto value_c = value.stride(2) == 1 ? value : value.contiguous();
+  const bool f32 = v.packing == Packing::kFloat32;
+  auto options = f32 ? key.options().dtype(at::kFloat) : key.options();
+  auto kp = at::empty({kvh, nkp, d}, options);
+  auto vp = at::empty({kvh, nkp, d}, options);
+  const PrefillSource src{reinterpret_cast<const uint16_t*>(key_c.data_ptr()), key_c.stride(0),
+                          key_c.stride(1), reinterpret_cast<const uint16_t*>(value_c.data_ptr()),
+                          value_c.stride(0), value_c.stride(1), nk, nkp, d};
+  const int64_t kv_blocks = nkp / skv::kPrefillKeyBlock;
+  // (work: ~8 multiply-adds worth per element moved, by its time)
+  run_dynamic(kvh * kv_blocks, 16 * kvh * nkp * d, 0, [&](int64_t i, float*) {
+    const int64_t h = i / kv_blocks, k0 = i % kv_blocks * skv::kPrefillKeyBlock;
+    if (v.packing == Packing::kAmxTiles)
+      pack_prefill_block(src, h, k0, reinterpret_cast<uint16_t*>(kp.data_ptr()),
+                         reinterpret_cast<uint16_t*>(vp.data_ptr()));
+    else if (v.packing == Packing::kBf16Pairs)
+      pack_bf16_block(src, h, k0, reinterpret_cast<uint16_t*>(kp.data_ptr()),
+                      reinterpret_cast<uint16_t*>(vp.data_ptr()));
+    else
+      pack_f32_block(src, h, k0, kp.data_ptr<float>(), vp.data_ptr<float>());
+  });
+  args.nkp = nkp;
+  if (f32) {
+    args.key_f32 = kp.data_ptr<float>();
+    args.value_f32 = vp.data_ptr<float>();
+  } else {
+    args.key = reinterpret_cast<const uint16_t*>(kp.data_ptr());
+    args.value_t = reinterpret_cast<const uint16_t*>(vp.data_ptr());
+  }
+  return {kp, vp};
+}
+
+// Causal attention of the last nq of nk positions (prefill.h) on kernel variant `isa`; bf16
+// query [num_heads, nq, head_dim], key / value [num_kv_heads, nk, head_dim]; window > 0: each
+// row sees only its `window` most recent keys (itself included). Returns [out, lse].
+std::vector<at::Tensor> prefill_attention(const at::Tensor& query_in, const at::Tensor& key,
+                                          const at::Tensor& value, double scale, int64_t window,
+                                          c10::string_view isa) {
+  const PrefillVariant* variant = nullptr;
+  for (const auto& v : kPrefillVariants)
+    if (isa == v.name) variant = &v;
+  TORCH_CHECK(variant != nullptr, "no prefill kernel variant '", std::string(isa), "'");
+  const std::string status = variant_status(*variant);
+  TORCH_CHECK(status == "ok", "the ", variant->name, " prefill kernel is unavailable: ", status);
+  check_inputs(query_in, key, value, window);
+  const int64_t H = query_in.size(0), nq = query_in.size(1), d = query_in.size(2);
+  const int64_t kvh = key.size(0), nk = key.size(1);
+  // Rows are read with their strides: the model's queries are a transposed view.
+  auto query = query_in.stride(2) == 1 ? query_in : query_in.contiguous();
+  auto out = at::empty({H, nq, d}, query.options());
+  auto lse = at::empty({H, nq}, query.options().dtype(at::kFloat));
+  if (nq == 0 || H == 0) return {out, lse};
+
+  skv::PrefillArgs args{};
+  const auto packed = pack_keys(*variant, key, value, args);
+  args.query = reinterpret_cast<const uint16_t*>(query.data_ptr());
+  args.query_head_stride = query.stride(0);
+  args.query_row_stride = query.stride(1);
+  args.num_heads = H;
+  args.num_kv_heads = kvh;
+  args.nq = nq;
+  args.nk = nk;
+  args.head_dim = d;
+  args.query_block = prefill_query_block(H / kvh);
+  args.scale = (float)scale;
+  args.window = window < nk ? window : 0;  // a window of every key is no window
+  args.out = reinterpret_cast<uint16_t*>(out.data_ptr());
+  args.lse = lse.data_ptr<float>();
+  // Items: (KV head, query block), KV head by KV head so that the threads share one head's
+  // K and V in cache (interleaving the heads thrashed L2: 45 -> 39 ms on one thread at 4k
+  // tokens), the last query blocks (most keys) first so that the short ones balance the end.
+  const int64_t block = args.query_block, num_blocks = (nq + block - 1) / block;
+  const int64_t span = args.window > 0 && args.window < nk - nq / 2 ? args.window : nk - nq / 2;
+  const int64_t work = H * nq * span * d * 2;
+  const skv::PrefillKernel& kernel = *variant->kernel;
+  run_dynamic(num_blocks * kvh, work, kernel.scratch(args), [&](int64_t i, float* buf) {
+    kernel.item(args, i / num_blocks, num_blocks - 1 - i % num_blocks, buf);
+  });
+  return {out, lse};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(sparsekv_cpu, m) {
+  m.def("prefill_available", &prefill_available);
+  m.def("prefill_isas", &prefill_isas);
+  m.def("prefill_isa_status", &prefill_isa_status);
+  m.def("cpu_features", &cpu_features);
+  m.def("prefill_attention", &prefill_attention);
+}

@@ -1,0 +1,210 @@
+// Causal prefill (flash) attention in fp32 with FMAs, written once with GCC vector extensions
+// (W fp32 lanes; included by isa_avx2.cpp after kernel_impl.h, interface in prefill.h): the
+// fallback for CPUs without AVX512-BF16, reading K and V converted to fp32 by the binding.
+//
+// The structure of the bf16 kernels (prefill_softmax.h): one work item is a block of query
+// rows of every query head of one KV head, transposed so that W query columns share a vector,
+// key blocks of kPrefillKeyBlock; the softmax is the plain online one (a max pass per block,
+// then exp2 against the new max), with the probabilities kept in fp32 for the value product:
+//   S^T[key][W cols] += K[key][e] * Q^T[e][W cols]          (broadcast key element, FMA)
+//   O^T[dim][W cols] += V[key][dim] * P^T[key][W cols]      (broadcast value element, FMA)
+// in register blocks of kFmaRows rows by up to 3 column vectors (12 accumulators, within the 16
+// registers of AVX2). Logits are in base 2 (log2(e) folded into the query scale).
+
+constexpr int64_t kFKeys = kPrefillKeyBlock;
+constexpr int kFmaRows = 4;
+constexpr float kFmaNoMax = -1e30f;  // the running max before a key: see prefill_softmax.h
+
+// Scratch of one item; column col = h * BQ + r as in prefill_softmax.h, tiles of W columns.
+struct FmaScratch {
+  float* qt;    // [tiles][d][W] queries * scale * log2(e), transposed
+  float* s;     // [tiles][kFKeys][W] logits, then probabilities, of the current key block
+  float* o;     // [tiles][d][W] unnormalised output, transposed
+  float* m;     // [cols] running max
+  float* l;     // [cols] running sum
+  int32_t* thr;  // [cols] last key index the column sees
+};
+
+static int64_t fma_layout(const PrefillArgs& a, float* base, FmaScratch* out) {
+  const int64_t cols = a.num_heads / a.num_kv_heads * a.query_block, d = a.head_dim;
+  const int64_t sizes[6] = {cols * d, kFKeys * cols, cols * d, cols, cols, cols};
+  float* parts[6];
+  int64_t used = 0;
+  for (int i = 0; i < 6; ++i) {
+    parts[i] = base == nullptr ? nullptr : base + used;
+    used += (sizes[i] + 15) / 16 * 16;
+  }
+  if (out != nullptr)
+    *out = {parts[0], parts[1], parts[2], parts[3], parts[4], reinterpret_cast<int32_t*>(parts[5])};
+  return used;
+}
+
+static int64_t prefill_scratch_fma(const PrefillArgs& a) { return fma_layout(a, nullptr, nullptr); }
+
+// Transposed, scaled queries of the item (zero past nq) and each column's last visible key.
+static void fma_pack_queries(const PrefillArgs& a, int64_t kvh, int64_t q0, const FmaScratch& w) {
+  const int64_t G = a.num_heads / a.num_kv_heads, BQ = a.query_block, d = a.head_dim;
+  const float scale2 = a.scale * kLog2e;
+  for (int64_t h = 0; h < G; ++h)
+    for (int64_t r = 0; r < BQ; ++r) {
+      const int64_t col = h * BQ + r, row = q0 + r;
+      w.thr[col] = (int32_t)(row < a.nq ? a.nk - a.nq + row : a.nk - 1);
+      float* dst = w.qt + col / W * d * W + col % W;
+      const uint16_t* src = a.query + (kvh * G + h) * a.query_head_stride + row * a.query_row_stride;
+      for (int64_t e = 0; e < d; ++e) {
+        uint32_t bits = row < a.nq ? (uint32_t)src[e] << 16 : 0;
+        float x;
+        __builtin_memcpy(&x, &bits, 4);
+        dst[e * W] = x * scale2;
+      }
+    }
+}
+
+// Logits of keys [key, key + kFmaRows) for NC column tiles `t` into w.s.
+template <int NC>
+static inline void fma_logits(const PrefillArgs& a, const float* K, int64_t key, const int* t,
+                              const FmaScratch& w) {
+  const int64_t d = a.head_dim;
+  vf acc[kFmaRows][NC] = {};
+  for (int64_t e = 0; e < d; ++e) {
+    vf q[NC];
+    for (int c = 0; c < NC; ++c) q[c] = loadu(w.qt + (t[c] * d + e) * W);
+    for (int r = 0; r < kFmaRows; ++r) {
+      const vf k = splat(K[(key + r) * d + e]);
+      for (int c = 0; c < NC; ++c) acc[r][c] += k * q[c];
+    }
+  }
+  for (int r = 0; r < kFmaRows; ++r)
+    for (int c = 0; c < NC; ++c) storeu(w.s + (t[c] * kFKeys + key % kFKeys + r) * W, acc[r][c]);
+}
+
+// O^T[dims e0 + [0, kFmaRows)] of NC column tiles += values of block k0 times probabilities.
+template <int NC>
+static inline void fma_values(const PrefillArgs& a, const float* V, int64_t k0, int64_t e0,
+                              const int* t, const FmaScratch& w) {
+  const int64_t d = a.head_dim;
+  vf acc[kFmaRows][NC];
+  for (int r = 0; r < kFmaRows; ++r)
+    for (int c = 0; c < NC; ++c) acc[r][c] = loadu(w.o + (t[c] * d + e0 + r) * W);
+  for (int64_t k = 0; k < kFKeys; ++k) {
+    vf p[NC];
+    for (int c = 0; c < NC; ++c) p[c] = loadu(w.s + (t[c] * kFKeys + k) * W);
+    for (int r = 0; r < kFmaRows; ++r) {
+      const vf v = splat(V[(k0 + k) * d + e0 + r]);
+      for (int c = 0; c < NC; ++c) acc[r][c] += v * p[c];
+    }
+  }
+  for (int r = 0; r < kFmaRows; ++r)
+    for (int c = 0; c < NC; ++c) storeu(w.o + (t[c] * d + e0 + r) * W, acc[r][c]);
+}
+
+template <int NC>
+static void fma_products(bool values, const PrefillArgs& a, const float* K, const float* V,
+                         int64_t k0, const int* t, const FmaScratch& w) {
+  if (!values) {
+    for (int64_t k = 0; k < kFKeys; k += kFmaRows) fma_logits<NC>(a, K, k0 + k, t, w);
+  } else {
+    for (int64_t e0 = 0; e0 < a.head_dim; e0 += kFmaRows) fma_values<NC>(a, V, k0, e0, t, w);
+  }
+}
+
+static void fma_products_all(bool values, const PrefillArgs& a, const float* K, const float* V,
+                             int64_t k0, const int* tiles, int nt, const FmaScratch& w) {
+  for (int i = 0; i < nt;) {
+    const int left = nt - i;
+    if (left >= 3) {
+      fma_products<3>(values, a, K, V, k0, tiles + i, w);
+      i += 3;
+    } else if (left == 2) {
+      fma_products<2>(values, a, K, V, k0, tiles + i, w);
+      i += 2;
+    } else {
+      fma_products<1>(values, a, K, V, k0, tiles + i, w);
+      i += 1;
+    }
+  }
+}
+
+// Online softmax of tile t over the block's logits (in place: they become probabilities, 0
+// for keys a column does not see), m and l updated, O^T rescaled where the max moved.
+static void fma_softmax(const PrefillArgs& a, int64_t k0, int t, int32_t reach,
+                        const FmaScratch& w) {
+  float* s = w.s + t * kFKeys * W;
+  const vi thr = (vi)loadu(reinterpret_cast<const float*>(w.thr + t * W));
+  const vu reach_v = (vu)(vi{} + reach);
+  vf mx = splat(kNegInf);
+  for (int64_t k = 0; k < kFKeys; ++k) {
+    const vi see = (vu)(thr - (vi{} + (int32_t)(k0 + k))) <= reach_v;
+    const vf x = loadu(s + k * W);
+    mx = see ? (x > mx ? x : mx) : mx;
+  }
+  const vf m_old = loadu(w.m + t * W), m_new = m_old > mx ? m_old : mx;
+  const vf alpha = vexp2(m_old - m_new);
+  vf sum = {};
+  for (int64_t k = 0; k < kFKeys; ++k) {
+    const vi see = (vu)(thr - (vi{} + (int32_t)(k0 + k))) <= reach_v;
+    const vf p = (vf)((vi)vexp2(loadu(s + k * W) - m_new) & see);
+    storeu(s + k * W, p);
+    sum += p;
+  }
+  storeu(w.l + t * W, loadu(w.l + t * W) * alpha + sum);
+  storeu(w.m + t * W, m_new);
+  bool moved = false;
+  for (int i = 0; i < W; ++i) moved |= alpha[i] != 1.0f;
+  if (!moved) return;
+  float* o = w.o + t * a.head_dim * W;
+  for (int64_t e = 0; e < a.head_dim; ++e) storeu(o + e * W, loadu(o + e * W) * alpha);
+}
+
+// out = O / l (bf16, rounded to nearest even) and lse = (m + log2 l) * ln 2 of the item's rows.
+static void fma_write_rows(const PrefillArgs& a, int64_t kvh, int64_t q0, int64_t rows,
+                           const FmaScratch& w) {
+  const int64_t G = a.num_heads / a.num_kv_heads, BQ = a.query_block, d = a.head_dim;
+  for (int64_t h = 0; h < G; ++h)
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t col = h * BQ + r, head = kvh * G + h;
+      const float inv = 1.0f / w.l[col];
+      const float* o = w.o + col / W * d * W + col % W;
+      uint16_t* dst = a.out + (head * a.nq + q0 + r) * d;
+      for (int64_t e = 0; e < d; ++e) {
+        const float x = o[e * W] * inv;
+        uint32_t bits;
+        __builtin_memcpy(&bits, &x, 4);
+        dst[e] = (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+      }
+      a.lse[head * a.nq + q0 + r] = (w.m[col] + __builtin_log2f(w.l[col])) * kLn2;
+    }
+}
+
+static void prefill_item_fma(const PrefillArgs& a, int64_t kvh, int64_t qb, float* scratch) {
+  FmaScratch w;
+  fma_layout(a, scratch, &w);
+  const int64_t cols = a.num_heads / a.num_kv_heads * a.query_block, ntiles = cols / W;
+  const int64_t d = a.head_dim, q0 = qb * a.query_block;
+  const int64_t rows = a.nq - q0 < a.query_block ? a.nq - q0 : a.query_block;
+  fma_pack_queries(a, kvh, q0, w);
+  for (int64_t c = 0; c < cols; ++c) {
+    w.m[c] = kFmaNoMax;
+    w.l[c] = 0.0f;
+  }
+  __builtin_memset(w.o, 0, d * cols * sizeof(float));
+  const float* K = a.key_f32 + kvh * a.nkp * d;
+  const float* V = a.value_f32 + kvh * a.nkp * d;
+  const int64_t last_key = a.nk - a.nq + q0 + rows - 1;
+  const int32_t reach = a.window > 0 ? (int32_t)(a.window - 1) : (int32_t)(1 << 30);
+  const int64_t first_key = a.nk - a.nq + q0 - reach;
+  const int64_t first_block = first_key > 0 ? first_key / kFKeys * kFKeys : 0;
+  int tiles[4 * 64];
+  for (int64_t k0 = first_block; k0 <= last_key; k0 += kFKeys) {
+    int nt = 0;
+    for (int t = 0; t < ntiles; ++t) {
+      const int64_t low = w.thr[t * W], high = w.thr[t * W + W - 1];
+      if (k0 > high || k0 + kFKeys - 1 < low - reach) continue;
+      tiles[nt++] = t;
+    }
+    fma_products_all(false, a, K, V, k0, tiles, nt, w);
+    for (int i = 0; i < nt; ++i) fma_softmax(a, k0, tiles[i], reach, w);
+    fma_products_all(true, a, K, V, k0, tiles, nt, w);
+  }
+  fma_write_rows(a, kvh, q0, rows, w);
+}

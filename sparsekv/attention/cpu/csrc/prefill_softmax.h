@@ -1,0 +1,256 @@
+// The online softmax of the causal prefill (flash) kernels that hold logits and outputs
+// transposed, keys (or output dims) along rows and 16 query columns along the lanes of an
+// AVX-512 vector: their scratch layout, query packing, lazy-max softmax, output rescale and
+// final write (included by the AMX unit before prefill_amx.h, and by the AVX512-BF16 unit
+// before prefill_bf16.h; interface in prefill.h). The two kernels differ only in how they
+// compute the logits S^T = K Q^T and the value product O^T += V^T P of a key block.
+//
+// A column is (query head h of the item's GQA group, query row r), col = h * BQ + r; a column
+// tile is 16 columns. A query's softmax runs down a column: the running max, the sum and the
+// rescaling of O^T are lane-wise vector operations on 16 queries at once, with no horizontal
+// reduction anywhere. Probabilities are rounded to bf16 for the value product; the denominator
+// sums them unrounded in fp32. Logits are in base 2 (log2(e) folded into the scale).
+//
+// Needs a TileConfig type (amx_util.h; a declaration is enough where no tile is used) and
+// kernel_impl.h's vector helpers (vexp2, kNegInf, kLog2e, kLn2).
+constexpr int64_t kPKeys = kPrefillKeyBlock;   // keys per block (a multiple of 32)
+constexpr int64_t kPMaxTiles = 64;             // column tiles per item (group x query block)
+constexpr int64_t kPairChunk = 32;             // query elements per 16 packed pairs
+
+// Scratch of one item; columns are (head h of the group, query row r): col = h * BQ + r.
+struct PrefillScratch {
+  TileConfig* cfg;
+  uint32_t* qpairs;  // [tiles][d / 32][16 pairs][16 columns] query element pairs
+  float* s;          // [tiles][kPKeys][16 columns] logits of the current key block
+  uint32_t* p;       // [tiles][kPKeys / 32][16 key pairs][16 columns] bf16 probabilities
+  float* o;          // [tiles][d][16 columns] unnormalised output, transposed
+  float* m;          // [cols] running max of the base-2 logits (kNoMax before any key)
+  float* l;          // [cols] running sum of exp2(logit - m)
+  int32_t* thr;      // [cols] last key index the column sees
+};
+
+// The running max before a column has seen a key: finite, so that a column whose first
+// processed blocks lie outside its window keeps alpha = 1 and l = 0 (with -inf, alpha would be
+// exp2(-inf + inf) = NaN), and exp2(kNoMax - m_new) is exactly 0 (vexp2 flushes below -126)
+// once it sees one, as -inf gave.
+constexpr float kNoMax = -1e30f;
+
+// How far below its last visible key (thr) a column sees: window - 1 with a sliding window,
+// otherwise 2^30 (more than any key index, so every key up to thr is visible).
+static int32_t window_reach(const PrefillArgs& a) {
+  return a.window > 0 ? (int32_t)(a.window - 1) : (int32_t)(1 << 30);
+}
+
+// Keys k0 of the columns' lanes that are visible: thr - reach <= k0 <= thr, as one unsigned
+// compare of thr - k0 against reach (negative differences wrap past it).
+static inline __mmask16 visible_keys(__m512i thr, __m512i reach, int64_t k0) {
+  return _mm512_cmple_epu32_mask(_mm512_sub_epi32(thr, _mm512_set1_epi32((int)k0)), reach);
+}
+
+static int64_t prefill_columns(const PrefillArgs& a) {
+  return a.num_heads / a.num_kv_heads * a.query_block;
+}
+
+// Floats of PrefillScratch (carved from `base` into `out` when given), parts 64-byte aligned
+// relative to base.
+static int64_t prefill_layout(const PrefillArgs& a, float* base, PrefillScratch* out) {
+  const int64_t cols = prefill_columns(a), d = a.head_dim;
+  const int64_t sizes[8] = {16, cols * d / 2, kPKeys * cols, cols * kPKeys / 2, d * cols,
+                            cols, cols, cols};
+  float* parts[8];
+  int64_t used = 0;
+  for (int i = 0; i < 8; ++i) {
+    parts[i] = base == nullptr ? nullptr : base + used;
+    used += (sizes[i] + 15) / 16 * 16;
+  }
+  if (out != nullptr)
+    *out = {reinterpret_cast<TileConfig*>(parts[0]), reinterpret_cast<uint32_t*>(parts[1]),
+            parts[2], reinterpret_cast<uint32_t*>(parts[3]), parts[4], parts[5], parts[6],
+            reinterpret_cast<int32_t*>(parts[7])};
+  return used;
+}
+
+
+// 2^t for finite t to 7.5e-5 (2^-13.7) relative error: 2^(t - floor t) by a degree-3
+// polynomial on [0, 1) (minimax fit of the relative error; 2^0 comes out as 1 - 7.5e-5), times
+// 2^floor(t) by scalef, which floors its exponent operand itself (and gives 0 or inf past the
+// ends of the range). vreduceps gives t - floor(t) in one instruction: 5 vector instructions in
+// all. The probabilities are rounded to bf16 (2^-9 relative) for the value product, where the
+// error is invisible; the row sum l adds them unrounded, so the lse moves by at most 7.5e-5
+// (degree 4, 2.7e-6, cost one more instruction per vector: ~4% of the kernel).
+static inline __m512 prefill_exp2(__m512 t) {
+  const __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.07802419364452362f), f,
+                             _mm512_set1_ps(0.2260672152042389f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6958337426185608f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.9999251961708069f));
+  return _mm512_scalef_ps(p, t);
+}
+
+// Query pairs of the item's columns (zero past nq) and each column's last visible key.
+static void pack_queries(const PrefillArgs& a, int64_t kvh, int64_t q0,
+                         const PrefillScratch& w) {
+  const int64_t G = a.num_heads / a.num_kv_heads, BQ = a.query_block, half = a.head_dim / 2;
+  const int64_t chunks = a.head_dim / kPairChunk;
+  const uint16_t* q = a.query;
+  for (int64_t h = 0; h < G; ++h)
+    for (int64_t r = 0; r < BQ; ++r) {
+      const int64_t col = h * BQ + r, row = q0 + r;
+      // Padding columns see every key: their logits (zero) stay finite, and are never written.
+      w.thr[col] = (int32_t)(row < a.nq ? a.nk - a.nq + row : a.nk - 1);
+      uint32_t* dst = w.qpairs + col / 16 * chunks * 256 + col % 16;
+      const uint16_t* src =
+          row < a.nq ? q + (kvh * G + h) * a.query_head_stride + row * a.query_row_stride : nullptr;
+      for (int64_t e = 0; e < half; ++e) {  // element pairs as 32-bit words
+        uint32_t pair = 0;
+        if (src != nullptr) __builtin_memcpy(&pair, src + 2 * e, 4);
+        dst[e / 16 * 256 + e % 16 * 16] = pair;
+      }
+    }
+}
+
+
+// Probabilities of a block's logits against the reference max m of each column:
+// p = exp2(s * scale2 - m) for keys k0 + [0, kPKeys), 0 for keys a column does not see
+// (kMasked), written as the bf16 pairs of tile t (see below). Returns the columns' sums of
+// the unrounded p.
+template <bool kMasked>
+static inline __m512 block_probabilities(int64_t k0, int t, __m512 m, float scale2,
+                                         int32_t reach, const PrefillScratch& w) {
+  const float* s = w.s + t * kPKeys * 16;
+  const __m512i thr = _mm512_loadu_si512(w.thr + t * 16);
+  const __m512i reach_v = _mm512_set1_epi32(reach);
+  const __m512 neg_m = _mm512_sub_ps(_mm512_setzero_ps(), m), sc = _mm512_set1_ps(scale2);
+  // (p[k], p[k + 1]) of each column as one 32-bit word, the pair order of a B tile: the high
+  // halves of the fp32 words of p0 and p1 (indices from 32 select from the second source),
+  // rounded to nearest (ties away) by adding half a bf16 unit first. Three instructions per
+  // two vectors, ~5% faster than vcvtne2ps2bf16 + vpermw.
+  const __m512i interleave = _mm512_set_epi16(63, 31, 61, 29, 59, 27, 57, 25, 55, 23, 53, 21, 51,
+                                              19, 49, 17, 47, 15, 45, 13, 43, 11, 41, 9, 39, 7, 37,
+                                              5, 35, 3, 33, 1);
+  const __m512i half_unit = _mm512_set1_epi32(0x8000);
+  __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+  uint32_t* p = w.p + t * (kPKeys / 32) * 256;
+  for (int64_t k = 0; k < kPKeys; k += 2) {
+    __m512 p0 = prefill_exp2(_mm512_fmadd_ps(_mm512_loadu_ps(s + k * 16), sc, neg_m));
+    __m512 p1 = prefill_exp2(_mm512_fmadd_ps(_mm512_loadu_ps(s + (k + 1) * 16), sc, neg_m));
+    if (kMasked) {  // masked logits may be anything finite: their exp2 is dropped, inf included
+      p0 = _mm512_maskz_mov_ps(visible_keys(thr, reach_v, k0 + k), p0);
+      p1 = _mm512_maskz_mov_ps(visible_keys(thr, reach_v, k0 + k + 1), p1);
+    }
+    sum0 = _mm512_add_ps(sum0, p0);
+    sum1 = _mm512_add_ps(sum1, p1);
+    const __m512i pair = _mm512_permutex2var_epi16(
+        _mm512_add_epi32(_mm512_castps_si512(p0), half_unit), interleave,
+        _mm512_add_epi32(_mm512_castps_si512(p1), half_unit));
+    _mm512_storeu_si512(p + k * 8, pair);
+  }
+  return _mm512_add_ps(sum0, sum1);
+}
+
+// The columns' max of the block's base-2 logits (times scale2), over the keys they see.
+static inline __m512 block_max(int64_t k0, int t, bool masked, float scale2, int32_t reach,
+                               const PrefillScratch& w) {
+  const float* s = w.s + t * kPKeys * 16;
+  const __m512i thr = _mm512_loadu_si512(w.thr + t * 16);
+  const __m512i reach_v = _mm512_set1_epi32(reach);
+  // Four chains, as vmaxps has a 4-cycle latency.
+  __m512 mx[4];
+  for (int j = 0; j < 4; ++j) mx[j] = _mm512_set1_ps(kNegInf);
+  if (!masked) {
+    for (int64_t k = 0; k < kPKeys; k += 4)
+      for (int j = 0; j < 4; ++j) mx[j] = _mm512_max_ps(mx[j], _mm512_loadu_ps(s + (k + j) * 16));
+  } else {
+    for (int64_t k = 0; k < kPKeys; k += 4)
+      for (int j = 0; j < 4; ++j) {
+        const __mmask16 see = visible_keys(thr, reach_v, k0 + k + j);
+        mx[j] = _mm512_mask_max_ps(mx[j], see, mx[j], _mm512_loadu_ps(s + (k + j) * 16));
+      }
+  }
+  const __m512 mx_all = _mm512_max_ps(_mm512_max_ps(mx[0], mx[1]), _mm512_max_ps(mx[2], mx[3]));
+  return _mm512_mul_ps(mx_all, _mm512_set1_ps(scale2));
+}
+
+// A block's probabilities against a column's current max m may reach this much (sum over the
+// block) before the max is moved: a lazy max (see block_softmax). 2^8: the rounded
+// probabilities stay far from bf16's and fp32's limits, and a row's max rarely grows that much
+// after its first keys.
+constexpr float kLazySum = 256.0f;
+
+// Online softmax of column tile t over the block's logits: updates m and l, writes the bf16
+// probability pairs and returns alpha = exp2(m_old - m_new) per column. kMasked: the block
+// crosses the tile's diagonal or its window's lower edge; keys a column does not see (past its
+// threshold, or `reach` or more below it) get probability 0.
+//
+// Lazy max: once every column has a max, the block is first exponentiated against it in one
+// pass (no max pass, no rescale of O). The reference max need not be the running max:
+// m + log2(l) is the same for any reference, it only has to keep the probabilities in range.
+// If some column's block sum exceeds kLazySum (a logit more than ~8 above its max, an inf, a
+// NaN), the block is redone the exact way: max pass, new max, alpha, probabilities. ~8% of the
+// kernel. Numerics: the largest probability of a row is no longer exactly 1, so its bf16
+// rounding (2^-9 relative) reaches the output too, as every other probability's does (against
+// fp32: mean output error +5 to +14%, max 8.6e-3 -> 1.5e-2 on peaked rows with 9 heads x 600
+// tokens); lse is unaffected.
+//
+// noinline: inlined into prefill_item_amx, GCC kept a running sum on the stack (a store-load
+// chain through the exp loop).
+template <bool kMasked>
+static __attribute__((noinline)) __m512 block_softmax(int64_t k0, int t, float scale2,
+                                                      int32_t reach, const PrefillScratch& w) {
+  const __m512 m_old = _mm512_loadu_ps(w.m + t * 16), l = _mm512_loadu_ps(w.l + t * 16);
+  const __m512 one = _mm512_set1_ps(1.0f);
+  if (_mm512_cmp_ps_mask(m_old, _mm512_set1_ps(kNoMax), _CMP_EQ_OQ) == 0) {
+    const __m512 sum = block_probabilities<kMasked>(k0, t, m_old, scale2, reach, w);
+    if (_mm512_cmp_ps_mask(sum, _mm512_set1_ps(kLazySum), _CMP_LE_OQ) == 0xffff) {
+      _mm512_storeu_ps(w.l + t * 16, _mm512_add_ps(l, sum));
+      return one;
+    }
+  }
+  const __m512 m_new = _mm512_max_ps(m_old, block_max(k0, t, kMasked, scale2, reach, w));
+  // alpha by the accurate vexp2 (2e-7 relative; exactly 0 for a column's first visible block,
+  // m_old = kNoMax): its error would add up in l over a row's rescales, and l gives the lse.
+  const __m512 alpha = vexp2(_mm512_sub_ps(m_old, m_new));
+  const __m512 sum = block_probabilities<kMasked>(k0, t, m_new, scale2, reach, w);
+  _mm512_storeu_ps(w.l + t * 16, _mm512_fmadd_ps(l, alpha, sum));
+  _mm512_storeu_ps(w.m + t * 16, m_new);
+  return alpha;
+}
+
+// O^T columns of tile t times alpha, skipped when the max did not move (alpha all 1, the
+// common case once a few blocks are in).
+static void rescale_output(__m512 alpha, int t, int64_t d, const PrefillScratch& w) {
+  if (_mm512_cmp_ps_mask(alpha, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ) == 0) return;
+  float* o = w.o + t * d * 16;
+  for (int64_t e = 0; e < d; ++e)
+    _mm512_storeu_ps(o + e * 16, _mm512_mul_ps(_mm512_loadu_ps(o + e * 16), alpha));
+}
+
+// out = O / l (bf16, rounded to nearest even) and lse = (m + log2 l) * ln 2 of the item's rows.
+static void write_rows(const PrefillArgs& a, int64_t kvh, int64_t q0, int64_t rows, int64_t cols,
+                       const PrefillScratch& w) {
+  const int64_t G = a.num_heads / a.num_kv_heads, BQ = a.query_block, d = a.head_dim;
+  float tile[16 * 16];
+  for (int64_t h = 0; h < G; ++h) {
+    const int64_t head = kvh * G + h;
+    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+      const int64_t col0 = h * BQ + r0, n = rows - r0 < 16 ? rows - r0 : 16;
+      const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_loadu_ps(w.l + col0));
+      for (int64_t e0 = 0; e0 < d; e0 += 16) {
+        // 16 dims x 16 rows of O^T, normalised, transposed through a small buffer.
+        const float* o = w.o + (col0 / 16 * d + e0) * 16;
+        for (int64_t e = 0; e < 16; ++e)
+          _mm512_storeu_ps(tile + e * 16, _mm512_mul_ps(_mm512_loadu_ps(o + e * 16), inv));
+        const __m512i column = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160,
+                                                 176, 192, 208, 224, 240);
+        for (int64_t r = 0; r < n; ++r) {
+          const __m512 row = _mm512_i32gather_ps(column, tile + r, 4);
+          uint16_t* dst = a.out + (head * a.nq + q0 + r0 + r) * d + e0;
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(row));
+        }
+      }
+      for (int64_t r = 0; r < n; ++r)
+        a.lse[head * a.nq + q0 + r0 + r] =
+            (w.m[col0 + r] + __builtin_log2f(w.l[col0 + r])) * kLn2;
+    }
+  }
+}

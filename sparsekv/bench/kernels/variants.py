@@ -1,0 +1,46 @@
+"""``sparsekv bench kernels --list``: the CPU's kernel-relevant features and, for every native
+kernel family, the variant it runs and why, and why each other variant does not run here."""
+
+from __future__ import annotations
+
+from sparsekv.attention.cpu import variants
+from sparsekv.models.fused import build as fused_build
+
+
+def _fused_lines() -> list[str]:
+    # The model ops (RMSNorm, SiLU, rotary, ...) and their bf16 GEMV / small-M GEMM.
+    if fused_build.fused_disabled():
+        return ["fused        PyTorch (the fused ops are disabled)"]
+    ext = fused_build.load_extension()
+    if ext is None:
+        return ["fused        PyTorch (the fused ops failed to build)"]
+    runs = str(ext.available_isas()).split(",")
+    gemv = "AVX512-BF16 GEMV" if ext.has_gemv_bf16() else "no bf16 GEMV (needs AVX512-BF16)"
+    gemm = "AMX small-M GEMM" if ext.has_gemm_bf16_small() else "no small-M GEMM (needs AMX)"
+    return [
+        f"fused        {runs[0]} (the fastest this CPU runs; runs {', '.join(runs)})",
+        f"fused_gemm   batch 1: {gemv}; 2-64 rows: {gemm}",
+    ]
+
+
+def variant_lines() -> list[str]:
+    """The lines :func:`print_variants` prints."""
+    lines = [
+        "CPU features: " + (" ".join(variants.cpu_features()) or "(native kernels unavailable)")
+    ]
+    for family in variants.FAMILIES:
+        info = variants.family_status(family)
+        chosen = info.chosen or "PyTorch"
+        line = f"{family:<12} {chosen} ({info.reason})"
+        if info.runnable:
+            line += f"; runs {', '.join(info.runnable)}"
+        lines.append(line)
+        for variant, why in info.unavailable.items():
+            lines.append(f"{'':<12}   not {variant}: {why}")
+    return lines + _fused_lines()
+
+
+def print_variants() -> None:
+    """Print the CPU features and the kernel variant of each family (see module docstring)."""
+    for line in variant_lines():
+        print(line)
