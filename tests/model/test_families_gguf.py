@@ -5,7 +5,7 @@ and the GGUF files ``convert_hf_to_gguf.py`` made of them. Per family: the GGUF 
 the HF folder's tensors (llama.cpp's Q/K permutation undone, fused Phi-3 projections kept), and
 a model built from the GGUF gives transformers' logits on the HF folder (so what the GGUF keeps
 outside the tensors, Llama 3's ``rope_freqs`` and Phi-3's longrope factors and partial rotary,
-is read back too).
+and Gemma 2's soft-caps and window, is read back too).
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from sparsekv.models.registry import build_model
 from tests.model.dense_reference import DenseMaskedAttention
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gguf"
-CASES = ["llama3", "mistral", "qwen2", "qwen3", "phi3"]
+CASES = ["llama3", "mistral", "qwen2", "qwen3", "phi3", "gemma2"]
+# Gemma 2: llama.cpp stores ``1 + w`` norms and the soft-caps under its own keys.
 # Phi-3's longrope: a max_model_len within the original 64 tokens keeps the short factors.
 MAX_LEN = {"phi3": 64}
 
@@ -50,7 +51,10 @@ def test_model_from_gguf_matches_hf_on_the_folder(case):
         FIXTURES / name, dtype=torch.float32, attn_implementation="eager"
     ).eval()
     prompt = torch.randint(3, config.vocab_size, (50,), generator=torch.Generator().manual_seed(3))
-    dense = DenseMaskedAttention(len(model.layers), [None] * len(model.layers), 1, 4, 50)
+    layers = len(model.layers)
+    dense = DenseMaskedAttention(
+        layers, [None] * layers, 1, 4, 50, logit_softcap=model.attn_logit_softcap
+    )
     with torch.inference_mode():
         ours = model.compute_logits(model(prompt, torch.arange(50), dense))
         expected = hf_model(prompt[None]).logits[0].float()

@@ -33,7 +33,9 @@ CASES = ["llama3", "qwen2", "qwen3", "mistral-full", "phi3-long", "gemma2"]
 
 def _config(name: str):
     if name == "mistral-full":
-        return tiny_config("mistral"), 16
+        config = tiny_config("mistral")
+        config.sliding_window = 4096  # past max_position_embeddings (512): full layers
+        return config, None
     return tiny_config(name), None
 
 
@@ -73,6 +75,8 @@ def test_snapkv_kept_indices_equal_the_dense_reference(name, monkeypatch):
     checkpoint = checkpoint_of(random_hf_model(config, seed=5))
     [prompt] = random_prompts([PROMPT], seed=11)
     engine, kept, budgets = _engine_kept(checkpoint, prompt, max_len, monkeypatch)
+    if name == "mistral-full":
+        assert not any(spec.is_sliding for spec in engine.kv.layer_specs)
     budgeted = [layer for layer, budget in enumerate(budgets) if budget is not None]
     assert budgeted and len(kept) == len(budgeted)
     softcap = engine.parts.model.attn_logit_softcap
