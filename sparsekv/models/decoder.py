@@ -58,6 +58,7 @@ class Attention(nn.Module):
         self.scale = variant.attn_scale
         self.sliding_window = variant.window_of(layer_idx)
         self.rotary_dim = variant.rotary_dim
+        self.partial_rotary = variant.rotary_dim < head_dim
         self.q_size = self.num_heads * head_dim
         self.head_counts = (self.num_heads, self.num_kv_heads, self.num_kv_heads)  # q, k, v
 
@@ -87,9 +88,7 @@ class Attention(nn.Module):
 
     def _rotate(self, x: torch.Tensor, cos_sin: tuple) -> None:
         """RoPE on ``x`` ``[T, heads, d]`` in place, on its first ``rotary_dim`` dimensions."""
-        if self.rotary_dim < self.head_dim:
-            x = x[..., : self.rotary_dim]
-        fused.rotary_(x, *cos_sin)
+        fused.rotary_(x[..., : self.rotary_dim] if self.partial_rotary else x, *cos_sin)
 
 
 class DecoderLayer(nn.Module):
