@@ -137,6 +137,16 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_models(args: argparse.Namespace) -> int:
+    from sparsekv.models.families import FAMILIES
+
+    print(f"{'family':<9} {'model_type':<22} {'GGUF':<8} checkpoints")
+    for family in FAMILIES.values():
+        types = ", ".join(family.model_types)
+        print(f"{family.name:<9} {types:<22} {family.gguf_architecture:<8} {family.examples}")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from sparsekv.bench.main import main as bench_main
 
@@ -216,6 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
         "out_dir", metavar="OUT_DIR", help="folder to write (config.json, safetensors, tokenizer)"
     )
     convert.set_defaults(func=cmd_convert)
+
+    models = sub.add_parser("models", help="list the supported model architectures")
+    models.set_defaults(func=cmd_models)
 
     bench = sub.add_parser(
         "bench", help="benchmarks (`sparsekv bench --help` lists them; docs/benchmarks.md)"

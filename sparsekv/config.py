@@ -38,6 +38,8 @@ class ModelConfig:
         device: torch device; ``cpu`` (the CUDA kernels are not written yet).
         max_model_len: context length in tokens (prompt + output).
         seed: seed for requests that give none (sampling stays reproducible per request).
+        tokenizer: a tokenizer folder or file (``tokenizer.json``, a GGUF) to use instead of
+            the model's own, e.g. for random-weight benchmark models.
     """
 
     model: str = "smollm2-135m-instruct"
@@ -46,6 +48,7 @@ class ModelConfig:
     device: str = "cpu"
     max_model_len: int | None = None
     seed: int = 0
+    tokenizer: str | None = None
 
     def validate(self) -> None:
         if self.dtype not in ("auto", "bfloat16", "float32", "bf16", "fp32"):

@@ -183,7 +183,8 @@ class PagedAttention:
         if state.budget is not None:
             state.remember_queries(q, request.window)
         if request.needs_attention_mass and state.budget is not None:
-            _accumulate(state, prefill_attention_mass(keys, queries, lse, scale))
+            mass = prefill_attention_mass(keys, queries, lse, scale, self.logit_softcap)
+            _accumulate(state, mass)
         if step.compress_to is None or step.keep_uncompressed:
             storage.write_slots(state, step.block_table, held, keys[:, held:], values[:, held:])
         if step.compress_to is not None:
@@ -208,7 +209,9 @@ class PagedAttention:
                 key = (step.num_held, step.compress_to, scale, id(self.storages[layer]))
                 groups.setdefault(key, []).append(layer)
             for (_, _, scale, _), layers in groups.items():
-                if compaction.applies(request, layers, self.storages):
+                # The page-reading kernel does not soft-cap: capped models score gathered keys.
+                capped = self.logit_softcap is not None
+                if not capped and compaction.applies(request, layers, self.storages):
                     compaction.compact_from_pages(request, layers, self.storages, scale)
                 elif request.compressor.stackable:
                     self._compact_decode_stacked(request, layers, scale)
@@ -253,6 +256,7 @@ class PagedAttention:
             scale=scale,
             accumulated=accumulated,
             generator=request.generator,
+            logit_softcap=self.logit_softcap,
         )
         budget = request.layers[layers[0]].compress_to
         kept = request.compressor.select(view, budget, request.window)  # [L * KVH, k]
@@ -290,6 +294,7 @@ class PagedAttention:
             scale=scale,
             accumulated=state.accumulated,
             generator=request.generator,
+            logit_softcap=self.logit_softcap,
         )
         budget = request.layers[layer].compress_to
         kept = request.compressor.select(view, budget, request.window)  # [KVH, k]

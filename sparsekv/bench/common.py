@@ -82,7 +82,7 @@ def load_checkpoint(config: EngineConfig, checkpoint=None):
         return checkpoint
     from sparsekv.loader import load_checkpoint as load
 
-    return load(config.model.model, resolved_dtype(config))
+    return load(config.model.model, resolved_dtype(config), tokenizer=config.model.tokenizer)
 
 
 def build_engine(config: EngineConfig, checkpoint) -> LLMEngine:

@@ -37,6 +37,8 @@ class LayerView:
             sums plus every decode step's attention, summed over each group's query heads), or
             ``None`` where no compressor needs it.
         generator: random source of the ``random`` baseline (seeded per request), or ``None``.
+        logit_softcap: the model's attention soft-cap (Gemma 2): scores from attention
+            weights use the capped logits the attention softmaxed; ``None``: none.
     """
 
     keys: torch.Tensor
@@ -46,6 +48,7 @@ class LayerView:
     scale: float
     accumulated: torch.Tensor | None = None
     generator: torch.Generator | None = None
+    logit_softcap: float | None = None
 
     @property
     def num_kv_heads(self) -> int:

@@ -31,6 +31,7 @@ def attention_mass_per_head(
     lse: torch.Tensor | None,
     scale: float,
     max_chunk_elements: int = _MAX_CHUNK_ELEMENTS,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Sum over query rows of the causal softmax weights on each slot, per query head.
 
@@ -45,9 +46,12 @@ def attention_mass_per_head(
             sees, as returned by the attention; ``None`` computes it here.
         scale: softmax scale (usually ``head_dim ** -0.5``).
         max_chunk_elements: most logit elements materialised at once.
+        logit_softcap: the model's attention soft-cap: logits are ``cap * tanh(x / cap)`` of
+            the scaled products (Gemma 2), as the attention computed them; ``None``: none.
 
     Returns:
-        ``[num_heads, n]`` fp32: ``sum_i exp(q_i.k_j * scale - lse_i)`` over visible ``(i, j)``.
+        ``[num_heads, n]`` fp32: ``sum_i exp(l_ij - lse_i)`` over visible ``(i, j)``, with
+        ``l_ij = q_i.k_j * scale`` (soft-capped when ``logit_softcap`` is set).
     """
     num_kv_heads, n, head_dim = keys.shape
     num_heads, q, _ = queries.shape
@@ -66,6 +70,8 @@ def attention_mass_per_head(
         chunk = queries32[:, :, start:end].reshape(num_kv_heads, group * (end - start), head_dim)
         logits = torch.bmm(chunk, keys32[:, :num_visible].transpose(-1, -2))
         logits = logits.view(num_kv_heads, group, end - start, num_visible) * scale
+        if logit_softcap is not None:
+            logits = torch.tanh(logits / logit_softcap) * logit_softcap
         visible = causal_mask(end - start, num_visible, device=keys.device)
         logits.masked_fill_(~visible, float("-inf"))
         if lse32 is None:
@@ -81,6 +87,7 @@ def window_attention_scores(
     window_queries: torch.Tensor,
     window_lse: torch.Tensor | None,
     scale: float,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """SnapKV's observation-window scores ``S_h[j] = sum_{i in window} A_h[i, j]``.
 
@@ -90,6 +97,7 @@ def window_attention_scores(
         window_lse: ``[num_heads, w]`` their log-sum-exp over the held slots (causal), from the
             attention; used as given. ``None`` computes it.
         scale: softmax scale.
+        logit_softcap: the model's attention soft-cap (see :func:`attention_mass_per_head`).
 
     Returns:
         ``[num_heads, n]`` fp32 summed window attention (not yet pooled or GQA-aggregated).
@@ -99,8 +107,12 @@ def window_attention_scores(
     (``attention/cpu``) when it takes these tensors; else :func:`attention_mass_per_head`.
     All equal the dense definition (``tests/unit/test_scoring_native.py``,
     ``tests/unit/test_kernels_window_fused.py``). ``SPARSEKV_DISABLE_NATIVE=1`` forces the
-    last.
+    last. A soft-capped model always takes the last (the kernels do not cap).
     """
+    if logit_softcap is not None:
+        return attention_mass_per_head(
+            keys, window_queries, window_lse, scale, logit_softcap=logit_softcap
+        )
     if _fused_window_ready(keys, window_queries):
         lse = None if window_lse is None else window_lse.float().contiguous()
         return window_fused.window_scores_fused(window_queries, keys, lse, scale)[0]
@@ -173,6 +185,7 @@ def prefill_attention_mass(
     queries: torch.Tensor,
     lse: torch.Tensor | None,
     scale: float,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """H2O's accumulated attention after prefill: causal column sums per KV head.
 
@@ -182,13 +195,14 @@ def prefill_attention_mass(
             tokens for a one-shot prefill; one chunk's tokens to add a chunk's share).
         lse: ``[num_heads, q]`` their log-sum-exp from the attention, or ``None``.
         scale: softmax scale.
+        logit_softcap: the model's attention soft-cap (see :func:`attention_mass_per_head`).
 
     Returns:
         ``[num_kv_heads, n]`` fp32 attention mass per slot, summed over the query rows and over
         the query heads of each KV group (the same convention as ``paged_decode_attention``'s
         ``return_attn_mass``, so decode steps add to it directly).
     """
-    mass = attention_mass_per_head(keys, queries, lse, scale)
+    mass = attention_mass_per_head(keys, queries, lse, scale, logit_softcap=logit_softcap)
     num_kv_heads, n = keys.shape[0], keys.shape[1]
     return mass.reshape(num_kv_heads, queries.shape[0] // num_kv_heads, n).sum(dim=1)
 

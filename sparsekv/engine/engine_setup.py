@@ -187,9 +187,11 @@ def build_engine_parts(config: EngineConfig, checkpoint=None) -> EngineParts:
     if checkpoint is None:
         from sparsekv.loader import load_checkpoint
 
-        checkpoint = load_checkpoint(config.model.model, dtype)
+        checkpoint = load_checkpoint(config.model.model, dtype, tokenizer=config.model.tokenizer)
     hf_config = checkpoint.hf_config
-    model = build_model(hf_config, checkpoint.state_dict, dtype, device)
+    context = getattr(hf_config, "max_position_embeddings", None) or 2048
+    max_model_len = min(config.model.max_model_len or context, context)
+    model = build_model(hf_config, checkpoint.state_dict, dtype, device, max_model_len)
     if can_prepack(dtype, device, has_native_bf16()):
         prepack_linears(model)
     specs = model.layer_specs()
@@ -215,8 +217,6 @@ def build_engine_parts(config: EngineConfig, checkpoint=None) -> EngineParts:
         kv_cache_dtype=config.cache.kv_cache_dtype,
         full_precision_layers=full_precision_layers(config, len(specs)),
     )
-    context = getattr(hf_config, "max_position_embeddings", None) or 2048
-    max_model_len = min(config.model.max_model_len or context, context)
     tokenizer = checkpoint.tokenizer
     return EngineParts(
         model_name=config.model.served_model_name or checkpoint.name,
@@ -227,17 +227,20 @@ def build_engine_parts(config: EngineConfig, checkpoint=None) -> EngineParts:
         scheduler=Scheduler(config.scheduler, kv),
         runner=ModelRunner(model, kv, torch.device(device)),
         max_model_len=max_model_len,
-        eos_token_ids=_eos_ids(hf_config, tokenizer),
+        eos_token_ids=_eos_ids(hf_config, tokenizer, getattr(checkpoint, "eos_token_ids", ())),
         vocab_size=hf_config.vocab_size,
         dtype=dtype,
     )
 
 
-def _eos_ids(hf_config, tokenizer) -> tuple[int, ...]:
+def _eos_ids(hf_config, tokenizer, generation_eos=()) -> tuple[int, ...]:
+    """Every token that ends generation: the config's, the tokenizer's and
+    ``generation_config.json``'s (Llama 3.x lists ``<|eot_id|>`` there)."""
     ids = set()
     for source in (
         getattr(hf_config, "eos_token_id", None),
         getattr(tokenizer, "eos_token_id", None),
+        tuple(generation_eos),
     ):
         if isinstance(source, int):
             ids.add(source)

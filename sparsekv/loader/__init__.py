@@ -1,6 +1,6 @@
 """Model loading: built-in names, GGUF files and HF folders -> Hugging Face state dicts.
 
-See docs/internals.md ("Loader") for the interface and DESIGN.md §7 for the models.
+See docs/internals.md ("Loader") for the interface and docs/models.md for the families.
 """
 
 from sparsekv.loader.checkpoint import Checkpoint, load_checkpoint

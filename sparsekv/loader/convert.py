@@ -10,11 +10,13 @@ from safetensors.torch import save_file
 from transformers import GenerationConfig
 
 from sparsekv.loader.gguf import load_gguf
+from sparsekv.models.families import FAMILIES
 
 # transformers / vLLM pick the model class from config.architectures, which GGUF configs lack.
 ARCHITECTURE_CLASSES = {
-    "llama": "LlamaForCausalLM",
-    "gemma3_text": "Gemma3ForCausalLM",
+    model_type: family.hf_architecture
+    for family in FAMILIES.values()
+    for model_type in family.model_types
 }
 
 # Chat turns end with this token; generation should stop there as well as at config.eos.

@@ -2,8 +2,8 @@
 
 Tensors are dequantized with ``gguf.quants.dequantize`` (exactly what transformers' own GGUF
 loader does), renamed with :mod:`sparsekv.loader.name_maps` and fixed up with
-:mod:`sparsekv.loader.transforms`, so the result loads into transformers' ``LlamaForCausalLM`` /
-``Gemma3ForCausalLM`` unchanged.
+:mod:`sparsekv.loader.transforms`, so the result loads into the transformers model of the
+same family unchanged.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from gguf.quants import dequantize
 
+from sparsekv.loader.gguf_config import complete_config
 from sparsekv.loader.gguf_file import GGUFFile, GGUFTensorInfo, read_gguf
 from sparsekv.loader.gguf_metadata import load_gguf_config_and_tokenizer
 from sparsekv.loader.name_maps import ARCHITECTURES, ArchSpec
@@ -36,7 +37,8 @@ def load_gguf(path: str | Path, dtype: torch.dtype):
     """Read a GGUF file into ``(hf_config, tokenizer, state_dict)``.
 
     Args:
-        path: the ``.gguf`` file (architectures: ``llama``, ``gemma3``).
+        path: the ``.gguf`` file (architectures: those of
+            :data:`sparsekv.loader.name_maps.ARCHITECTURES`).
         dtype: floating dtype of the returned tensors (gguf dequantizes to float32; cast after).
 
     Returns:
@@ -49,6 +51,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype):
     gguf = read_gguf(path)
     spec = _arch_spec(gguf)
     config, tokenizer = load_gguf_config_and_tokenizer(gguf)
+    config = complete_config(gguf, config)
     return config, tokenizer, gguf_state_dict(gguf, spec, config, dtype)
 
 

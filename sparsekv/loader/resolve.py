@@ -1,6 +1,7 @@
 """Turn a ``--model`` value (built-in name, GGUF path or HF folder) into a local path.
 
-Built-in models ship as PyPI packages (CONTRACTS.md §3, DESIGN.md §7); nothing is downloaded.
+Built-in models ship as PyPI packages (the ``default-model`` and ``gemma`` extras); nothing is
+downloaded.
 """
 
 from __future__ import annotations

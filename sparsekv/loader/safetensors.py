@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -20,12 +21,13 @@ _SKIPPED_PREFIXES = ("model.vision_tower.", "vision_tower.", "model.multi_modal_
                      "multi_modal_projector.")  # fmt: skip
 
 
-def load_hf_folder(folder: str | Path, dtype: torch.dtype):
+def load_hf_folder(folder: str | Path, dtype: torch.dtype, with_tokenizer: bool = True):
     """Read an HF folder into ``(hf_config, tokenizer, state_dict)``.
 
     Args:
         folder: holds ``config.json``, tokenizer files and ``*.safetensors`` (one file or shards).
         dtype: floating dtype of the returned tensors.
+        with_tokenizer: load the folder's tokenizer (``None`` is returned otherwise).
 
     Returns:
         ``(hf_config, tokenizer, state_dict)``: the config (for a multimodal config, its
@@ -39,14 +41,36 @@ def load_hf_folder(folder: str | Path, dtype: torch.dtype):
     folder = Path(folder)
     config = AutoConfig.from_pretrained(folder)
     config = config.get_text_config(decoder=True)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-    except (OSError, ValueError, TypeError) as exc:
-        raise ValueError(f"model: cannot load a tokenizer from {folder}: {exc}") from exc
+    tokenizer = None
+    if with_tokenizer:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(folder)
+        except (OSError, ValueError, TypeError) as exc:
+            raise ValueError(
+                f"model: cannot load a tokenizer from {folder}: {exc} (--tokenizer PATH "
+                "names another)"
+            ) from exc
     state_dict = {}
     for file in sorted(folder.glob("*.safetensors")):
         state_dict.update(_read_safetensors(file, dtype))
     return config, tokenizer, state_dict
+
+
+def generation_eos_ids(folder: str | Path) -> tuple[int, ...]:
+    """``eos_token_id`` of the folder's ``generation_config.json`` as a tuple (Llama 3.x lists
+    several there, ``<|eot_id|>`` among them); ``()`` without one."""
+    path = Path(folder) / "generation_config.json"
+    if not path.is_file():
+        return ()
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id")
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"model: cannot read {path}: {exc}") from exc
+    if isinstance(eos, int):
+        return (eos,)
+    if isinstance(eos, list):
+        return tuple(int(token) for token in eos)
+    return ()
 
 
 def _read_safetensors(file: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""Building blocks shared by the model files: RMSNorm, rotary embedding, gated MLP.
+"""Building blocks of the decoder: RMSNorm, gated MLP (and the rotary embedding, re-exported).
 
 Their elementwise math runs through ``sparsekv.models.fused`` (native kernels, eager fallback).
 """
@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from sparsekv.models.fused import ops as fused
 from sparsekv.models.fused.reference import apply_rotary
+from sparsekv.models.rotary import RotaryEmbedding
 
 __all__ = ["GatedMLP", "RMSNorm", "RotaryEmbedding", "apply_rotary"]
 
@@ -48,59 +48,6 @@ class RMSNorm(nn.Module):
         if residual is None:
             return delta, self(delta)
         return fused.add_rms_norm(residual, delta, self.weight, self.eps, self.unit_offset)
-
-
-class RotaryEmbedding(nn.Module):
-    """Rotary position embedding (Su et al. 2021, RoFormer), HF's rotate-half layout.
-
-    Frequencies come from transformers' RoPE initialisers, so llama3 / linear / dynamic scaling
-    follow the config exactly.
-
-    Args:
-        config: a transformers config (its ``rope_parameters`` select the scaling).
-        head_dim: rotated dimension.
-        layer_type: key into ``config.rope_parameters`` when it holds one entry per layer type
-            (Gemma 3: ``full_attention`` / ``sliding_attention``).
-    """
-
-    def __init__(self, config, head_dim: int, layer_type: str | None = None) -> None:
-        super().__init__()
-        self._args = (config, head_dim, layer_type)
-        self.register_buffer("inv_freq", torch.empty(head_dim // 2), persistent=False)
-        self.attention_scaling = 1.0
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        """(Re)compute the frequencies, e.g. after building the module on the meta device."""
-        config, head_dim, layer_type = self._args
-        params = dict(getattr(config, "rope_parameters", None) or {})
-        if layer_type is not None and layer_type in params:
-            params = dict(params[layer_type])
-        else:
-            layer_type = None
-        rope_type = params.get("rope_type", "default")
-        if rope_type == "default":
-            base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-            exponent = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
-            inv_freq, scaling = 1.0 / (base**exponent), 1.0
-        else:
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", layer_type=layer_type)
-        with torch.no_grad():
-            self.inv_freq = inv_freq.float().to(self.inv_freq.device)
-        self.attention_scaling = float(scaling)
-
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """``positions``: ``[num_tokens]`` int64 -> ``(cos, signed_sin)``, each
-        ``[num_tokens, 1, head_dim]`` in ``dtype``, as :func:`apply_rotary` takes them.
-
-        ``signed_sin`` is ``sin`` with its first half negated, which folds rotate-half's sign
-        into the table once per step instead of once per layer.
-        """
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        cos = (freqs.cos() * self.attention_scaling).repeat(1, 2)
-        sin = freqs.sin() * self.attention_scaling
-        signed_sin = torch.cat((-sin, sin), dim=-1)
-        return cos.to(dtype)[:, None, :], signed_sin.to(dtype)[:, None, :]
 
 
 # ``[..., 2 * intermediate]`` (gate, then up) -> ``act(gate) * up``, by activation name.

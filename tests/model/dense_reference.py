@@ -25,6 +25,8 @@ class DenseMaskedAttention:
         block_size: decode-time eviction slack (compress at ``budget + block_size``).
         num_prompt_tokens: prompt length (compression at the end of the prompt).
         kernel_size, pooling: SnapKV score smoothing.
+        logit_softcap: the model's attention soft-cap (``cap * tanh(x / cap)`` of the scaled
+            logits, in attention and in the scores), or ``None``.
     """
 
     def __init__(
@@ -36,6 +38,7 @@ class DenseMaskedAttention:
         num_prompt_tokens,
         kernel_size=7,
         pooling="max",
+        logit_softcap=None,
     ):
         self.budgets = budgets
         self.window = window
@@ -43,12 +46,13 @@ class DenseMaskedAttention:
         self.num_prompt = num_prompt_tokens
         self.kernel_size = kernel_size
         self.pooling = pooling
+        self.softcap = logit_softcap
         self.keys = [None] * num_layers  # [KVH, T, d]
         self.values = [None] * num_layers
         self.queries = [None] * num_layers  # [H, T, d]
         self.kept = [None] * num_layers  # [KVH, T] bool
 
-    def attend(self, layer, q, k, v, scale):
+    def attend(self, layer, q, k, v, scale, sliding_window=None):
         q, k, v = q.double(), k.double(), v.double()
         new_q, new_k, new_v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
         num_kv = new_k.shape[0]
@@ -63,11 +67,16 @@ class DenseMaskedAttention:
             self.kept[layer] = torch.cat([self.kept[layer], ones], 1)
         total = self.keys[layer].shape[1]
         num_new = new_q.shape[1]
-        out = self._attention(layer, new_q, total - num_new, scale)
+        out = self._attention(layer, new_q, total - num_new, scale, sliding_window)
         self._maybe_compress(layer, total, scale)
         return out.transpose(0, 1).float()
 
-    def _attention(self, layer, queries, first_position, scale):
+    def _cap(self, logits):
+        if self.softcap is None:
+            return logits
+        return torch.tanh(logits / self.softcap) * self.softcap
+
+    def _attention(self, layer, queries, first_position, scale, sliding_window=None):
         keys, values, kept = self.keys[layer], self.values[layer], self.kept[layer]
         num_heads, num_kv = queries.shape[0], keys.shape[0]
         group = num_heads // num_kv
@@ -77,8 +86,10 @@ class DenseMaskedAttention:
         positions = torch.arange(keys.shape[1])
         query_positions = first_position + torch.arange(queries.shape[1])
         causal = positions[None, :] <= query_positions[:, None]  # [n, T]
+        if sliding_window is not None:
+            causal &= positions[None, :] > query_positions[:, None] - sliding_window
         mask = visible & causal[None]
-        scores = torch.matmul(queries, keys.transpose(1, 2)) * scale
+        scores = self._cap(torch.matmul(queries, keys.transpose(1, 2)) * scale)
         scores = scores.masked_fill(~mask, float("-inf"))
         return torch.matmul(torch.softmax(scores, -1), values)
 
@@ -107,7 +118,7 @@ class DenseMaskedAttention:
             per_head = []
             for g in range(group):
                 qh = queries[h * group + g]  # [W, d]
-                logits = qh @ keys.T * scale  # [W, n]
+                logits = self._cap(qh @ keys.T * scale)  # [W, n]
                 causal = torch.arange(n)[None, :] <= (n - w + torch.arange(w))[:, None]
                 logits = logits.masked_fill(~causal, float("-inf"))
                 attn = torch.softmax(logits, -1)[:, : n - w].mean(0)  # [n - w]
