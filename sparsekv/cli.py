@@ -112,7 +112,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--request-timeout",
         type=float,
         default=None,
-        help="seconds before a request is aborted; also the SIGTERM drain limit (default: none)",
+        help="seconds before a request is aborted (default: none)",
+    )
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="after SIGTERM, seconds running requests may take to finish before they are "
+        "aborted; new requests get 503 meanwhile, a second signal exits at once (default: 30)",
     )
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
