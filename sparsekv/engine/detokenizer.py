@@ -25,16 +25,28 @@ from sparsekv.sampling_params import SamplingParams
 _REPLACEMENT_CHAR = "\ufffd"
 # Prompt ids decoded as context for the first output tokens (vLLM uses 5 to 6).
 PROMPT_CONTEXT_TOKENS = 6
-# An unfinished UTF-8 character holds at most 3 bytes, hence at most 3 trailing prompt ids.
-_MAX_UNFINISHED_IDS = 3
+
+
+def prompt_context(tokenizer, ids: Sequence[int], skip_special_tokens: bool = True) -> list[int]:
+    """The prompt's last ``PROMPT_CONTEXT_TOKENS`` ids, extended to the left (by up to 3 ids)
+    while they start inside a character, so their decode starts on a character boundary."""
+    start = max(0, len(ids) - PROMPT_CONTEXT_TOKENS)
+    lowest = max(0, start - 3)
+    while start > lowest:
+        text = tokenizer.decode(list(ids[start:]), skip_special_tokens=skip_special_tokens)
+        if not text.startswith(_REPLACEMENT_CHAR):
+            break
+        start -= 1
+    return list(ids[start:])
 
 
 def unfinished_tail(tokenizer, ids: Sequence[int], skip_special_tokens: bool = True) -> int:
-    """How many trailing ``ids`` end in an unfinished UTF-8 character (0 to 3): their text
-    belongs to the output that completes it."""
-    context = list(ids[-PROMPT_CONTEXT_TOKENS:])
-    end, lowest = len(context), max(0, len(context) - _MAX_UNFINISHED_IDS)
-    while end > lowest:
+    """How many trailing ``ids`` end in an unfinished UTF-8 character: their text belongs to
+    the output that completes it (an unfinished character holds at most 3 bytes, but skipped
+    special tokens may sit between them)."""
+    context = prompt_context(tokenizer, ids, skip_special_tokens)
+    end = len(context)
+    while end > 0:
         text = tokenizer.decode(context[:end], skip_special_tokens=skip_special_tokens)
         if not text.endswith(_REPLACEMENT_CHAR):
             break
@@ -65,8 +77,8 @@ class IncrementalDetokenizer:
     depend on context (leading-space stripping, byte fallback) consistent with a full decode,
     at two decodes of a few ids per token.
 
-    The window starts inside the prompt: its last ``PROMPT_CONTEXT_TOKENS`` ids are decoding
-    context, and prompt ids that end in an unfinished UTF-8 character count as not yet read,
+    The window starts inside the prompt: its last ``PROMPT_CONTEXT_TOKENS`` ids (more if
+    they start inside a character) are decoding context, and prompt ids that end in an unfinished UTF-8 character count as not yet read,
     so the output's first complete text includes that character. The output text is therefore
     ``decode(prompt_ids + output_ids)`` minus ``prompt_text``, streamed or not.
 
@@ -84,7 +96,7 @@ class IncrementalDetokenizer:
         self._stops = [s for s in params.stop if s]
         self._include_stop = params.include_stop_str_in_output
         self._min_tokens = params.min_tokens
-        context = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
+        context = prompt_context(tokenizer, prompt_ids, self._skip_special_tokens)
         self._num_context = len(context)
         self._ids: list[int] = context  # prompt context, then the output ids
         self._read_offset = len(context) - unfinished_tail(
