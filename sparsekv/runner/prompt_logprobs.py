@@ -28,9 +28,7 @@ def prompt_logprob_rows(first: int, num_new: int, num_prompt: int) -> range:
 
 
 @torch.inference_mode()
-def prompt_logprobs(
-    model, hidden: torch.Tensor, targets: list[int], num_top: int
-) -> list[Logprob]:
+def prompt_logprobs(model, hidden: torch.Tensor, targets: list[int], num_top: int) -> list[Logprob]:
     """One record per row of ``hidden``.
 
     Args:

@@ -194,9 +194,7 @@ async def create_chat_completion(
     if body.stream:
         usage_chunk = formatter.usage_chunk if body.include_usage else None
         first = formatter.first_chunks()
-        events = sse_stream(
-            ctx, stream, timer, first, formatter.chunks, usage_chunk, formatter.cut
-        )
+        events = sse_stream(ctx, stream, timer, first, formatter.chunks, usage_chunk, formatter.cut)
         return streaming_response(ctx, events, stream, headers)
     output = await run_to_end(ctx, http_request, stream, timer)
     if output is None:

@@ -249,7 +249,7 @@ INVALID = [
     ("completions", {"prompt": LONG_PROMPT, "max_tokens": 1}, 400, "prompt"),
     ("completions", {"prompt": LONG_PROMPT[:8000], "max_tokens": 500}, 400, "max_tokens"),
     ("chat", {"messages": [{"role": "user", "content": "hi " * 9000}]}, 400, "messages"),
-    ("completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("completions", {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
     ("completions", {"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
     ("completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
     ("completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),

@@ -23,7 +23,24 @@ pytestmark = pytest.mark.skipif(
 EMOJI_PROMPT = [57, 2606, 451, 649, 33777, 42, 216, 187, 249]
 # Greedy: the bytes A8 AF complete F0 9F as U+1FA2F.
 EMOJI_TEXT = "\U0001fa2f\n\nI'm a bit of a wizard, and I'm"
-EMOJI_OUTPUT_IDS = [118, 124, 198, 198, 57, 5248, 253, 3241, 282, 253, 267, 19341, 28, 284, 339, 5248]
+EMOJI_OUTPUT_IDS = [
+    118,
+    124,
+    198,
+    198,
+    57,
+    5248,
+    253,
+    3241,
+    282,
+    253,
+    267,
+    19341,
+    28,
+    284,
+    339,
+    5248,
+]
 CHAT = [{"role": "user", "content": "Name three colors."}]
 PARIS = "The capital of France is"
 PARIS_IDS = [504, 3575, 282, 4649, 314]

@@ -16,7 +16,6 @@ from sparsekv.config import CacheConfig, CompressionConfig, EngineConfig, ModelC
 from sparsekv.engine.engine_setup import build_engine_parts
 from sparsekv.engine.llm_engine import LLMEngine
 from sparsekv.server.app import create_app
-from sparsekv.server.serving import ServerSettings
 from tests.e2e.conftest import InProcessServer, read_metrics
 
 pytestmark = pytest.mark.skipif(
