@@ -214,8 +214,13 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     server.add_argument(
         "--request-timeout", type=float, default=None, metavar="SECONDS",
-        help="abort a request after this long; also how long SIGTERM waits for running "
-        "requests (default: none)",
+        help="abort a request after this long (default: none)",
+    )  # fmt: skip
+    server.add_argument(
+        "--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+        help="after SIGTERM, how long running requests may take to finish before they are "
+        "aborted; new requests get 503 meanwhile, a second signal exits at once "
+        "(default: %(default)s)",
     )  # fmt: skip
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)

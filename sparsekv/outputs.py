@@ -7,13 +7,17 @@ from dataclasses import dataclass, field
 
 @dataclass
 class KVStats:
-    """KV footprint of one request at its end.
+    """KV footprint of one request at its end, per token (averaged over layers).
+
+    The figures are per token of the request, averaged over the model's layers (each layer
+    caches its own K/V, so a full cache holds ``num_tokens`` slots in every layer): a
+    29-token request on 30 layers with nothing removed reports 29 kept of 29.
 
     Attributes:
         kept_per_layer: slots held per layer (KV heads of a layer always hold the same count).
-        evicted_per_layer: tokens removed per layer by compression so far.
-        num_tokens: logical tokens of the request (prompt + generated).
-        compression_ratio: effective ratio ``1 - sum(kept) / (num_layers * num_tokens)``.
+        evicted_per_layer: tokens removed per layer by compression so far (a sliding-window
+            layer dropping pages past its window removes nothing by compression).
+        num_tokens: logical tokens of the request whose K/V were computed.
     """
 
     kept_per_layer: list[int]
@@ -21,17 +25,31 @@ class KVStats:
     num_tokens: int
 
     @property
-    def tokens_kept(self) -> int:
-        return sum(self.kept_per_layer)
+    def tokens_kept(self) -> float:
+        """Slots held, averaged over layers (compression and sliding windows both lower it)."""
+        layers = len(self.kept_per_layer)
+        return 0.0 if layers == 0 else sum(self.kept_per_layer) / layers
 
     @property
     def tokens_full(self) -> int:
-        return len(self.kept_per_layer) * self.num_tokens
+        """Slots a full cache holds in each layer: the request's tokens."""
+        return self.num_tokens if self.kept_per_layer else 0
 
     @property
     def compression_ratio(self) -> float:
+        """Fraction of the full cache removed by compression: ``sum(evicted) / (num_layers *
+        num_tokens)``; 0 without compression, whatever the model's sliding windows drop."""
+        full = len(self.evicted_per_layer) * self.num_tokens
+        return 0.0 if full == 0 else min(1.0, sum(self.evicted_per_layer) / full)
+
+    @property
+    def window_ratio(self) -> float:
+        """Fraction of the full cache the model's sliding-window layers no longer hold:
+        ``1 - tokens_kept / tokens_full - compression_ratio`` (0 for models without them)."""
         full = self.tokens_full
-        return 0.0 if full == 0 else 1.0 - self.tokens_kept / full
+        if full == 0:
+            return 0.0
+        return max(0.0, 1.0 - self.tokens_kept / full - self.compression_ratio)
 
 
 @dataclass
@@ -43,11 +61,14 @@ class Logprob:
         logprob: its log-probability (natural log) under the raw model distribution
             (``log_softmax`` of the logits, before penalties and temperature).
         top: ``(token_id, logprob)`` pairs, most likely first (length = requested top-N).
+        rank: the token's rank in the distribution (1 = most likely); set for prompt
+            logprobs only.
     """
 
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None
 
 
 @dataclass
@@ -91,6 +112,9 @@ class RequestOutput:
         kv_stats: KV footprint per sample at the latest step (``None`` before prefill).
         error: message when the request failed inside the engine.
         metrics: timestamps in seconds (``arrival``, ``first_token``, ``last_token``).
+        prompt_logprobs: when ``SamplingParams.prompt_logprobs`` was set, one entry per prompt
+            token: ``None`` for the first, then the token's ``Logprob`` given the tokens
+            before it (filled as the prefill runs).
     """
 
     request_id: str
@@ -100,3 +124,4 @@ class RequestOutput:
     kv_stats: KVStats | None = None
     error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    prompt_logprobs: list[Logprob | None] | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
@@ -30,11 +31,18 @@ class SamplingParams:
             accepted and becomes a one-element list).
         stop_token_ids: token ids that end generation (besides EOS).
         ignore_eos: keep generating past EOS.
-        max_tokens: most tokens to generate.
+        max_tokens: most tokens to generate; ``0`` runs only the prefill (for
+            ``prompt_logprobs``) and generates nothing.
         min_tokens: EOS, ``stop_token_ids`` and stop strings are ignored until this many tokens
             were generated.
         logprobs: ``None`` for none; else the log-probability of each sampled token plus the
             ``logprobs`` (0-20) most likely alternatives.
+        prompt_logprobs: ``None`` for none; else the log-probability of every prompt token
+            after the first, given the tokens before it, plus the ``prompt_logprobs`` (0-20)
+            most likely alternatives at each position. Computed during the prefill; with
+            ``kv_compression.scope = "context"`` the positions after the context see the
+            compressed context, otherwise every position sees the whole prompt (compression
+            runs at the end of the prompt). A request asking for them gets no prefix-cache hit.
         include_stop_str_in_output: keep the matched stop string in the text.
         skip_special_tokens: leave special tokens out of the text.
     """
@@ -54,6 +62,7 @@ class SamplingParams:
     max_tokens: int = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
@@ -93,8 +102,8 @@ class SamplingParams:
     def _validate_counts(self) -> None:
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
-        if not _is_int(self.max_tokens) or self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be an integer >= 0, got {self.max_tokens!r}")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if self.min_tokens > self.max_tokens:
@@ -105,10 +114,22 @@ class SamplingParams:
             not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}"
+            )
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
 
     def _validate_distribution(self) -> None:
+        for name in ("temperature", "top_p", "min_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
@@ -119,7 +140,7 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
 
     def _validate_penalties(self) -> None:
-        if not self.repetition_penalty > 0:
+        if not math.isfinite(self.repetition_penalty) or not self.repetition_penalty > 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
         if not -2 <= self.presence_penalty <= 2:
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}")

@@ -1,9 +1,13 @@
-"""Incremental detokenization with stop strings (REFERENCE.md §5, "Text").
+"""Incremental detokenization with stop strings, using the prompt's last tokens as context.
 
 Invariants:
 
-- With no stop string fired, the deltas of ``append`` plus ``flush()`` concatenate to exactly
-  ``tokenizer.decode(output_ids, skip_special_tokens=...)``.
+- With no stop string fired, ``prompt_text`` plus the deltas of ``append`` plus ``flush()``
+  concatenate to exactly ``tokenizer.decode(prompt_ids + output_ids, skip_special_tokens=...)``
+  (``prompt_text`` is the prompt's text up to its last complete character).
+- Bytes of a character that the prompt leaves unfinished are completed by the output: a
+  prompt ending in the first two bytes of an emoji and an output holding the other two gives
+  an output text starting with the emoji, not with U+FFFD.
 - A delta never ends inside a UTF-8 character: while the decoded window ends in U+FFFD the
   text is held back (``flush`` releases it, replacement character included, at EOS / length).
 - Text that could be the start of a stop string is held back until it cannot be, so a stop
@@ -19,6 +23,35 @@ from dataclasses import dataclass
 from sparsekv.sampling_params import SamplingParams
 
 _REPLACEMENT_CHAR = "\ufffd"
+# Prompt ids decoded as context for the first output tokens (vLLM uses 5 to 6).
+PROMPT_CONTEXT_TOKENS = 6
+
+
+def prompt_context(tokenizer, ids: Sequence[int], skip_special_tokens: bool = True) -> list[int]:
+    """The prompt's last ``PROMPT_CONTEXT_TOKENS`` ids, extended to the left (by up to 3 ids)
+    while they start inside a character, so their decode starts on a character boundary."""
+    start = max(0, len(ids) - PROMPT_CONTEXT_TOKENS)
+    lowest = max(0, start - 3)
+    while start > lowest:
+        text = tokenizer.decode(list(ids[start:]), skip_special_tokens=skip_special_tokens)
+        if not text.startswith(_REPLACEMENT_CHAR):
+            break
+        start -= 1
+    return list(ids[start:])
+
+
+def unfinished_tail(tokenizer, ids: Sequence[int], skip_special_tokens: bool = True) -> int:
+    """How many trailing ``ids`` end in an unfinished UTF-8 character: their text belongs to
+    the output that completes it (an unfinished character holds at most 3 bytes, but skipped
+    special tokens may sit between them)."""
+    context = prompt_context(tokenizer, ids, skip_special_tokens)
+    end = len(context)
+    while end > 0:
+        text = tokenizer.decode(context[:end], skip_special_tokens=skip_special_tokens)
+        if not text.endswith(_REPLACEMENT_CHAR):
+            break
+        end -= 1
+    return len(context) - end
 
 
 @dataclass
@@ -44,13 +77,14 @@ class IncrementalDetokenizer:
     depend on context (leading-space stripping, byte fallback) consistent with a full decode,
     at two decodes of a few ids per token.
 
-    The text is defined as ``decode(output_ids)``: the prompt is not used as decoding context,
-    so ``text`` matches what a non-streaming response reports.
+    The window starts inside the prompt: its last ``PROMPT_CONTEXT_TOKENS`` ids (more if
+    they start inside a character) are decoding context, and prompt ids that end in an unfinished UTF-8 character count as not yet read,
+    so the output's first complete text includes that character. The output text is therefore
+    ``decode(prompt_ids + output_ids)`` minus ``prompt_text``, streamed or not.
 
     Args:
         tokenizer: a Hugging Face tokenizer (only ``decode`` is used).
-        prompt_ids: the request's prompt ids (part of the interface; unused, since the output
-            text never depends on them).
+        prompt_ids: the request's prompt ids (their tail is decoding context).
         params: ``stop``, ``include_stop_str_in_output``, ``skip_special_tokens`` and
             ``min_tokens`` (stop strings fire only once that many tokens were generated) are
             read.
@@ -62,9 +96,14 @@ class IncrementalDetokenizer:
         self._stops = [s for s in params.stop if s]
         self._include_stop = params.include_stop_str_in_output
         self._min_tokens = params.min_tokens
-        self._output_ids: list[int] = []
-        self._prefix_offset = 0
-        self._read_offset = 0
+        context = prompt_context(tokenizer, prompt_ids, self._skip_special_tokens)
+        self._num_context = len(context)
+        self._ids: list[int] = context  # prompt context, then the output ids
+        self._read_offset = len(context) - unfinished_tail(
+            tokenizer, context, self._skip_special_tokens
+        )
+        self._prefix_offset = max(0, self._read_offset - 5)
+        self._num_pending_prompt = len(context) - self._read_offset
         self._decoded = ""  # all complete text decoded so far (released + held back)
         self._num_released = 0  # characters of ``_decoded`` released as deltas
         self.stop: str | None = None
@@ -77,7 +116,12 @@ class IncrementalDetokenizer:
     @property
     def output_ids(self) -> list[int]:
         """The generated ids appended so far."""
-        return list(self._output_ids)
+        return self._ids[self._num_context :]
+
+    @property
+    def num_unfinished_prompt_ids(self) -> int:
+        """Trailing prompt ids whose character is unfinished (their text is output text)."""
+        return self._num_pending_prompt
 
     def append(self, token_id: int) -> DetokenizerStep:
         """Adds one generated token.
@@ -92,13 +136,13 @@ class IncrementalDetokenizer:
         """
         if self.stop is not None:
             return DetokenizerStep("", self.stop)
-        self._output_ids.append(token_id)
+        self._ids.append(token_id)
         new_text = self._decode_new_text()
         if not new_text:
             return DetokenizerStep("")
         num_old = len(self._decoded)
         self._decoded += new_text
-        if len(self._output_ids) >= self._min_tokens:
+        if len(self._ids) - self._num_context >= self._min_tokens:
             match = self._find_stop(num_old)
             if match is not None:
                 return self._release_until_stop(*match)
@@ -108,21 +152,21 @@ class IncrementalDetokenizer:
         """Releases everything held back, at EOS or the length limit.
 
         Returns:
-            The rest of ``decode(output_ids)`` (a trailing partial character comes out as
-            U+FFFD, as in the full decode); ``""`` after a stop string matched. Stop strings
-            are not searched in this last piece.
+            The rest of the text (a character that never completed comes out as U+FFFD, as
+            in the full decode); ``""`` after a stop string matched or when no output id came.
+            Stop strings are not searched in this last piece.
         """
         if self.stop is not None:
             return ""
-        if self._read_offset < len(self._output_ids):
+        if self._read_offset < len(self._ids) and len(self._ids) > self._num_context:
             prefix_text = self._decode(self._prefix_offset, self._read_offset)
             self._decoded += self._decode(self._prefix_offset, None)[len(prefix_text) :]
-            self._prefix_offset = self._read_offset = len(self._output_ids)
+            self._prefix_offset = self._read_offset = len(self._ids)
         return self._release(len(self._decoded))
 
     def _decode(self, start: int, end: int | None) -> str:
-        ids = self._output_ids[start:end]
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+        window = self._ids[start:end]
+        return self._tokenizer.decode(window, skip_special_tokens=self._skip_special_tokens)
 
     def _decode_new_text(self) -> str:
         """Complete text the window gained, advancing the offsets; ``""`` while incomplete."""
@@ -131,7 +175,7 @@ class IncrementalDetokenizer:
         if len(window_text) <= len(prefix_text) or window_text.endswith(_REPLACEMENT_CHAR):
             return ""
         self._prefix_offset = self._read_offset
-        self._read_offset = len(self._output_ids)
+        self._read_offset = len(self._ids)
         return window_text[len(prefix_text) :]
 
     def _find_stop(self, num_old: int) -> tuple[int, str] | None:

@@ -136,13 +136,19 @@ class LLMEngine:
             request.collect_logits = collect_logits
             if context_len is not None:
                 request.context_len = context_len
-                request.context_key = _context_key(policy, budgets, prompt_token_ids, context_len)
+                # Prompt logprobs need every context row computed: no shared context.
+                if params.prompt_logprobs is None:
+                    key = _context_key(policy, budgets, prompt_token_ids, context_len)
+                    request.context_key = key
             self.kv.register(sample_id, budgets, kv_policy)
             detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
             logprobs = [] if params.logprobs is not None else None
             samples.append(op.SampleState(request, detok, logprobs))
             self._sample_owner[sample_id] = request_id
-        self._groups[request_id] = op.RequestGroup(request_id, list(prompt_token_ids), samples)
+        group = op.RequestGroup(request_id, list(prompt_token_ids), samples)
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None]  # the first prompt token has no context
+        self._groups[request_id] = group
         for state in samples:
             self.scheduler.add(state.request)
         self.stats.num_prompt_tokens += len(prompt_token_ids) * params.n
@@ -233,14 +239,21 @@ class LLMEngine:
         now = time.monotonic()
         touched: dict[str, op.RequestGroup] = {}
         for item in scheduled.scheduled:
-            if not item.samples:
-                continue
             request = item.request
             owner = self._sample_owner.get(request.request_id)
             group = self._groups.get(owner) if owner is not None else None
             if group is None:
                 continue
+            chunk = result.prompt_logprobs.get(request.request_id)
+            if chunk is not None and request.sample_index == 0:
+                op.add_prompt_logprobs(group, *chunk)
+            if not item.samples:
+                continue
             state = group.samples[request.sample_index]
+            if request.sampling_params.max_tokens == 0:  # prefill only: nothing is appended
+                self._finish(state, "length")
+                touched[group.request_id] = group
+                continue
             token = result.token_ids[request.request_id]
             if request.forced_token_ids is not None:
                 forced = request.forced_token_ids
@@ -307,17 +320,19 @@ class LLMEngine:
         return self._emit(touched)
 
     def kv_usage(self) -> dict[str, float]:
-        """Pool occupancy and the engine-wide effective compression ratio."""
-        held = full = 0
+        """Pool occupancy and the fraction of the running requests' full caches removed by
+        compression (slots evicted over ``num_layers * tokens``; sliding-window layers dropping
+        pages past their window do not count)."""
+        evicted = full = 0
         for request in self.scheduler.running:
             if self.kv.has(request.request_id):
                 request_kv = self.kv.get(request.request_id)
-                held += sum(request_kv.kept_per_layer())
+                evicted += sum(request_kv.evicted_per_layer())
                 full += len(request_kv.layers) * request.num_computed_tokens
         return {
             "pages_used": self.kv.num_total_pages - self.kv.num_free_pages,
             "pages_total": self.kv.num_total_pages,
-            "compression_ratio": 0.0 if full == 0 else 1.0 - held / full,
+            "compression_ratio": 0.0 if full == 0 else min(1.0, evicted / full),
         }
 
 

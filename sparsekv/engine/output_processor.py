@@ -38,6 +38,7 @@ class RequestGroup:
     first_token_time: float | None = None
     last_token_time: float | None = None
     error: str | None = None
+    prompt_logprobs: list[Logprob | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -99,6 +100,15 @@ def cacheable_token_ids(state: SampleState, tokenizer, block_size: int) -> list[
     return tokens[:n_prompt]
 
 
+def add_prompt_logprobs(group: RequestGroup, start: int, records: list[Logprob]) -> None:
+    """Store the records of prompt positions ``start ..``; positions already stored (a
+    preempted request recomputing its prompt) are kept as they are."""
+    stored = group.prompt_logprobs
+    if stored is None or start > len(stored):
+        return
+    stored.extend(records[len(stored) - start :])
+
+
 def build_output(group: RequestGroup) -> RequestOutput:
     """Snapshot of a group, with deltas since the previous snapshot."""
     outputs = []
@@ -133,6 +143,7 @@ def build_output(group: RequestGroup) -> RequestOutput:
         kv_stats=_merge_stats(stats) if stats else None,
         error=group.error,
         metrics=metrics,
+        prompt_logprobs=list(group.prompt_logprobs) if group.prompt_logprobs is not None else None,
     )
 
 

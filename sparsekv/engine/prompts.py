@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from sparsekv.engine.token_bytes import TokenBytes
+
 Prompt = str | Sequence[int] | Sequence[dict]
 
 
@@ -12,9 +14,11 @@ def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
 
     Args:
         tokenizer: a transformers tokenizer with a chat template.
-        prompt: text (tokenized as is, with the tokenizer's own special-token rule), a list of
-            token ids, or a list of chat messages ``{"role", "content"}`` (rendered with the
-            chat template and the assistant header; the template's BOS is not doubled).
+        prompt: text (tokenized with the tokenizer's own special-token rule, except that a
+            text that already starts with the BOS token's text, such as a chat-templated
+            Gemma 3 prompt, gets no second BOS), a list of token ids, or a list of chat
+            messages ``{"role", "content"}`` (rendered with the chat template and the
+            assistant header; the template's BOS is not doubled).
 
     Raises:
         ValueError: an empty prompt or a malformed message list.
@@ -22,7 +26,7 @@ def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("prompt: the prompt is empty")
-        return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        return _single_bos(tokenizer, prompt, list(tokenizer(prompt)["input_ids"]))
     items = list(prompt)
     if not items:
         raise ValueError("prompt: the prompt is empty")
@@ -31,6 +35,26 @@ def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
     if all(isinstance(m, dict) for m in items):
         return render_chat(tokenizer, items)
     raise ValueError("prompt: expected text, a list of token ids, or a list of chat messages")
+
+
+def _single_bos(tokenizer, text: str, ids: list[int]) -> list[int]:
+    """``ids`` without the BOS the tokenizer added in front of a text that starts with BOS."""
+    bos_id = getattr(tokenizer, "bos_token_id", None)
+    bos_text = getattr(tokenizer, "bos_token", None)
+    if bos_id is not None and bos_text and text.startswith(bos_text) and ids[:2] == [bos_id] * 2:
+        return ids[1:]
+    return ids
+
+
+def max_prompt_chars(token_bytes: TokenBytes, max_model_len: int) -> int:
+    """The most characters a text prompt that fits in ``max_model_len`` tokens can have.
+
+    Every token covers at most as many characters of the text as its raw bytes, and a prompt
+    that fits has at most ``max_model_len - 1`` tokens, so a longer text can be rejected
+    before tokenizing it. (Tokenizers whose normalizer deletes characters are not bounded
+    this way; none of the built-in models has one.)
+    """
+    return token_bytes.longest * max(1, max_model_len - 1)
 
 
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:

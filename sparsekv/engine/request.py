@@ -107,8 +107,10 @@ class Request:
         whose budgeted layers may compact (``may_compact``) recomputes its observation window
         too (its stored window queries and scores come only from computed rows); then H2O
         (attention mass of every query) and bounded chunked compression (compacts after every
-        chunk) get no hit.
+        chunk) get no hit; nor does a request that asks for prompt logprobs.
         """
+        if self.sampling_params.prompt_logprobs is not None:
+            return 0  # every prompt row must run to give its logprob
         policy = self.compression
         if policy is None or not may_compact:
             return self.num_prompt_tokens - 1

@@ -17,6 +17,7 @@ from sparsekv.engine.scheduler_output import SchedulerOutput
 from sparsekv.kv_cache.manager import KVCacheManager
 from sparsekv.models.fused import ops as fused
 from sparsekv.outputs import Logprob
+from sparsekv.runner.prompt_logprobs import prompt_logprob_rows, prompt_logprobs
 from sparsekv.sampling.sampler import Sampler, SamplingBatch
 
 
@@ -28,11 +29,14 @@ class RunnerOutput:
         token_ids: request id -> sampled token (only requests that sampled).
         logprobs: request id -> logprob record (only where logprobs were requested).
         logits: request id -> fp32 ``[vocab_size]`` logits (only where collected).
+        prompt_logprobs: request id -> (position of the first predicted prompt token, one
+            record per predicted token) for prefill chunks of requests that asked for them.
     """
 
     token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, Logprob] = field(default_factory=dict)
     logits: dict[str, torch.Tensor] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[int, list[Logprob]]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -95,6 +99,7 @@ class ModelRunner:
         with fused.native_scope():  # the fused ops' checks once per step, not per call
             hidden = self.model(ids, pos, ctx)
             ctx.finish()
+        self._prompt_logprobs(out, slices, hidden, result)
         sampling = [(s, item) for s, item in zip(slices, out.scheduled) if item.samples]
         if not sampling:
             return result
@@ -121,6 +126,22 @@ class ModelRunner:
                 num_top = request.sampling_params.logprobs
                 result.logprobs[request.request_id] = _logprob_record(sampled, i, num_top)
         return result
+
+    def _prompt_logprobs(self, out: SchedulerOutput, slices, hidden, result) -> None:
+        """Records for the prompt tokens this step's prefill rows predict (where asked)."""
+        for s, item in zip(slices, out.scheduled):
+            request = item.request
+            num_top = request.sampling_params.prompt_logprobs
+            if num_top is None:
+                continue
+            first = request.num_computed_tokens
+            rows = prompt_logprob_rows(first, s.num_new, request.num_prompt_tokens)
+            if len(rows) == 0:
+                continue
+            targets = request.prompt_token_ids[first + 1 : first + 1 + len(rows)]
+            block = hidden[s.start : s.start + len(rows)]
+            records = prompt_logprobs(self.model, block, targets, num_top)
+            result.prompt_logprobs[request.request_id] = (first + 1, records)
 
 
 def _logprob_record(sampled, row: int, num_top: int) -> Logprob:

@@ -1,17 +1,23 @@
 """The OpenAI-compatible HTTP server: FastAPI app, lifespan, and ``sparsekv serve``.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics. Readiness (CONTRACTS.md §4-§5): /health answers 200 only once the model is loaded
-and a one-token warm-up generation has run, and 503 if the engine loop died or the server is
-draining after SIGTERM.
+GET /metrics. Readiness: /health answers 200 only once the model is loaded and a one-token
+warm-up generation has run, and 503 if the engine loop died or the server is draining.
+
+Drain: on SIGTERM (or SIGINT) the listener stays open; new /v1 requests get 503 with the code
+``draining`` while the requests in flight finish, for at most ``--shutdown-timeout`` seconds
+(then they are aborted: a stream gets a final chunk and an error event). The server then
+exits with status 0. A second signal exits at once, with status 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import signal
+import time
 from collections.abc import Awaitable
 from contextlib import asynccontextmanager
 
@@ -26,13 +32,15 @@ from sparsekv.server.completions import create_completion
 from sparsekv.server.errors import APIError, install_error_handlers
 from sparsekv.server.faults import FAULT_MARKER_ENV
 from sparsekv.server.metrics import CONTENT_TYPE
-from sparsekv.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
+from sparsekv.server.middleware import APIKeyMiddleware, BodyLimitMiddleware, DrainMiddleware
 from sparsekv.server.protocol import ChatCompletionRequest, CompletionRequest
-from sparsekv.server.serving import ServerContext, ServerSettings
+from sparsekv.server.serving import ServerContext, ServerSettings, draining_error
 
 logger = logging.getLogger("sparsekv.server")
 
 API_KEY_ENV = "SPARSEKV_API_KEY"
+# After the shutdown timeout aborted the requests in flight, how long their answers may take.
+ABORT_GRACE_S = 5.0
 
 
 async def warm_up(ctx: ServerContext) -> None:
@@ -55,6 +63,13 @@ def _lifespan(ctx: ServerContext):
     async def lifespan(_: FastAPI):
         ctx.engine.start()
         await warm_up(ctx)
+        await asyncio.to_thread(lambda: ctx.max_prompt_chars)  # one pass over the vocabulary
+        if ctx.engine.engine.config.cache.enable_prefix_caching and not ctx.prefix_caching:
+            logger.warning(
+                "prefix caching is off: %s has sliding-window layers, whose pages past the "
+                "window are freed and cannot be shared",
+                ctx.model_name,
+            )
         ctx.is_ready = True
         logger.info("sparsekv is ready: serving %s", ctx.model_name)
         try:
@@ -116,6 +131,7 @@ def create_app(engine: LLMEngine, settings: ServerSettings | None = None) -> Fas
         raise APIError(404, f"unknown endpoint /v1/{path}", code="not_found")
 
     app.add_middleware(BodyLimitMiddleware, max_bytes=ctx.settings.max_body_bytes)
+    app.add_middleware(DrainMiddleware, ctx=ctx, draining_error=draining_error)
     app.add_middleware(APIKeyMiddleware, api_key=ctx.settings.api_key)  # outermost: auth first
     return app
 
@@ -139,27 +155,54 @@ def _model_card(ctx: ServerContext) -> dict:
         "created": ctx.created,
         "owned_by": "sparsekv",
         "max_model_len": ctx.max_model_len,
+        "prefix_caching": ctx.prefix_caching,
     }
 
 
 class _DrainingServer(uvicorn.Server):
-    """uvicorn's server, marking the app as draining (503 for new requests) on SIGTERM/SIGINT."""
+    """uvicorn's server with a drain on the first SIGTERM/SIGINT and an exit on the second.
+
+    uvicorn would close its listener at the first signal; here the app keeps serving (503
+    ``draining`` for new /v1 requests) until the requests in flight are answered or the
+    shutdown timeout aborted them, and only then shuts uvicorn down.
+    """
 
     def __init__(self, config: uvicorn.Config, ctx: ServerContext) -> None:
         super().__init__(config)
         self.ctx = ctx
+        self.drain_started: float | None = None
+        self.aborted_at: float | None = None
 
     def handle_exit(self, sig, frame) -> None:
+        if self.drain_started is not None:
+            logger.warning("second signal: exiting now, in-flight requests are cut")
+            os._exit(1)
+        logger.info("draining: %d requests in flight", self.ctx.num_in_flight)
         self.ctx.is_draining = True
-        super().handle_exit(sig, frame)
+        self.drain_started = time.monotonic()
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.drain_started is not None and not self.should_exit:
+            self.should_exit = self._drained(time.monotonic())
+        return await super().on_tick(counter)
+
+    def _drained(self, now: float) -> bool:
+        if self.ctx.num_in_flight == 0:
+            return True
+        if self.aborted_at is None:
+            if now - self.drain_started >= self.ctx.settings.shutdown_timeout:
+                logger.warning("shutdown timeout: aborting %d requests", len(self.ctx.running_ids))
+                self.ctx.abort_running()
+                self.aborted_at = now
+            return False
+        return now - self.aborted_at >= ABORT_GRACE_S
 
 
 def serve(args: argparse.Namespace) -> int:
     """``sparsekv serve``: load the model, warm up, and serve until SIGTERM (exit code 0).
 
-    On SIGTERM uvicorn stops accepting connections, waits for running requests (at most
-    ``--request-timeout`` seconds, then cancels them, which aborts them), and the lifespan
-    shutdown aborts whatever is left and stops the engine loop.
+    On SIGTERM the server drains (see the module docstring), then the lifespan shutdown
+    aborts whatever is left and stops the engine loop.
 
     Raises:
         ValueError: invalid flags or a missing model.
@@ -174,12 +217,15 @@ def serve(args: argparse.Namespace) -> int:
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         max_body_bytes=args.max_body_bytes,
         request_timeout=args.request_timeout,
+        shutdown_timeout=args.shutdown_timeout,
         fault_marker=os.environ.get(FAULT_MARKER_ENV) or None,
     )
     if settings.max_body_bytes < 1:
         raise ValueError("max_body_bytes must be >= 1")
     if settings.request_timeout is not None and settings.request_timeout <= 0:
         raise ValueError("request_timeout must be > 0 seconds")
+    if not settings.shutdown_timeout >= 0:
+        raise ValueError("shutdown_timeout must be >= 0 seconds")
     if settings.fault_marker:
         logger.warning("test-only fault injection is on (%s)", FAULT_MARKER_ENV)
     logger.info("loading %s", config.model.model)
@@ -189,12 +235,12 @@ def serve(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         log_level="info",
-        timeout_graceful_shutdown=settings.request_timeout,
+        timeout_graceful_shutdown=ABORT_GRACE_S,  # the drain already waited
     )
     server = _DrainingServer(uv_config, app.state.ctx)
     # uvicorn re-raises the caught signal after its graceful shutdown; with the default
     # handlers that would kill the process (SIGTERM) or raise KeyboardInterrupt (SIGINT).
-    # No-op handlers make the drained shutdown exit 0 (CONTRACTS.md §5).
+    # No-op handlers make the drained shutdown exit 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
     signal.signal(signal.SIGINT, lambda *_: None)
     server.run()

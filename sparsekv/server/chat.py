@@ -16,6 +16,7 @@ from sparsekv.server.protocol import ChatCompletionRequest, ChatMessage
 from sparsekv.server.serving import (
     ServerContext,
     new_id,
+    response_headers,
     run_to_end,
     sampling_params,
     sse_stream,
@@ -52,10 +53,13 @@ def _num_top_logprobs(body: ChatCompletionRequest) -> int | None:
     return body.top_logprobs or 0
 
 
-def _logprob_content(tokenizer, records: list[Logprob]) -> list[dict]:
+def _logprob_content(tokenizer, token_bytes, records: list[Logprob]) -> list[dict]:
+    """OpenAI's ``logprobs.content``; ``bytes`` are the token's raw bytes, so a client can
+    rebuild a character split over several tokens (``token`` then shows U+FFFD)."""
+
     def entry(token_id: int, logprob: float) -> dict:
         text = tokenizer.decode([token_id])
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": text, "logprob": logprob, "bytes": list(token_bytes(token_id))}
 
     return [
         {**entry(r.token_id, r.logprob), "top_logprobs": [entry(t, lp) for t, lp in r.top]}
@@ -105,7 +109,7 @@ class ChatFormatter:
     def _logprobs(self, completion: CompletionOutput, records) -> dict | None:
         if not self.want_logprobs or completion.logprobs is None:
             return None
-        return {"content": _logprob_content(self.ctx.tokenizer, records)}
+        return {"content": _logprob_content(self.ctx.tokenizer, self.ctx.token_bytes, records)}
 
     def chunks(self, output: RequestOutput) -> list[dict]:
         """Content deltas, then exactly one terminal chunk per choice."""
@@ -122,6 +126,12 @@ class ChatFormatter:
                 choice = self._choice(completion.index, {}, None, completion.finish_reason)
                 result.append(self._chunk([choice]))
         return result
+
+    def cut(self, finish_reason: str) -> list[dict]:
+        """Terminal chunks for the choices a cut stream left unfinished."""
+        missing = [i for i in range(self.num_choices) if i not in self.terminated]
+        self.terminated.update(missing)
+        return [self._chunk([self._choice(i, {}, None, finish_reason)]) for i in missing]
 
     def usage_chunk(self, output: RequestOutput) -> dict:
         """The final chunk with empty ``choices`` and the usage."""
@@ -154,14 +164,19 @@ async def create_chat_completion(
     """Serve one chat completion request (streamed or not)."""
     ctx.check_model(body.model)
     ctx.check_available()
+    headers = response_headers(body)
     timer = ctx.metrics.timer()  # observed only once the request is admitted
     messages = _message_dicts(body.messages)
+    ctx.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
+    renames = dict(RENAMES)
+    if body.max_completion_tokens is not None:
+        renames["max_tokens"] = "max_completion_tokens"
     try:
         prompt_ids = await asyncio.to_thread(
             render_chat, ctx.tokenizer, messages, body.add_generation_prompt
         )
     except ValueError as exc:
-        raise invalid_request(exc, RENAMES) from None
+        raise invalid_request(exc, renames) from None
     max_tokens = body.max_completion_tokens
     if max_tokens is None:
         max_tokens = body.max_tokens
@@ -174,13 +189,14 @@ async def create_chat_completion(
     given = body.kv_compression.scope if body.kv_compression is not None else None
     if (given or ctx.default_scope) == "context":
         context = await asyncio.to_thread(chat_context_tokens, ctx.tokenizer, messages, prompt_ids)
-    stream = await start_request(ctx, request_id, prompt_ids, params, body, RENAMES, context)
+    stream = await start_request(ctx, request_id, prompt_ids, params, body, renames, context)
     formatter = ChatFormatter(ctx, request_id, body)
     if body.stream:
         usage_chunk = formatter.usage_chunk if body.include_usage else None
-        events = sse_stream(stream, timer, formatter.first_chunks(), formatter.chunks, usage_chunk)
-        return streaming_response(events, stream)
-    output = await run_to_end(http_request, stream, timer)
+        first = formatter.first_chunks()
+        events = sse_stream(ctx, stream, timer, first, formatter.chunks, usage_chunk, formatter.cut)
+        return streaming_response(ctx, events, stream, headers)
+    output = await run_to_end(ctx, http_request, stream, timer)
     if output is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
-    return JSONResponse(formatter.response(output))
+    return JSONResponse(formatter.response(output), headers=headers)

@@ -1,13 +1,22 @@
-"""POST /v1/completions: a text or token-id prompt, one JSON body or ``text_completion`` chunks."""
+"""POST /v1/completions: a text or token-id prompt, one JSON body or ``text_completion`` chunks.
+
+``echo`` puts the prompt before the generated text and, with ``logprobs``, the prompt tokens
+before the generated ones in the legacy logprobs object (the first prompt token's logprob and
+top logprobs are ``null``, as in OpenAI's legacy API and vLLM): what lm-evaluation-harness's
+``local-completions`` reads to score multiple-choice tasks. vLLM's ``prompt_logprobs`` adds a
+``prompt_logprobs`` list to each choice.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from sparsekv.engine.detokenizer import unfinished_tail
 from sparsekv.engine.prompts import encode_prompt
 from sparsekv.outputs import CompletionOutput, Logprob, RequestOutput
 from sparsekv.server.errors import APIError, invalid_request
@@ -15,6 +24,7 @@ from sparsekv.server.protocol import CompletionRequest
 from sparsekv.server.serving import (
     ServerContext,
     new_id,
+    response_headers,
     run_to_end,
     sampling_params,
     sse_stream,
@@ -34,22 +44,45 @@ def _single_prompt(body: CompletionRequest) -> str | list[int]:
                 param="prompt",
             )
         prompt = prompt[0]
-    if body.echo:
-        raise APIError(400, "echo is not supported", param="echo")
     if body.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
     return prompt
 
 
+def _num_prompt_logprobs(body: CompletionRequest) -> int | None:
+    """Top-N of the prompt logprobs to compute (``None``: none are needed)."""
+    wanted = [body.prompt_logprobs]
+    if body.echo and body.logprobs is not None:
+        wanted.append(body.logprobs)
+    given = [n for n in wanted if n is not None]
+    return max(given) if given else None
+
+
+@dataclass
+class _Unscored:
+    """The first prompt token in echoed logprobs: nothing precedes it, so no logprob."""
+
+    token_id: int
+    logprob: None = None
+    top: None = None
+
+
 class CompletionFormatter:
     """Builds completion response bodies and stream chunks for one request."""
 
-    def __init__(self, ctx: ServerContext, request_id: str, body: CompletionRequest) -> None:
+    def __init__(
+        self, ctx: ServerContext, request_id: str, body: CompletionRequest, prompt_text: str
+    ) -> None:
         self.ctx = ctx
         self.request_id = request_id
         self.created = int(time.time())  # Unix seconds when the request arrived
         self.include_usage = body.include_usage
+        self.echo = body.echo
+        self.num_logprobs = body.logprobs
+        self.want_prompt_logprobs = body.prompt_logprobs is not None
+        self.prompt_text = prompt_text
         self.text_offsets: dict[int, int] = {}
+        self.echoed: set[int] = set()
         self.terminated: set[int] = set()
 
     def _chunk(self, choices: list[dict], usage_value: dict | None = None) -> dict:
@@ -64,45 +97,93 @@ class CompletionFormatter:
             chunk["usage"] = usage_value
         return chunk
 
-    def _logprobs(self, completion: CompletionOutput, records: list[Logprob]) -> dict | None:
+    def _logprobs(self, index: int, records: list[Logprob | None]) -> dict:
         """OpenAI's legacy shape: tokens, token_logprobs, top_logprobs, text_offset."""
-        if completion.logprobs is None:
-            return None
         decode = self.ctx.tokenizer.decode
-        offset = self.text_offsets.get(completion.index, 0)
-        tokens, offsets = [], []
+        offset = self.text_offsets.get(index, 0)
+        tokens, offsets, values, tops = [], [], [], []
         for record in records:
             text = decode([record.token_id])
             tokens.append(text)
             offsets.append(offset)
             offset += len(text)
-        self.text_offsets[completion.index] = offset
+            values.append(record.logprob)
+            if record.top is None:
+                tops.append(None)
+            else:
+                tops.append({decode([t]): lp for t, lp in record.top[: self.num_logprobs or 0]})
+        self.text_offsets[index] = offset
         return {
             "tokens": tokens,
-            "token_logprobs": [r.logprob for r in records],
-            "top_logprobs": [{decode([t]): lp for t, lp in r.top} for r in records],
+            "token_logprobs": values,
+            "top_logprobs": tops,
             "text_offset": offsets,
         }
 
-    @staticmethod
-    def _choice(index, text, logprobs, finish_reason) -> dict:
+    def _echo_records(self, output: RequestOutput) -> list[Logprob]:
+        """The prompt tokens' records: the first one with ``null`` logprob and top."""
+        return [_Unscored(output.prompt_token_ids[0]), *(output.prompt_logprobs or [])[1:]]
+
+    def _prompt_logprobs(self, output: RequestOutput) -> list[dict | None]:
+        """vLLM's shape: per prompt token ``{token_id: {logprob, rank, decoded_token}}``."""
+        decode = self.ctx.tokenizer.decode
+        result: list[dict | None] = []
+        for record in output.prompt_logprobs or []:
+            if record is None:
+                result.append(None)
+                continue
+            entry = {
+                str(record.token_id): {
+                    "logprob": record.logprob,
+                    "rank": record.rank,
+                    "decoded_token": decode([record.token_id]),
+                }
+            }
+            for rank, (token_id, logprob) in enumerate(record.top, start=1):
+                entry.setdefault(
+                    str(token_id),
+                    {"logprob": logprob, "rank": rank, "decoded_token": decode([token_id])},
+                )
+            result.append(entry)
+        return result
+
+    def _choice(self, index, text, logprobs, finish_reason) -> dict:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
+    def _records(self, output: RequestOutput, completion: CompletionOutput, new: list) -> list:
+        if self.echo and completion.index not in self.echoed:
+            return self._echo_records(output) + new
+        return new
+
     def chunks(self, output: RequestOutput) -> list[dict]:
-        """Text deltas, then exactly one terminal chunk per choice."""
+        """Text deltas (the echoed prompt first), then one terminal chunk per choice."""
         result = []
         for completion in output.outputs:
             num_new = completion.num_delta_tokens
             new = completion.logprobs[-num_new:] if completion.logprobs and num_new else []
-            if completion.delta_text or new:
-                logprobs = self._logprobs(completion, new)
-                choice = self._choice(completion.index, completion.delta_text, logprobs, None)
+            echo = self.echo and completion.index not in self.echoed
+            text = (self.prompt_text if echo else "") + completion.delta_text
+            if text or new or echo:
+                logprobs = None
+                if self.num_logprobs is not None:
+                    records = self._records(output, completion, new)
+                    logprobs = self._logprobs(completion.index, records)
+                self.echoed.add(completion.index)
+                choice = self._choice(completion.index, text, logprobs, None)
                 result.append(self._chunk([choice]))
             if completion.finish_reason and completion.index not in self.terminated:
                 self.terminated.add(completion.index)
                 choice = self._choice(completion.index, "", None, completion.finish_reason)
+                if self.want_prompt_logprobs:
+                    choice["prompt_logprobs"] = self._prompt_logprobs(output)
                 result.append(self._chunk([choice]))
         return result
+
+    def cut(self, finish_reason: str, num_choices: int) -> list[dict]:
+        """Terminal chunks for the choices a cut stream left unfinished."""
+        missing = [i for i in range(num_choices) if i not in self.terminated]
+        self.terminated.update(missing)
+        return [self._chunk([self._choice(i, "", None, finish_reason)]) for i in missing]
 
     def usage_chunk(self, output: RequestOutput) -> dict:
         """The final chunk with empty ``choices`` and the usage."""
@@ -110,10 +191,16 @@ class CompletionFormatter:
 
     def response(self, output: RequestOutput) -> dict:
         """The non-streamed ``text_completion`` body."""
-        choices = [
-            self._choice(c.index, c.text, self._logprobs(c, c.logprobs or []), c.finish_reason)
-            for c in output.outputs
-        ]
+        choices = []
+        for c in output.outputs:
+            logprobs = None
+            if self.num_logprobs is not None:
+                logprobs = self._logprobs(c.index, self._records(output, c, c.logprobs or []))
+            text = (self.prompt_text if self.echo else "") + c.text
+            choice = self._choice(c.index, text, logprobs, c.finish_reason)
+            if self.want_prompt_logprobs:
+                choice["prompt_logprobs"] = self._prompt_logprobs(output)
+            choices.append(choice)
         return {
             "id": self.request_id,
             "object": "text_completion",
@@ -124,29 +211,46 @@ class CompletionFormatter:
         }
 
 
+def _echo_text(ctx: ServerContext, prompt: str | list[int], skip_special: bool) -> str:
+    """The prompt as echoed: the text as given, or the ids' text up to their last complete
+    character (an unfinished one is completed by the output's text)."""
+    if isinstance(prompt, str):
+        return prompt
+    end = len(prompt) - unfinished_tail(ctx.tokenizer, prompt, skip_special)
+    return ctx.tokenizer.decode(prompt[:end], skip_special_tokens=skip_special)
+
+
 async def create_completion(
     ctx: ServerContext, body: CompletionRequest, http_request: Request
 ) -> Response:
     """Serve one completion request (streamed or not)."""
     ctx.check_model(body.model)
     ctx.check_available()
+    headers = response_headers(body)
     timer = ctx.metrics.timer()  # observed only once the request is admitted
     prompt = _single_prompt(body)
+    if isinstance(prompt, str):
+        ctx.check_prompt_chars(len(prompt), "prompt")
     try:
         prompt_ids = await asyncio.to_thread(encode_prompt, ctx.tokenizer, prompt)
     except ValueError as exc:
         raise invalid_request(exc) from None
     max_tokens = 16 if body.max_tokens is None else body.max_tokens
-    params = sampling_params(ctx, body, max_tokens, body.logprobs)
+    params = sampling_params(ctx, body, max_tokens, body.logprobs, _num_prompt_logprobs(body))
     request_id = new_id("cmpl")
     ctx.mark_fault(request_id, [prompt] if isinstance(prompt, str) else [])
     stream = await start_request(ctx, request_id, prompt_ids, params, body)
-    formatter = CompletionFormatter(ctx, request_id, body)
+    prompt_text = _echo_text(ctx, prompt, params.skip_special_tokens) if body.echo else ""
+    formatter = CompletionFormatter(ctx, request_id, body, prompt_text)
     if body.stream:
         usage_chunk = formatter.usage_chunk if body.include_usage else None
-        events = sse_stream(stream, timer, [], formatter.chunks, usage_chunk)
-        return streaming_response(events, stream)
-    output = await run_to_end(http_request, stream, timer)
+
+        def cut(reason: str) -> list[dict]:
+            return formatter.cut(reason, params.n)
+
+        events = sse_stream(ctx, stream, timer, [], formatter.chunks, usage_chunk, cut)
+        return streaming_response(ctx, events, stream, headers)
+    output = await run_to_end(ctx, http_request, stream, timer)
     if output is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
-    return JSONResponse(formatter.response(output))
+    return JSONResponse(formatter.response(output), headers=headers)

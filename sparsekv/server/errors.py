@@ -1,7 +1,8 @@
-"""OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}`` (REFERENCE.md §4).
+"""OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}``.
 
 User input never yields a 500: ``ValueError``s (whose messages start with the parameter name,
-docs/internals.md) and pydantic errors become 400s naming ``param``.
+docs/internals.md) and pydantic errors become 400s naming ``param``. Every invalid parameter
+value or type has the code ``invalid_value``; malformed JSON has ``invalid_json``.
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ class APIError(Exception):
 
 
 def _default_code(status: int) -> str:
+    if status == 400:
+        return "invalid_value"
     try:
         return HTTPStatus(status).phrase.lower().replace(" ", "_")
     except ValueError:
@@ -86,11 +89,14 @@ def param_of(message: str) -> str | None:
 
 
 def invalid_request(exc: ValueError, renames: dict[str, str] | None = None) -> APIError:
-    """A 400 from an engine/config ``ValueError``; ``renames`` maps engine names to API names."""
+    """A 400 from an engine/config ``ValueError``; ``renames`` maps engine names to the names
+    the client sent (chat: ``prompt`` -> ``messages``, ``max_tokens`` ->
+    ``max_completion_tokens``), in ``param`` and at the start of the message."""
     message = str(exc)
     param = param_of(message)
-    if param is not None and renames:
-        param = renames.get(param, param)
+    if param is not None and renames and param in renames:
+        message = renames[param] + message[len(param) :]
+        param = renames[param]
     return APIError(400, message, param=param, code="invalid_value")
 
 

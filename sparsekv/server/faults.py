@@ -1,4 +1,4 @@
-"""Test-only fault injection: make one engine step raise (CONTRACTS.md §5 tests).
+"""Test-only fault injection: make one engine step raise (tests of step-failure isolation).
 
 Installed only when the server starts with ``SPARSEKV_TEST_FAULT_MARKER`` set; a request whose
 prompt text contains the marker then fails in its first step, exactly as a model error would.

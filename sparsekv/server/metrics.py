@@ -1,4 +1,4 @@
-"""Prometheus metrics (CONTRACTS.md §3 names, prefix ``sparsekv_``) on a per-app registry.
+"""Prometheus metrics (prefix ``sparsekv_``, names listed in docs/server.md) on a per-app registry.
 
 Engine gauges and counters are read from the ``AsyncEngine`` snapshot at scrape time (the engine
 owns the counts, so they cannot drift); latency histograms are observed by the server as it
@@ -26,7 +26,8 @@ _GAUGES = (
     ("kv_pages_total", "KV pool pages in all.", "num_pages_total"),
     (
         "kv_compression_ratio",
-        "Effective KV compression ratio over running requests (fraction removed).",
+        "Fraction of the running requests' full KV caches removed by compression (sliding "
+        "windows excluded).",
         "compression_ratio",
     ),
 )
@@ -73,6 +74,12 @@ class _EngineCollector:
             # A counter a stats object lacks reads 0.
             value = float(getattr(snapshot.stats, attr, 0))
             yield CounterMetricFamily(PREFIX + name, doc, value=value)
+        enabled = self.engine.engine.kv.prefix_cache is not None
+        yield GaugeMetricFamily(
+            PREFIX + "prefix_caching_enabled",
+            "1 when prefix caching is on (off for models with sliding-window layers).",
+            value=float(enabled),
+        )
 
 
 class ServerMetrics:

@@ -1,4 +1,4 @@
-"""Pure ASGI middleware: API-key check on /v1 and the request-body size limit.
+"""Pure ASGI middleware: API-key check on /v1, the drain gate, and the request-body limit.
 
 Pure ASGI (not ``BaseHTTPMiddleware``) so streaming responses and disconnect detection pass
 through untouched.
@@ -7,6 +7,7 @@ through untouched.
 from __future__ import annotations
 
 import hmac
+from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -17,10 +18,25 @@ async def _send_error(scope: Scope, receive: Receive, send: Send, error: APIErro
     await error.response()(scope, receive, send)
 
 
+def _is_api_path(scope: Scope) -> bool:
+    path = scope.get("path", "")
+    return scope["type"] == "http" and (path == "/v1" or path.startswith("/v1/"))
+
+
+def _bearer_token(header: bytes) -> bytes | None:
+    """The credentials of an ``Authorization`` header whose scheme is ``Bearer`` (the scheme
+    is case-insensitive, RFC 7235), else ``None``."""
+    scheme, _, token = header.strip().partition(b" ")
+    if scheme.lower() != b"bearer":
+        return None
+    return token.strip()
+
+
 class APIKeyMiddleware:
     """Require ``Authorization: Bearer <key>`` on every path under ``/v1`` (401 otherwise).
 
-    /health and /metrics stay open. The key is compared in constant time.
+    /health and /metrics stay open. The scheme is matched case-insensitively; the key is
+    compared in constant time.
 
     Args:
         app: the wrapped ASGI app.
@@ -29,18 +45,50 @@ class APIKeyMiddleware:
 
     def __init__(self, app: ASGIApp, api_key: str | None) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.expected = api_key.encode() if api_key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.expected is not None and scope["type"] == "http":
-            path = scope.get("path", "")
-            if path == "/v1" or path.startswith("/v1/"):
-                given = dict(scope.get("headers") or []).get(b"authorization", b"")
-                if not hmac.compare_digest(given, self.expected):
-                    error = APIError(401, "invalid or missing API key", code="invalid_api_key")
-                    await _send_error(scope, receive, send, error)
-                    return
+        if self.expected is not None and _is_api_path(scope):
+            header = dict(scope.get("headers") or []).get(b"authorization", b"")
+            token = _bearer_token(header)
+            if token is None or not hmac.compare_digest(token, self.expected):
+                error = APIError(401, "invalid or missing API key", code="invalid_api_key")
+                await _send_error(scope, receive, send, error)
+                return
         await self.app(scope, receive, send)
+
+
+class DrainMiddleware:
+    """Count the /v1 requests being answered; while draining, answer new ones 503.
+
+    A streamed response counts until its last event is sent, so the count reaching 0 means
+    every in-flight request has been answered.
+
+    Args:
+        app: the wrapped ASGI app.
+        ctx: has ``is_draining`` and ``num_in_flight`` (the ``ServerContext``).
+        draining_error: builds the 503 answered while draining.
+    """
+
+    def __init__(self, app: ASGIApp, ctx, draining_error: Callable[[], APIError]) -> None:
+        self.app = app
+        self.ctx = ctx
+        self.draining_error = draining_error
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if not _is_api_path(scope):
+            await self.app(scope, receive, send)
+            return
+        if self.ctx.is_draining:
+            response = self.draining_error().response()
+            response.headers["Connection"] = "close"
+            await response(scope, receive, send)
+            return
+        self.ctx.num_in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.ctx.num_in_flight -= 1
 
 
 class BodyLimitMiddleware:

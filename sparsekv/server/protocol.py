@@ -1,14 +1,17 @@
-"""Request bodies of the OpenAI-compatible API (REFERENCE.md §4, CONTRACTS.md §3 extra fields).
+"""Request bodies of the OpenAI-compatible API, with the sparsekv and vLLM extra fields.
 
-Types are checked here (pydantic, 400 on mismatch); value rules live in ``SamplingParams`` and
-``CompressionConfig`` so the offline and HTTP APIs share one validation.
+Types are checked here, strictly as OpenAI's API does (pydantic strict mode, 400 on mismatch):
+``"max_tokens": "4"`` or ``true`` is not an integer, ``"stream": "yes"`` is not a boolean, and
+``Infinity``/``NaN`` are no numbers. Value rules live in ``SamplingParams`` and
+``CompressionConfig`` so the offline and HTTP APIs share one validation. Fields the server
+does not know are kept (``model_extra``), logged and listed in a response header.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, FiniteFloat
 
 
 def _encodable(text: str) -> str:
@@ -38,7 +41,7 @@ class KVCompressionBody(BaseModel):
 
     method: str | None = None
     budget: Size | None = None
-    compression_ratio: float | None = None
+    compression_ratio: FiniteFloat | None = None
     window: Size | None = None
     pooling: str | None = None
     kernel_size: Size | None = None
@@ -58,33 +61,35 @@ class KVCompressionBody(BaseModel):
 class StreamOptions(BaseModel):
     """``stream_options``: ``include_usage`` adds a usage chunk before ``[DONE]``."""
 
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
 class SamplingBody(BaseModel):
     """Fields shared by both endpoints (OpenAI names plus the sparsekv/vLLM extras)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: FiniteFloat | None = None
+    top_p: FiniteFloat | None = None
     max_tokens: int | None = None
     stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: FiniteFloat = 0.0
+    frequency_penalty: FiniteFloat = 0.0
     seed: Seed | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, FiniteFloat] | None = None
     user: str | None = None
-    # extras (CONTRACTS.md §3)
+    # sparsekv / vLLM extras
     ignore_eos: bool = False
     min_tokens: int = 0
     top_k: Annotated[int, Field(lt=2**31)] = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    min_p: FiniteFloat = 0.0
+    repetition_penalty: FiniteFloat = 1.0
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -94,9 +99,20 @@ class SamplingBody(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def ignored_fields(self) -> list[str]:
+        """Top-level fields of the body that the server does not know (sorted)."""
+        return sorted(self.model_extra or {})
+
 
 class CompletionRequest(SamplingBody):
-    """POST /v1/completions: text or token-id prompt; ``logprobs`` is the top-N count (0-20)."""
+    """POST /v1/completions: text or token-id prompt; ``logprobs`` is the top-N count (0-20).
+
+    ``echo`` prepends the prompt to the text (and, with ``logprobs``, the prompt tokens'
+    logprobs, the first one ``null``); ``prompt_logprobs`` (vLLM) returns the prompt tokens'
+    logprobs with their top-N in a separate ``prompt_logprobs`` list. ``max_tokens: 0``
+    generates nothing (useful with either).
+    """
 
     prompt: Text | list[int] | list[Text] | list[list[int]]
     max_tokens: int | None = 16
@@ -104,12 +120,13 @@ class CompletionRequest(SamplingBody):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    prompt_logprobs: int | None = None
 
 
 class TextPart(BaseModel):
     """One part of a multi-part message content; only text is supported."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     type: str
     text: Text | None = None
@@ -118,7 +135,7 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     """One chat message (``content`` text or a list of text parts)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None

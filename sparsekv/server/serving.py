@@ -1,5 +1,5 @@
 """What both endpoints share: server state, sampling params, admission, and the two ways of
-answering (one JSON body, or an SSE stream ending in ``data: [DONE]``; REFERENCE.md §4).
+answering (one JSON body, or an SSE stream ending in ``data: [DONE]``, as OpenAI's API does).
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from sparsekv.engine.async_engine import (
     RequestTimeoutError,
 )
 from sparsekv.engine.llm_engine import LLMEngine
+from sparsekv.engine.prompts import max_prompt_chars
+from sparsekv.engine.token_bytes import TokenBytes
 from sparsekv.outputs import RequestOutput
 from sparsekv.sampling_params import SamplingParams
 from sparsekv.server.errors import APIError, invalid_request
@@ -36,23 +38,27 @@ logger = logging.getLogger(__name__)
 
 # How often a non-streaming request checks whether its client went away (seconds).
 DISCONNECT_POLL_S = 0.1
+# Response header listing the request's unknown (ignored) top-level fields.
+IGNORED_FIELDS_HEADER = "X-Ignored-Fields"
 
 
 @dataclass
 class ServerSettings:
-    """HTTP-side settings (CONTRACTS.md §3).
+    """HTTP-side settings (the ``sparsekv serve`` flags).
 
     Attributes:
         api_key: required ``Bearer`` key on /v1 (``None`` = open).
         max_body_bytes: largest request body (413 past it).
-        request_timeout: seconds before a request is aborted (``None`` = no limit); also the
-            graceful-shutdown wait on SIGTERM.
+        request_timeout: seconds before a request is aborted (``None`` = no limit).
+        shutdown_timeout: seconds in-flight requests may run after SIGTERM before they are
+            aborted (new requests get 503 ``draining`` meanwhile).
         fault_marker: test-only: prompts containing it fail in their first engine step.
     """
 
     api_key: str | None = None
     max_body_bytes: int = 8 << 20
     request_timeout: float | None = None
+    shutdown_timeout: float = 30.0
     fault_marker: str | None = None
 
 
@@ -74,14 +80,41 @@ class ServerContext:
         self.max_model_len = engine.max_model_len
         self.max_num_seqs = engine.config.scheduler.max_num_seqs
         self.default_scope = engine.config.compression.scope
+        self.prefix_caching = engine.kv.prefix_cache is not None
+        self.token_bytes = TokenBytes(engine.tokenizer)
         self.created = int(time.time())
         self.is_ready = False
         self.is_draining = False
+        self.num_in_flight = 0  # /v1 HTTP requests being answered (DrainMiddleware counts)
+        self.running_ids: set[str] = set()  # engine requests of this server not yet ended
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """Longest text prompt worth tokenizing (longer ones can never fit the context)."""
+        return max_prompt_chars(self.token_bytes, self.max_model_len)
+
+    def check_prompt_chars(self, num_chars: int, param: str) -> None:
+        """400 before tokenizing a text that can never fit in the context."""
+        bound = self.max_prompt_chars
+        if num_chars > bound:
+            raise APIError(
+                400,
+                f"{param}: {num_chars} characters can never fit in the context of "
+                f"{self.max_model_len} tokens (at most {bound} characters)",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    def abort_running(self) -> None:
+        """Abort every engine request of this server (shutdown timeout); their clients get
+        a final chunk and an ``aborted`` error."""
+        for request_id in list(self.running_ids):
+            self.engine.abort(request_id)
 
     def check_available(self) -> None:
         """Raise 503 unless the server is ready, not draining, and its engine loop alive."""
         if self.is_draining:
-            raise APIError(503, "the server is shutting down", code="shutting_down")
+            raise draining_error()
         if not self.is_ready:
             raise APIError(503, "the server is starting up", code="not_ready")
         if not self.engine.is_alive:
@@ -104,13 +137,26 @@ class ServerContext:
             self.faults.mark(request_id)
 
 
+def draining_error() -> APIError:
+    """The 503 answered to new requests while the server drains after SIGTERM."""
+    return APIError(
+        503,
+        "the server is shutting down and accepts no new requests; retry on another replica",
+        code="draining",
+    )
+
+
 def new_id(prefix: str) -> str:
     """An OpenAI-style id such as ``chatcmpl-<32 hex>``."""
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def sampling_params(
-    ctx: ServerContext, body: SamplingBody, max_tokens: int, logprobs: int | None
+    ctx: ServerContext,
+    body: SamplingBody,
+    max_tokens: int,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """``SamplingParams`` from the body's fields (validated later by the engine)."""
     if body.n > ctx.max_num_seqs:
@@ -136,6 +182,7 @@ def sampling_params(
         max_tokens=max_tokens,
         min_tokens=body.min_tokens,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         include_stop_str_in_output=body.include_stop_str_in_output,
         skip_special_tokens=body.skip_special_tokens,
     )
@@ -171,9 +218,11 @@ async def start_request(
             else:  # no message before the last user message: nothing is shared context
                 compression |= {"method": "none", "scope": "prompt"}
     try:
-        return await ctx.engine.add_request(
+        stream = await ctx.engine.add_request(
             request_id, prompt_token_ids, params, compression, ctx.settings.request_timeout
         )
+        ctx.running_ids.add(request_id)
+        return stream
     except ValueError as exc:
         raise invalid_request(exc, renames) from None
     except EngineOverloadedError as exc:
@@ -205,7 +254,7 @@ _ENGINE_ERRORS = (APIError, RequestTimeoutError, EngineDeadError)
 
 
 async def run_to_end(
-    http_request: Request, stream: RequestStream, timer: RequestTimer
+    ctx: ServerContext, http_request: Request, stream: RequestStream, timer: RequestTimer
 ) -> RequestOutput | None:
     """Consume a request to its final output; ``None`` if the client disconnected first.
 
@@ -239,6 +288,7 @@ async def run_to_end(
                 return None
     finally:
         stream.abort()
+        ctx.running_ids.discard(stream.request_id)
         timer.finish()
         if not task.done():
             task.cancel()
@@ -253,16 +303,21 @@ def sse(data: dict | str) -> str:
 
 
 async def sse_stream(
+    ctx: ServerContext,
     stream: RequestStream,
     timer: RequestTimer,
     first: list[dict],
     chunks: Callable[[RequestOutput], list[dict]],
     usage_chunk: Callable[[RequestOutput], dict] | None,
+    cut: Callable[[str], list[dict]],
 ) -> AsyncIterator[str]:
     """SSE framing: ``first`` chunks, chunks per output, optional usage chunk, ``[DONE]``.
 
-    An error mid-stream is sent as an ``{"error": ...}`` event, then ``[DONE]``. A client that
-    disconnects cancels this generator (Starlette), which aborts the request.
+    A stream cut mid-way (request timeout, abort at shutdown, a failed step) first gets
+    ``cut(finish_reason)``: a terminal chunk for every choice not yet finished, with
+    ``finish_reason`` ``abort`` (or ``error`` for a failed step), then the ``{"error": ...}``
+    event, then ``[DONE]``. A client that disconnects cancels this generator (Starlette),
+    which aborts the request.
     """
     try:
         for chunk in first:
@@ -270,24 +325,30 @@ async def sse_stream(
         final = None
         async for output in stream:
             timer.observe(output)
-            check_output(output)
             for chunk in chunks(output):
                 yield sse(chunk)
+            check_output(output)
             final = output
         if usage_chunk is not None and final is not None:
             yield sse(usage_chunk(final))
     except _ENGINE_ERRORS as exc:
-        yield sse(as_api_error(exc).body())
+        error = as_api_error(exc)
+        for chunk in cut("error" if error.code == "engine_error" else "abort"):
+            yield sse(chunk)
+        yield sse(error.body())
     except Exception as exc:  # noqa: BLE001 - a bug must end the stream cleanly, not cut it
         logger.exception("stream failed")
         yield sse(as_api_error(exc).body())
     finally:
         stream.abort()
+        ctx.running_ids.discard(stream.request_id)
         timer.finish()
     yield sse("[DONE]")
 
 
-def streaming_response(events: AsyncIterator[str], stream: RequestStream) -> StreamingResponse:
+def streaming_response(
+    ctx: ServerContext, events: AsyncIterator[str], stream: RequestStream, headers: dict
+) -> StreamingResponse:
     """An ``text/event-stream`` response; the request is aborted when the response ends.
 
     The background abort also covers a client that leaves before the first event, when the
@@ -296,17 +357,35 @@ def streaming_response(events: AsyncIterator[str], stream: RequestStream) -> Str
 
     async def abort() -> None:
         stream.abort()
+        ctx.running_ids.discard(stream.request_id)
 
     return StreamingResponse(
         events,
         media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
         background=BackgroundTask(abort),
     )
 
 
+def response_headers(body: SamplingBody) -> dict[str, str]:
+    """Headers every answer carries: ``X-Ignored-Fields`` lists the body's unknown fields
+    (also logged, once per request), as vLLM warns about them."""
+    ignored = body.ignored_fields
+    if not ignored:
+        return {}
+    logger.warning("ignored unknown request fields: %s", ", ".join(ignored))
+    return {IGNORED_FIELDS_HEADER: ", ".join(ignored)}
+
+
 def usage(output: RequestOutput) -> dict:
-    """OpenAI usage plus the KV footprint at the end of the request (CONTRACTS.md §3)."""
+    """OpenAI usage plus the request's KV footprint at its end, per token.
+
+    ``kv_tokens_kept``: slots the cache held, averaged over layers; ``kv_tokens_full``: the
+    slots a full cache holds per layer (the request's computed tokens);
+    ``kv_compression_ratio``: the fraction of the full cache that compression removed;
+    ``kv_sliding_window_ratio``: the fraction the model's sliding-window layers no longer hold
+    (Gemma 3), so that ``1 - kept / full`` is the sum of the two ratios.
+    """
     num_prompt = len(output.prompt_token_ids)
     num_completion = sum(len(c.token_ids) for c in output.outputs)
     stats = output.kv_stats
@@ -314,7 +393,8 @@ def usage(output: RequestOutput) -> dict:
         "prompt_tokens": num_prompt,
         "completion_tokens": num_completion,
         "total_tokens": num_prompt + num_completion,
-        "kv_tokens_kept": stats.tokens_kept if stats is not None else 0,
+        "kv_tokens_kept": round(stats.tokens_kept, 4) if stats is not None else 0.0,
         "kv_tokens_full": stats.tokens_full if stats is not None else 0,
         "kv_compression_ratio": stats.compression_ratio if stats is not None else 0.0,
+        "kv_sliding_window_ratio": stats.window_ratio if stats is not None else 0.0,
     }

