@@ -94,10 +94,11 @@ def prefill_attention(
     ``torch_ref.attention_with_lse`` (query ``[num_heads, num_queries, head_dim]``, key/value
     ``[num_kv_heads, num_keys, head_dim]``; out in the query dtype, lse fp32).
 
-    Without soft-cap, bf16 inputs go to the native AMX flash kernel
-    (``native.prefill_attention``: GQA without expanding K/V, causal blocks and blocks outside a
-    sliding window skipped, any number of queries up to the keys, so chunked prefill too) where
-    ``native.supports_prefill`` says it runs. Otherwise, when the queries are all the keys (a whole prompt), PyTorch's flash kernel
+    Without soft-cap, bf16 inputs go to the native flash kernel (``native.prefill_attention``,
+    on AMX tiles, AVX512-BF16 dot products or fp32 FMAs, whichever this CPU runs fastest: GQA
+    without expanding K/V, causal blocks and blocks outside a sliding window skipped, any number
+    of queries up to the keys, so chunked prefill too) where ``native.supports_prefill`` says it
+    runs. Otherwise, when the queries are all the keys (a whole prompt), PyTorch's flash kernel
     runs with ``is_causal`` instead of a materialised ``n x n`` float mask: the same result
     (bit-identical), about twice as fast for a 4k-token prompt on 2 cores, and no ``n x n``
     allocation. Chunked prefill (fewer queries than keys) then keeps the masked path, because

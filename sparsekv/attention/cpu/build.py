@@ -141,6 +141,7 @@ def main() -> None:
     elapsed = time.perf_counter() - start
     print(f"{EXTENSION_NAME}: built or loaded from {build_directory()} in {elapsed:.1f} s")
     print("kernel variants on this CPU:", ops.available_isas())
+    print("prefill kernel variants:", ops.prefill_isas())
     print("AMX:", ops.amx_status())
 
 
