@@ -21,15 +21,13 @@ from sparsekv.engine.prompts import encode_prompt
 from sparsekv.outputs import CompletionOutput, Logprob, RequestOutput
 from sparsekv.server.errors import APIError, invalid_request
 from sparsekv.server.protocol import CompletionRequest
+from sparsekv.server.responses import run_to_end, sse_stream, streaming_response
 from sparsekv.server.serving import (
     ServerContext,
     new_id,
     response_headers,
-    run_to_end,
     sampling_params,
-    sse_stream,
     start_request,
-    streaming_response,
     usage,
 )
 

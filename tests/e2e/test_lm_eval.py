@@ -66,7 +66,7 @@ def test_lm_eval_multiple_choice_matches_transformers(
         model=MODEL,
         tokenizer=str(tmp_path / "tokenizer"),
         tokenizer_backend="huggingface",
-        num_concurrent=1,
+        num_concurrent=4,
         max_retries=1,
     )
     results = lm_eval.simple_evaluate(
