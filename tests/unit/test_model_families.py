@@ -114,7 +114,9 @@ def test_tokenizer_flag_replaces_the_models_tokenizer(tmp_path):
     # A random-weight folder without a tokenizer loads with one from elsewhere.
     random_hf_model(tiny_config("llama3")).save_pretrained(tmp_path / "model")
     tiny_tokenizer().save_pretrained(tmp_path / "tok")
-    with pytest.raises(ValueError, match="(?s)model: cannot load a tokenizer from .*--tokenizer PATH"):
+    with pytest.raises(
+        ValueError, match="(?s)model: cannot load a tokenizer from .*--tokenizer PATH"
+    ):
         load_checkpoint(str(tmp_path / "model"), torch.float32)
     checkpoint = load_checkpoint(
         str(tmp_path / "model"), torch.float32, tokenizer=config.model.tokenizer
