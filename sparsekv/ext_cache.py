@@ -92,3 +92,45 @@ def build_progress(
         done.set()
         reporter.join()
     logger.info("built %s in %.0f s", name, time.monotonic() - start)
+
+
+def compile_operators(
+    name: str,
+    csrc_dir: Path,
+    sources: tuple[str, ...],
+    cflags: list[str],
+    ldflags: list[str],
+    directory: Path,
+    verbose: bool = False,
+) -> None:
+    """Compile (or reload from ``directory``) a ``TORCH_LIBRARY`` extension into ``torch.ops``.
+
+    Clears a killed build's lock first and logs the build's progress (:func:`build_progress`).
+
+    Args:
+        name: the extension's name (``TORCH_EXTENSION_NAME``).
+        csrc_dir: folder of the sources and headers (also the include path).
+        sources: file names inside ``csrc_dir``.
+        cflags / ldflags: compiler and linker flags (copied: ``cpp_extension`` appends to the
+            lists it is given, which would change a caller's digest of them).
+        directory: the build folder (created when missing).
+        verbose: print the compiler's commands.
+
+    Raises:
+        RuntimeError: the build failed (from ``torch.utils.cpp_extension``).
+    """
+    from torch.utils import cpp_extension
+
+    directory.mkdir(parents=True, exist_ok=True)
+    clear_stale_lock(directory)  # a killed build's lock would hang this process forever
+    with build_progress(name, directory, len(sources)):
+        cpp_extension.load(
+            name=name,
+            sources=[str(csrc_dir / source) for source in sources],
+            extra_cflags=list(cflags),
+            extra_ldflags=list(ldflags),
+            extra_include_paths=[str(csrc_dir)],
+            build_directory=str(directory),
+            verbose=verbose,
+            is_python_module=False,  # TORCH_LIBRARY operators, loaded into torch.ops
+        )

@@ -35,11 +35,12 @@ def test_build_modules_clear_the_lock_before_building(tmp_path, monkeypatch):
     """Both extensions call it on their build folder before ``cpp_extension.load``."""
     from torch.utils import cpp_extension
 
+    from sparsekv import ext_cache
     from sparsekv.attention.cpu import build as attention_build
 
     seen = []
     monkeypatch.setattr(attention_build, "build_directory", lambda: tmp_path)
-    monkeypatch.setattr(attention_build, "clear_stale_lock", lambda d: seen.append(d))
+    monkeypatch.setattr(ext_cache, "clear_stale_lock", lambda d: seen.append(d))
 
     def fake_load(**kwargs):
         assert seen == [tmp_path] and kwargs["build_directory"] == str(tmp_path)

@@ -26,7 +26,7 @@ from types import ModuleType
 
 import torch
 
-from sparsekv.ext_cache import build_progress, clear_stale_lock
+from sparsekv.ext_cache import compile_operators
 
 EXTENSION_NAME = "sparsekv_cpu_kernels"
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
@@ -85,24 +85,9 @@ def build_directory() -> Path:
 def compile_extension(verbose: bool = False) -> ModuleType:
     """Compile (or reload from the cache) the extension and return its operator namespace
     ``torch.ops.sparsekv_cpu``; raises on any build error."""
-    from torch.utils import cpp_extension
-
-    directory = build_directory()
-    directory.mkdir(parents=True, exist_ok=True)
-    clear_stale_lock(directory)  # a killed build's lock would hang this process forever
-    with build_progress(EXTENSION_NAME, directory, len(SOURCES)):
-        cpp_extension.load(
-            name=EXTENSION_NAME,
-            sources=[str(CSRC_DIR / name) for name in SOURCES],
-            # Copies: cpp_extension appends to the lists it is given while it builds, which
-            # would change source_digest (and so build_directory) for the rest of the process.
-            extra_cflags=list(EXTRA_CFLAGS),
-            extra_ldflags=list(EXTRA_LDFLAGS),
-            extra_include_paths=[str(CSRC_DIR)],
-            build_directory=str(directory),
-            verbose=verbose,
-            is_python_module=False,  # TORCH_LIBRARY operators, loaded into torch.ops
-        )
+    compile_operators(
+        EXTENSION_NAME, CSRC_DIR, SOURCES, EXTRA_CFLAGS, EXTRA_LDFLAGS, build_directory(), verbose
+    )
     return torch.ops.sparsekv_cpu
 
 

@@ -26,7 +26,7 @@ from types import ModuleType
 import torch
 
 from sparsekv.attention.cpu.build import native_disabled
-from sparsekv.ext_cache import build_progress, clear_stale_lock
+from sparsekv.ext_cache import compile_operators
 
 EXTENSION_NAME = "sparsekv_fused_ops"
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
@@ -90,23 +90,9 @@ def compile_extension(verbose: bool = False) -> ModuleType:
     """
     if _registered():
         return torch.ops.sparsekv_fused
-    from torch.utils import cpp_extension
-
-    directory = build_directory()
-    directory.mkdir(parents=True, exist_ok=True)
-    clear_stale_lock(directory)  # a killed build's lock would hang this process forever
-    with build_progress(EXTENSION_NAME, directory, len(SOURCES)):
-        cpp_extension.load(
-            name=EXTENSION_NAME,
-            sources=[str(CSRC_DIR / name) for name in SOURCES],
-            # Copies: cpp_extension appends its own flags to the lists it is given.
-            extra_cflags=list(EXTRA_CFLAGS),
-            extra_ldflags=list(EXTRA_LDFLAGS),
-            extra_include_paths=[str(CSRC_DIR)],
-            build_directory=str(directory),
-            verbose=verbose,
-            is_python_module=False,  # TORCH_LIBRARY operators, loaded into torch.ops
-        )
+    compile_operators(
+        EXTENSION_NAME, CSRC_DIR, SOURCES, EXTRA_CFLAGS, EXTRA_LDFLAGS, build_directory(), verbose
+    )
     return torch.ops.sparsekv_fused
 
 
