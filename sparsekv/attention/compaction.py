@@ -28,10 +28,18 @@ from sparsekv.kv_cache.spec import cdiv
 from sparsekv.kv_cache.storage import KVStorage
 
 
-def applies(request: RequestSlice, layers: list[int], storages: list[KVStorage]) -> bool:
+def applies(
+    request: RequestSlice,
+    layers: list[int],
+    storages: list[KVStorage],
+    logit_softcap: float | None = None,
+) -> bool:
     """True when ``compact_from_pages`` takes these layers of ``request``: a window-scored
-    compressor, no H2O accumulator, one plain (``auto``) bf16 page storage for all of them and
-    the fused AMX window kernel."""
+    compressor, no H2O accumulator, no attention soft-cap (the page-reading kernel scores
+    uncapped logits), one plain (``auto``) bf16 page storage for all of them and the fused
+    window kernel."""
+    if logit_softcap is not None:
+        return False
     compressor = request.compressor
     if compressor is None or not compressor.window_scored:
         return False

@@ -209,9 +209,7 @@ class PagedAttention:
                 key = (step.num_held, step.compress_to, scale, id(self.storages[layer]))
                 groups.setdefault(key, []).append(layer)
             for (_, _, scale, _), layers in groups.items():
-                # The page-reading kernel does not soft-cap: capped models score gathered keys.
-                capped = self.logit_softcap is not None
-                if not capped and compaction.applies(request, layers, self.storages):
+                if compaction.applies(request, layers, self.storages, self.logit_softcap):
                     compaction.compact_from_pages(request, layers, self.storages, scale)
                 elif request.compressor.stackable:
                     self._compact_decode_stacked(request, layers, scale)

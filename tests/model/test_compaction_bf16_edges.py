@@ -54,8 +54,8 @@ class Recorder:
             self.times.append(next(CLOCK))
             return real_compact(request, layers, storages, scale)
 
-        def applies(request, layers, storages):
-            answer = real_applies(request, layers, storages)
+        def applies(request, layers, storages, *rest):
+            answer = real_applies(request, layers, storages, *rest)
             self.applied.append((request.request_id, request.compressor.name, answer))
             return answer
 
