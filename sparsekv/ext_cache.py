@@ -106,6 +106,8 @@ def compile_operators(
     """Compile (or reload from ``directory``) a ``TORCH_LIBRARY`` extension into ``torch.ops``.
 
     Clears a killed build's lock first and logs the build's progress (:func:`build_progress`).
+    A library already built in ``directory`` (no build in progress) is loaded as it is, whatever
+    checkout built it: ``directory`` names the version of the sources.
 
     Args:
         name: the extension's name (``TORCH_EXTENSION_NAME``).
@@ -123,6 +125,15 @@ def compile_operators(
 
     directory.mkdir(parents=True, exist_ok=True)
     clear_stale_lock(directory)  # a killed build's lock would hang this process forever
+    library = directory / f"{name}.so"
+    if library.exists() and not (directory / "lock").exists():
+        # The folder name is a digest of the sources and flags, so a built library there is
+        # current. Loading it directly skips cpp_extension's ninja check, which compares the
+        # absolute source paths of the last build and would rebuild for every other checkout.
+        import torch
+
+        torch.ops.load_library(str(library))
+        return
     with build_progress(name, directory, len(sources)):
         cpp_extension.load(
             name=name,

@@ -74,3 +74,30 @@ def test_build_progress_logs_a_build_and_stays_quiet_on_a_cached_load(tmp_path, 
     with build_progress("ext", tmp_path, 3, interval_s=0.01):
         time.sleep(0.05)
     assert caplog.records == []
+
+
+def test_a_built_library_loads_without_a_build_from_any_checkout(tmp_path, monkeypatch):
+    """The cache folder names the sources' digest, so its library is loaded as it is: no ninja
+    check against the absolute source paths of whichever checkout built it (which would rebuild
+    for every other checkout). While a build holds the lock the library is not touched."""
+    from torch.utils import cpp_extension
+
+    from sparsekv.attention.cpu import build as attention_build
+    from sparsekv.ext_cache import compile_operators
+
+    attention_build.compile_extension()  # built (or already cached) from this checkout
+    name = attention_build.EXTENSION_NAME
+
+    def no_build(**kwargs):
+        raise AssertionError("a cached library must not be rebuilt")
+
+    monkeypatch.setattr(cpp_extension, "load", no_build)
+    elsewhere = tmp_path / "another-checkout" / "csrc"  # sources that do not even exist
+    compile_operators(name, elsewhere, ("a.cpp",), [], [], attention_build.build_directory())
+
+    building = tmp_path / "cache"  # a build in progress: go through cpp_extension (and wait)
+    building.mkdir()
+    (building / f"{name}.so").write_bytes(b"")  # half written
+    (building / "lock").write_text("")
+    with pytest.raises(AssertionError, match="must not be rebuilt"):
+        compile_operators(name, elsewhere, ("a.cpp",), [], [], building)
