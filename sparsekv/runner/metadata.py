@@ -16,7 +16,7 @@ from operator import attrgetter
 import numpy as np
 import torch
 
-from sparsekv.attention.block_tables import (
+from sparsekv.runner.block_tables import (
     BlockTableCache,
     layer_tensors,
     padded_tables,
