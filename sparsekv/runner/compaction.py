@@ -26,9 +26,9 @@ from __future__ import annotations
 import torch
 
 from sparsekv.attention.backends.base import AttentionBackend
-from sparsekv.runner.metadata import RequestSlice
 from sparsekv.kv_cache.spec import cdiv
 from sparsekv.kv_cache.storage import KVStorage
+from sparsekv.runner.metadata import RequestSlice
 
 
 def applies(

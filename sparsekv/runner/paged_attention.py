@@ -29,14 +29,14 @@ from __future__ import annotations
 
 import torch
 
-from sparsekv.runner import compaction
 from sparsekv.attention.backends.base import AttentionBackend, DecodeParams
-from sparsekv.runner.metadata import AttentionMetadata, RequestSlice
 from sparsekv.compression.base import LayerView
 from sparsekv.compression.scoring import prefill_attention_mass
 from sparsekv.kv_cache.request_kv import LayerKV
 from sparsekv.kv_cache.spec import LayerSpec
 from sparsekv.kv_cache.storage import KVStorage
+from sparsekv.runner import compaction
+from sparsekv.runner.metadata import AttentionMetadata, RequestSlice
 
 
 class PagedAttention:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from sparsekv.runner import compaction
 from sparsekv.config import CompressionConfig
+from sparsekv.runner import compaction
 from sparsekv.sampling_params import SamplingParams
 from tests.conftest import run_to_completion
 

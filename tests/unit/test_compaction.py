@@ -6,17 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparsekv.runner import compaction
 from sparsekv.attention.backends.cpu_native import CpuNativeBackend
 from sparsekv.attention.backends.torch_backend import TorchBackend
-from sparsekv.runner.metadata import RequestSlice
-from sparsekv.runner.paged_attention import PagedAttention
 from sparsekv.attention.torch_ref import gather_kv, write_leading_slots
 from sparsekv.compression.h2o import H2OCompressor
 from sparsekv.compression.snapkv import SnapKVCompressor
 from sparsekv.kv_cache.plan import LayerStep
 from sparsekv.kv_cache.request_kv import LayerKV, RequestKV
 from sparsekv.kv_cache.storage import KVStorage
+from sparsekv.runner import compaction
+from sparsekv.runner.metadata import RequestSlice
+from sparsekv.runner.paged_attention import PagedAttention
 
 BLOCK = 16
 KV_HEADS, HEADS, HEAD_DIM = 3, 9, 64

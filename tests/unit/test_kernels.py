@@ -230,7 +230,9 @@ def test_decode_empty_batch_and_no_mass(isas):
     params = DecodeParams(tables[:0], lens[:0], 0.125, return_attn_mass=True)
     out, lse, mass = backend.paged_decode(torch.randn(0, 4, 64), pool, params)
     assert out.shape == (0, 4, 64) and lse.shape == (0, 4) and mass.shape == (0, 2, 0)
-    out, lse, mass = backend.paged_decode(torch.randn(1, 4, 64), pool, DecodeParams(tables, lens, 0.125))
+    out, lse, mass = backend.paged_decode(
+        torch.randn(1, 4, 64), pool, DecodeParams(tables, lens, 0.125)
+    )
     assert mass is None and out.shape == (1, 4, 64)
 
 
@@ -348,7 +350,9 @@ def test_disable_env_falls_back_to_reference(monkeypatch):
     assert build.load_extension() is None and not backend.prepare()
     pool, tables, lens, _ = make_paged([5, 40], 2, 16, 64, torch.float32)
     query = torch.randn(2, 4, 64)
-    got = backend.paged_decode(query, pool, DecodeParams(tables, lens, 0.125, return_attn_mass=True))
+    got = backend.paged_decode(
+        query, pool, DecodeParams(tables, lens, 0.125, return_attn_mass=True)
+    )
     want = torch_ref.paged_decode_attention(
         query, pool, tables, lens, 0.125, None, None, None, True
     )

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparsekv.attention.backends.cpu_native import CpuNativeBackend
 from sparsekv.attention.backends import cpu_window
+from sparsekv.attention.backends.cpu_native import CpuNativeBackend
 from sparsekv.attention.cpu import build
 from sparsekv.compression import scoring
 from sparsekv.compression.base import LayerView
@@ -29,7 +29,9 @@ pytestmark = pytest.mark.kernel_variant("decode")
 def _native_built() -> None:
     assert build.load_extension() is not None, "the native extension failed to build"
 
+
 NATIVE = CpuNativeBackend()
+
 
 def _inputs(num_kv_heads, group, n, w, head_dim, dtype, seed=0):
     generator = torch.Generator().manual_seed(seed)

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from sparsekv.attention.backends import cpu_window
 from sparsekv.attention.backends.base import DecodeParams, DecodeResult
 from sparsekv.attention.backends.torch_backend import TorchBackend
-from sparsekv.attention.backends import cpu_window
 from sparsekv.attention.cpu import build, kept_slots, window_fused
 from sparsekv.attention.cpu import ops as native
 from sparsekv.models.fused import ops as fused

@@ -85,9 +85,7 @@ class TorchBackend(AttentionBackend):
                 scale=scale,
             )[:2]
             return out[0], lse[0].float()
-        return torch_ref.attention_with_lse(
-            query, key, value, scale, sliding_window, logit_softcap
-        )
+        return torch_ref.attention_with_lse(query, key, value, scale, sliding_window, logit_softcap)
 
     def window_scores(self, keys, window_queries, window_lse, scale, logit_softcap=None):
         return torch_ref.attention_mass_per_head(

@@ -10,6 +10,7 @@ import torch
 from sparsekv.attention.backends import DecodeParams, DecodeResult
 from sparsekv.attention.paging import gather_kv
 from sparsekv.kv_cache import quant
+from sparsekv.kv_cache.request_kv import LayerKV
 from sparsekv.kv_cache.storage.base import KVStorage, materialize
 
 
