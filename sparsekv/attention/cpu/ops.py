@@ -1,7 +1,7 @@
 """Native paged CPU kernels: the Python face of ``csrc/`` (same contracts as ``torch_ref``).
 
 Each function raises ``RuntimeError`` when the extension is unavailable; callers that want the
-silent fallback use ``sparsekv.attention.backend``. ``isa`` picks a kernel variant
+silent fallback use ``attention.backends.CpuNativeBackend``. ``isa`` picks a kernel variant
 (``"avx512_amx"``: bf16 on AMX tiles, ``"avx512"``, ``"avx2"``, ``"avx2_w16"``, ``"generic"``); by
 default the fastest one this CPU runs whose vector width divides ``head_dim``, or the one named
 by ``SPARSEKV_KERNEL_ISA`` (to compare variants or rule one out; ignored with a warning where
