@@ -220,8 +220,7 @@ def test_bad_backend_names_raise_value_errors():
 
 def test_triton_without_triton_is_a_clear_value_error(monkeypatch):
     # ``None`` in sys.modules makes an import of that name fail, as where Triton is missing.
-    monkeypatch.setitem(sys.modules, "sparsekv.attention.triton", None)
-    monkeypatch.delitem(sys.modules, "sparsekv.attention.triton.backend", raising=False)
+    monkeypatch.setitem(sys.modules, "sparsekv.attention.backends.triton_backend", None)
     with pytest.raises(ValueError, match="attention_backend 'triton' is not available"):
         backend_class("triton")
     with pytest.raises(ValueError, match="attention_backend 'triton' is not available"):

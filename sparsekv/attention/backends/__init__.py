@@ -27,7 +27,7 @@ __all__ = [
 BACKENDS: dict[str, str] = {
     "cpu": "sparsekv.attention.backends.cpu_native:CpuNativeBackend",
     "torch": "sparsekv.attention.backends.torch_backend:TorchBackend",
-    "triton": "sparsekv.attention.triton.backend:TritonBackend",
+    "triton": "sparsekv.attention.backends.triton_backend:TritonBackend",
 }
 BACKEND_NAMES = ("auto", *BACKENDS)
 
