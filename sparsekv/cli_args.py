@@ -17,6 +17,7 @@ import types
 import typing
 
 from sparsekv.config import (
+    ATTENTION_BACKENDS,
     COMPRESSION_METHODS,
     CacheConfig,
     CompressionConfig,
@@ -53,12 +54,15 @@ CHOICES = {
     ("compression", "scope"): ("prompt", "context"),
     ("scheduler", "preemption_mode"): ("swap", "recompute"),
     ("model", "dtype"): ("auto", "bfloat16", "float32"),
+    ("model", "attention_backend"): ATTENTION_BACKENDS,
     ("cache", "kv_cache_dtype"): KV_CACHE_DTYPES,
 }
 METAVARS = {
     ("model", "model"): "NAME|PATH",
     ("model", "served_model_name"): "NAME",
     ("cache", "kv_cache_memory"): "GIB",
+    ("cache", "gpu_memory_utilization"): "FRACTION",
+    ("model", "device"): "auto|cpu|cuda[:N]",
     ("cache", "kv_cache_full_precision_layers"): "L0,L1,...",
     ("compression", "layer_budgets"): "B0,B1,...",
     ("compression", "compression_ratio"): "R",
@@ -69,6 +73,7 @@ NONE_DEFAULTS = {
     ("model", "max_model_len"): "the model's own",
     ("cache", "kv_cache_full_precision_layers"): "none",
     ("cache", "num_pages"): "derived from --kv-cache-memory",
+    ("cache", "kv_cache_memory"): "sized from the device; 2 GiB on CPU",
     ("compression", "compression_ratio"): "unset",
     ("compression", "layer_budgets"): "unset",
 }

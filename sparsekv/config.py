@@ -13,6 +13,12 @@ from dataclasses import dataclass, field
 
 from sparsekv.kv_cache.quant import KV_CACHE_DTYPES
 
+DEVICES = ("auto", "cpu", "cuda")
+# The names of ``attention.backends.BACKENDS`` (and ``auto``); a test keeps the two equal.
+ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
+# The pool size on CPU when ``kv_cache_memory`` is not given, in GiB.
+CPU_KV_CACHE_MEMORY = 2.0
+
 COMPRESSION_METHODS = (
     "none",
     "snapkv",
@@ -35,7 +41,13 @@ class ModelConfig:
         served_model_name: model id reported by /v1/models and accepted in requests.
         dtype: compute dtype: ``auto`` is bf16 where the CPU has AVX512-BF16 or AMX (or on
             CUDA), else fp32.
-        device: torch device; ``cpu`` (the CUDA kernels are not written yet).
+        device: torch device: ``auto`` (``cuda`` where a CUDA device is visible, else
+            ``cpu``), ``cpu`` or ``cuda``.
+        attention_backend: attention kernels: ``auto`` (the native C++ kernels on CPU where
+            they build, else the PyTorch reference; Triton on CUDA where it imports),
+            ``cpu`` (native C++), ``torch`` (reference) or ``triton``.
+        enforce_eager: never capture CUDA graphs for decode steps (the engine captures none
+            yet, so every step runs eagerly either way).
         max_model_len: context length in tokens (prompt + output).
         seed: seed for requests that give none (sampling stays reproducible per request).
         tokenizer: a tokenizer folder or file (``tokenizer.json``, a GGUF) to use instead of
@@ -45,7 +57,9 @@ class ModelConfig:
     model: str = "smollm2-135m-instruct"
     served_model_name: str | None = None
     dtype: str = "auto"
-    device: str = "cpu"
+    device: str = "auto"
+    attention_backend: str = "auto"
+    enforce_eager: bool = False
     max_model_len: int | None = None
     seed: int = 0
     tokenizer: str | None = None
@@ -53,6 +67,13 @@ class ModelConfig:
     def validate(self) -> None:
         if self.dtype not in ("auto", "bfloat16", "float32", "bf16", "fp32"):
             raise ValueError(f"dtype must be auto, bfloat16 or float32, got {self.dtype!r}")
+        if self.device not in DEVICES and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                f"got {self.attention_backend!r}"
+            )
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be > 0 tokens, got {self.max_model_len}")
 
@@ -63,7 +84,12 @@ class CacheConfig:
 
     Attributes:
         kv_cache_memory: GiB of KV memory: the page pool(s) plus side state (stored window
-            queries, H2O accumulators).
+            queries, H2O accumulators). Unset, it is sized from the device: 2 GiB on CPU
+            (refused above 80% of the available RAM); on CUDA the free memory after a
+            profiling forward, up to ``gpu_memory_utilization`` of the device.
+        gpu_memory_utilization: fraction of the device's memory the engine may use for
+            weights, activations and KV pages (CUDA; ignored on CPU and when
+            ``kv_cache_memory`` is given).
         block_size: token slots per KV page (a power of two).
         kv_cache_dtype: page format: ``auto`` (the model dtype), ``int8``, ``fp8`` (e4m3) or
             ``int4`` (KIVI). ``int8``/``fp8`` keep one scale per page, K/V, head and slot;
@@ -83,7 +109,8 @@ class CacheConfig:
             and benchmarks that need an exact pool).
     """
 
-    kv_cache_memory: float = 2.0
+    kv_cache_memory: float | None = None
+    gpu_memory_utilization: float = 0.9
     block_size: int = 16
     kv_cache_dtype: str = "auto"
     kv_cache_full_precision_layers: tuple[int, ...] | None = None
@@ -92,8 +119,12 @@ class CacheConfig:
     num_pages: int | None = None
 
     def validate(self) -> None:
-        if not self.kv_cache_memory > 0:
+        if self.kv_cache_memory is not None and not self.kv_cache_memory > 0:
             raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(
                 f"block_size must be a positive power of two (16, 32, ...), got {self.block_size}"

@@ -30,7 +30,8 @@ class LLM:
             layers full), a ``CompressionConfig``, or a dict of ``CompressionConfig`` fields
             applied over that default (``{"method": "none"}`` = full cache,
             ``{"compression_ratio": 0.75}`` = keep 25% of each budgeted layer).
-        kv_cache_memory: GiB for the page pool.
+        kv_cache_memory: GiB for the page pool; ``None`` sizes it from the device (2 GiB
+            on CPU, the free memory under ``gpu_memory_utilization`` on CUDA).
         engine_config: a full ``EngineConfig`` (overrides the keyword settings).
         **kwargs: other ``ModelConfig``/``CacheConfig``/``SchedulerConfig`` fields by name.
 
@@ -43,7 +44,7 @@ class LLM:
         model: str = "smollm2-135m-instruct",
         dtype: str = "auto",
         kv_compression: CompressionConfig | dict | None = None,
-        kv_cache_memory: float = 2.0,
+        kv_cache_memory: float | None = None,
         engine_config: EngineConfig | None = None,
         **kwargs,
     ) -> None:

@@ -14,71 +14,21 @@ from __future__ import annotations
 
 import torch
 
+from sparsekv.attention.paging import gather_kv, write_kv, write_leading_slots
 
-def write_kv(
-    kv_pool: torch.Tensor, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor
-) -> None:
-    """Scatter new keys and values into their pages.
+__all__ = [
+    "attention_mass_per_head",
+    "attention_with_lse",
+    "causal_mask",
+    "gather_kv",
+    "paged_decode_attention",
+    "write_kv",
+    "write_leading_slots",
+]
 
-    Args:
-        kv_pool: ``[num_pages, 2, num_kv_heads, block_size, head_dim]``.
-        slot_mapping: ``[num_tokens]`` int64 physical slot = ``page * block_size + offset``.
-        key, value: ``[num_tokens, num_kv_heads, head_dim]``.
-    """
-    block_size = kv_pool.shape[3]
-    pages = slot_mapping // block_size
-    offsets = slot_mapping % block_size
-    kv_pool[pages, 0, :, offsets] = key.to(kv_pool.dtype)
-    kv_pool[pages, 1, :, offsets] = value.to(kv_pool.dtype)
-
-
-def write_leading_slots(
-    kv_pool: torch.Tensor, block_table: list[int], key: torch.Tensor, value: torch.Tensor
-) -> None:
-    """Write ``m`` slots' keys and values to logical slots ``0 .. m - 1`` of a block table
-    (a compacted layer: ``first_slot`` 0). Whole pages go in one page-wise copy per half, the
-    partial last page slot-wise; slots past ``m`` in that page are left as they were.
-
-    Args:
-        kv_pool: ``[num_pages, 2, num_kv_heads, block_size, head_dim]``.
-        block_table: page ids, at least ``ceil(m / block_size)`` of them.
-        key, value: ``[num_kv_heads, m, head_dim]``.
-    """
-    block_size = kv_pool.shape[3]
-    num_kv_heads, m, head_dim = key.shape
-    full = m // block_size
-    if full:
-        pages = torch.tensor(block_table[:full], dtype=torch.long, device=kv_pool.device)
-        for half, rows in enumerate((key, value)):  # no stacked copy of the two
-            paged = rows[:, : full * block_size].reshape(num_kv_heads, full, block_size, head_dim)
-            kv_pool[pages, half] = paged.transpose(0, 1).to(kv_pool.dtype)
-    rest = m - full * block_size
-    if rest:
-        page = block_table[full]
-        kv_pool[page, 0, :, :rest] = key[:, full * block_size :].to(kv_pool.dtype)
-        kv_pool[page, 1, :, :rest] = value[:, full * block_size :].to(kv_pool.dtype)
-
-
-def gather_kv(
-    kv_pool: torch.Tensor, block_table: torch.Tensor, num_held: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Copy the held slots of one (request, layer) out of the pool.
-
-    Args:
-        kv_pool: ``[num_pages, 2, num_kv_heads, block_size, head_dim]``.
-        block_table: ``[num_blocks]`` int64 page ids, first held page first.
-        num_held: slots held (``num_slots - first_slot``).
-
-    Returns:
-        keys, values: ``[num_kv_heads, num_held, head_dim]`` in the pool dtype.
-    """
-    num_kv_heads, head_dim = kv_pool.shape[2], kv_pool.shape[4]
-    if num_held == 0:
-        empty = kv_pool.new_empty((num_kv_heads, 0, head_dim))
-        return empty, empty
-    pages = kv_pool.index_select(0, block_table)  # [nb, 2, kvh, bs, d]
-    kv = pages.permute(1, 2, 0, 3, 4).reshape(2, num_kv_heads, -1, head_dim)
-    return kv[0, :, :num_held], kv[1, :, :num_held]
+# Logit elements per chunk of ``attention_mass_per_head`` (64 MiB of fp32): bounds memory for
+# long prompts.
+MAX_CHUNK_ELEMENTS = 1 << 24
 
 
 def causal_mask(
@@ -131,7 +81,11 @@ def attention_with_lse(
     key = key.to(query.dtype)
     value = value.to(query.dtype)
     visible = causal_mask(num_queries, num_keys, sliding_window, query.device)
-    if logit_softcap is None and query.dtype in (torch.float32, torch.bfloat16):
+    if (
+        logit_softcap is None
+        and query.dtype in (torch.float32, torch.bfloat16)
+        and query.device.type == "cpu"  # the op is PyTorch's CPU flash kernel
+    ):
         bias = torch.zeros(visible.shape, dtype=query.dtype, device=query.device)
         bias.masked_fill_(~visible, float("-inf"))
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -210,3 +164,60 @@ def paged_decode_attention(
     out = torch.matmul(probs, values).reshape(batch, num_heads, head_dim).to(query.dtype)
     mass = probs.sum(dim=2) if return_attn_mass else None
     return out, lse.reshape(batch, num_heads), mass
+
+
+def attention_mass_per_head(
+    keys: torch.Tensor,
+    queries: torch.Tensor,
+    lse: torch.Tensor | None,
+    scale: float,
+    max_chunk_elements: int = MAX_CHUNK_ELEMENTS,
+    logit_softcap: float | None = None,
+) -> torch.Tensor:
+    """Sum over query rows of the causal softmax weights on each slot, per query head.
+
+    Works chunk-wise over query rows; a chunk only touches the slots its rows can see.
+
+    Args:
+        keys: ``[num_kv_heads, n, head_dim]`` held keys (post-RoPE), any float dtype.
+        queries: ``[num_heads, q, head_dim]`` queries of the last ``q <= n`` tokens;
+            ``num_heads`` is a multiple of ``num_kv_heads`` (GQA, query head ``h`` reads KV head
+            ``h // group``).
+        lse: ``[num_heads, q]`` natural-log softmax denominator of each row over the slots it
+            sees, as returned by the attention; ``None`` computes it here.
+        scale: softmax scale (usually ``head_dim ** -0.5``).
+        max_chunk_elements: most logit elements materialised at once.
+        logit_softcap: the model's attention soft-cap: logits are ``cap * tanh(x / cap)`` of
+            the scaled products (Gemma 2), as the attention computed them; ``None``: none.
+
+    Returns:
+        ``[num_heads, n]`` fp32: ``sum_i exp(l_ij - lse_i)`` over visible ``(i, j)``, with
+        ``l_ij = q_i.k_j * scale`` (soft-capped when ``logit_softcap`` is set).
+    """
+    num_kv_heads, n, head_dim = keys.shape
+    num_heads, q, _ = queries.shape
+    assert num_heads % num_kv_heads == 0 and q <= n, (keys.shape, queries.shape)
+    group = num_heads // num_kv_heads
+    keys32 = keys.float()
+    queries32 = queries.float().reshape(num_kv_heads, group, q, head_dim)
+    lse32 = None if lse is None else lse.float().reshape(num_kv_heads, group, q)
+    mass = torch.zeros(num_kv_heads, group, n, dtype=torch.float32, device=keys.device)
+    rows = max(1, max_chunk_elements // max(1, num_heads * n))
+    for start in range(0, q, rows):
+        end = min(q, start + rows)
+        num_visible = n - q + end  # the chunk's last row sees slots [0, num_visible)
+        # [num_kv_heads, group, end - start, num_visible]; a group's query rows are folded
+        # into one matrix per KV head (one bmm, no broadcast copy of the keys: ~3x faster).
+        chunk = queries32[:, :, start:end].reshape(num_kv_heads, group * (end - start), head_dim)
+        logits = torch.bmm(chunk, keys32[:, :num_visible].transpose(-1, -2))
+        logits = logits.view(num_kv_heads, group, end - start, num_visible) * scale
+        if logit_softcap is not None:
+            logits = torch.tanh(logits / logit_softcap) * logit_softcap
+        visible = causal_mask(end - start, num_visible, device=keys.device)
+        logits.masked_fill_(~visible, float("-inf"))
+        if lse32 is None:
+            row_lse = torch.logsumexp(logits, dim=-1)
+        else:
+            row_lse = lse32[:, :, start:end]
+        mass[:, :, :num_visible] += torch.exp(logits - row_lse[..., None]).sum(dim=2)
+    return mass.reshape(num_heads, n)

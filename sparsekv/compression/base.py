@@ -14,8 +14,11 @@ from typing import ClassVar
 
 import torch
 
-from sparsekv.attention.cpu import build
+from sparsekv.attention.backends.base import AttentionBackend
+from sparsekv.attention.selection import kept_indices_prefer_recent, top_indices_prefer_recent
 from sparsekv.config import CompressionConfig
+
+__all__ = ["Compressor", "LayerView", "kept_indices_prefer_recent", "top_indices_prefer_recent"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,8 @@ class LayerView:
         generator: random source of the ``random`` baseline (seeded per request), or ``None``.
         logit_softcap: the model's attention soft-cap (Gemma 2): scores from attention
             weights use the capped logits the attention softmaxed; ``None``: none.
+        backend: the engine's attention backend, which scoring and selection run on
+            (``None``: the PyTorch reference, for direct callers such as tests).
     """
 
     keys: torch.Tensor
@@ -49,6 +54,7 @@ class LayerView:
     accumulated: torch.Tensor | None = None
     generator: torch.Generator | None = None
     logit_softcap: float | None = None
+    backend: AttentionBackend | None = None
 
     @property
     def num_kv_heads(self) -> int:
@@ -83,7 +89,7 @@ class Compressor(abc.ABC):
     # ``score`` depends on the view only through the summed window attention
     # (``scoring.window_attention_scores``): such methods also define
     # ``score_window(summed [num_heads, n], num_kv_heads, num_window) -> [num_kv_heads, n]``
-    # and can be scored straight from the pages (``attention.compaction``).
+    # and can be scored straight from the pages (``runner.compaction``).
     window_scored: ClassVar[bool] = False
 
     window: int = 32
@@ -133,69 +139,26 @@ class Compressor(abc.ABC):
             return torch.arange(n, device=view.keys.device).expand(num_kv_heads, n).clone()
         scores = self.score(view).float()
         assert scores.shape == (num_kv_heads, n), (scores.shape, num_kv_heads, n)
-        return self.keep_top(scores, budget, window)
+        return self.keep_top(scores, budget, window, view.backend)
 
-    def keep_top(self, scores: torch.Tensor, budget: int, window: int) -> torch.Tensor:
+    def keep_top(
+        self,
+        scores: torch.Tensor,
+        budget: int,
+        window: int,
+        backend: AttentionBackend | None = None,
+    ) -> torch.Tensor:
         """``select``'s rule on given scores ``[num_kv_heads, n]`` with ``n > budget``:
-        ``[num_kv_heads, budget]`` int64 kept slots, ascending per row."""
+        ``[num_kv_heads, budget]`` int64 kept slots, ascending per row, ranked by
+        ``backend.kept_indices`` (``None``: the PyTorch rule of ``attention.selection``)."""
         num_kv_heads, n = scores.shape
         num_recent = min(self.num_recent(budget, window), budget)
         num_older = n - num_recent
-        chosen = kept_indices_prefer_recent(scores[:, :num_older], budget - num_recent)
+        older = scores[:, :num_older]
+        if backend is None:
+            chosen = kept_indices_prefer_recent(older, budget - num_recent)
+        else:
+            chosen = backend.kept_indices(older, budget - num_recent)
         recent = torch.arange(num_older, n, device=scores.device).expand(num_kv_heads, num_recent)
         # Both parts ascend and every chosen slot precedes the recent ones: no sort needed.
         return torch.cat([chosen, recent], dim=1)
-
-
-def kept_indices_prefer_recent(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """The slots :func:`top_indices_prefer_recent` picks, ascending, found without a sort.
-
-    Keeping the ``k`` highest scores with ties to the higher index is dropping the ``m - k``
-    lowest with ties to the lower index: below the ``(m - k)``-th lowest score (one
-    ``kthvalue``, linear time) every slot goes, and at that score the oldest go until
-    ``m - k`` have. The stable-sort ranking and the sort of the kept slots took ~3.9 ms of CPU
-    per 28-layer SmolLM2 decode-time compaction (84 rows of 1008 slots, one thread); this
-    takes ~1 ms, with the same result.
-
-    Args:
-        scores: ``[rows, m]`` fp32.
-        k: ``0 <= k <= m``.
-
-    Returns:
-        ``[rows, k]`` int64, ascending per row.
-    """
-    rows, m = scores.shape
-    num_drop = m - k
-    if num_drop == 0 or k == 0 or rows == 0:
-        return torch.arange(k, device=scores.device).expand(rows, k).clone()
-    ext = build.load_extension()
-    if ext is not None and scores.device.type == "cpu" and scores.dtype == torch.float32:
-        # The same rule per row in C++ (nth_element, then one pass): ~0.1 ms against ~1.4 ms.
-        return ext.kept_indices_prefer_recent(scores.contiguous(), k)
-    cutoff = scores.kthvalue(num_drop, dim=-1, keepdim=True).values  # [rows, 1]
-    if torch.isnan(cutoff).any():  # NaN ranks highest in a sort but compares false
-        return top_indices_prefer_recent(scores, k).sort(dim=-1).values
-    below = scores < cutoff
-    at_cutoff = scores == cutoff
-    # Of the slots at the cutoff, the oldest are dropped until num_drop are.
-    quota = num_drop - below.sum(dim=-1, keepdim=True)
-    dropped = below | (at_cutoff & (at_cutoff.cumsum(dim=-1) <= quota))
-    return (~dropped).nonzero()[:, 1].view(rows, k)
-
-
-def top_indices_prefer_recent(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the ``k`` highest scores per row; equal scores go to the higher index.
-
-    ``torch.topk`` leaves tie order unspecified, so this sorts the reversed row stably: among
-    equal scores the one met first in reversed order (the most recent) ranks first.
-
-    Args:
-        scores: ``[rows, m]`` fp32.
-        k: ``0 <= k <= m``.
-
-    Returns:
-        ``[rows, k]`` int64, unsorted.
-    """
-    m = scores.shape[-1]
-    order = torch.sort(scores.flip(-1), dim=-1, descending=True, stable=True).indices
-    return (m - 1) - order[:, :k]

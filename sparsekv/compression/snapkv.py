@@ -26,7 +26,12 @@ class SnapKVCompressor(Compressor):
     def score(self, view: LayerView) -> torch.Tensor:
         """``[num_kv_heads, n]`` fp32; the last ``w`` (window) slots score ``+inf``."""
         summed = window_attention_scores(
-            view.keys, view.window_queries, view.window_lse, view.scale, view.logit_softcap
+            view.keys,
+            view.window_queries,
+            view.window_lse,
+            view.scale,
+            view.logit_softcap,
+            view.backend,
         )
         return self.score_window(summed, view.num_kv_heads, view.num_window)
 

@@ -27,6 +27,11 @@ class TOVACompressor(Compressor):
         """``[num_kv_heads, n]`` fp32 attention of the last query row."""
         last_lse = None if view.window_lse is None else view.window_lse[:, -1:]
         per_head = window_attention_scores(
-            view.keys, view.window_queries[:, -1:], last_lse, view.scale, view.logit_softcap
+            view.keys,
+            view.window_queries[:, -1:],
+            last_lse,
+            view.scale,
+            view.logit_softcap,
+            view.backend,
         )
         return aggregate_gqa(per_head, view.num_kv_heads, self.gqa_agg)

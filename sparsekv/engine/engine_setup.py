@@ -1,7 +1,7 @@
 """Build the engine's parts from a config: weights, model, page pool, scheduler, runner.
 
-Pool sizing: ``--kv-cache-memory`` GiB covers the pages and the side state
-kept outside the pool (stored window queries, H2O accumulators), reserved for ``max_num_seqs``
+Pool sizing: ``--kv-cache-memory`` GiB (unset: sized from the device, ``device_memory``)
+covers the pages and the side state kept outside the pool (stored window queries, H2O accumulators), reserved for ``max_num_seqs``
 requests; the rest becomes pages, each counted at its stored size (codes and scales of a
 quantized ``--kv-cache-dtype``). With full-precision layers beside quantized ones the page
 bytes are split between the two pools in proportion to their layer counts, so both run out
@@ -17,7 +17,9 @@ from pathlib import Path
 
 import torch
 
+from sparsekv.attention.backends import create_backend
 from sparsekv.config import EngineConfig
+from sparsekv.engine.device_memory import kv_cache_gib, profile_forward
 from sparsekv.engine.scheduler import Scheduler
 from sparsekv.host_allocator import tune_host_allocator
 from sparsekv.kv_cache.manager import KVCacheManager
@@ -46,6 +48,19 @@ class EngineParts:
     eos_token_ids: tuple[int, ...]
     vocab_size: int
     dtype: torch.dtype
+
+
+def resolve_device(name: str) -> str:
+    """``--device``: ``auto`` is ``cuda`` where a CUDA device is visible, else ``cpu``.
+
+    Raises:
+        ValueError: ``cuda`` asked for where no CUDA device is visible.
+    """
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device: {name!r} but no CUDA device is visible")
+    return name
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:
@@ -122,9 +137,11 @@ def num_pool_pages(
     num_kv_heads: int,
     head_dim: int,
     dtype: torch.dtype,
+    memory_gib: float | None = None,
 ) -> int | tuple[int, int]:
-    """Pages that fit in ``kv_cache_memory`` after the side-state reservation: one count, or
-    (quantized pages, full-precision pages) when some layers stay at full precision.
+    """Pages that fit in ``memory_gib`` (default ``kv_cache_memory``, else the CPU default)
+    after the side-state reservation: one count, or (quantized pages, full-precision pages)
+    when some layers stay at full precision.
 
     Raises:
         ValueError: the size exceeds 80% of available RAM or leaves no room for pages.
@@ -138,11 +155,13 @@ def num_pool_pages(
         return max(quantized, num_layers - num_full), max(
             config.cache.num_pages - quantized, num_full
         )
-    total = int(config.cache.kv_cache_memory * GIB)
+    if memory_gib is None:
+        memory_gib = kv_cache_gib(config, "cpu")
+    total = int(memory_gib * GIB)
     available = available_memory_bytes()
     if available is not None and total > 0.8 * available:
         raise ValueError(
-            f"kv_cache_memory: {config.cache.kv_cache_memory} GiB exceeds 80% of the "
+            f"kv_cache_memory: {memory_gib:g} GiB exceeds 80% of the "
             f"{available / GIB:.1f} GiB of available memory"
         )
     geometry = (num_kv_heads, config.cache.block_size, head_dim, dtype)
@@ -155,14 +174,14 @@ def num_pool_pages(
         per_layer = budget // ((num_layers - num_full) * quantized_bytes + num_full * full_bytes)
         if per_layer < 1:
             raise ValueError(
-                f"kv_cache_memory: {config.cache.kv_cache_memory} GiB holds fewer than one "
+                f"kv_cache_memory: {memory_gib:g} GiB holds fewer than one "
                 f"page per layer ({num_layers})"
             )
         return int(per_layer * (num_layers - num_full)), int(per_layer * num_full)
     pages = budget // quantized_bytes
     if pages < num_layers:
         raise ValueError(
-            f"kv_cache_memory: {config.cache.kv_cache_memory} GiB holds {pages} pages, "
+            f"kv_cache_memory: {memory_gib:g} GiB holds {pages} pages, "
             f"fewer than one per layer ({num_layers})"
         )
     return int(pages)
@@ -176,13 +195,12 @@ def build_engine_parts(config: EngineConfig, checkpoint=None) -> EngineParts:
         checkpoint: a ``sparsekv.loader.Checkpoint`` to use instead of loading
             ``config.model.model`` (tests with tiny random models).
     """
-    device = config.model.device
+    device = resolve_device(config.model.device)
     dtype = resolve_dtype(config.model.dtype, device)
+    # Chosen once; the kernels compile (or load) now, never on a request.
+    backend = create_backend(config.model.attention_backend, device)
+    logger.info("attention backend: %s", backend.name)
     if device == "cpu":
-        # Compile (or load) the native kernels now, never on a request; falls back with a warning.
-        from sparsekv.attention.backend import prepare_native_kernels
-
-        prepare_native_kernels()
         tune_host_allocator()
     if checkpoint is None:
         from sparsekv.loader import load_checkpoint
@@ -195,8 +213,13 @@ def build_engine_parts(config: EngineConfig, checkpoint=None) -> EngineParts:
     if can_prepack(dtype, device, has_native_bf16()):
         prepack_linears(model)
     specs = model.layer_specs()
+    memory_gib = kv_cache_gib(
+        config,
+        device,
+        profile=lambda: profile_forward(model, backend, config.scheduler.max_num_batched_tokens),
+    )
     num_pages = num_pool_pages(
-        config, len(specs), model.num_heads, model.num_kv_heads, model.head_dim, dtype
+        config, len(specs), model.num_heads, model.num_kv_heads, model.head_dim, dtype, memory_gib
     )
     prefix_caching = config.cache.enable_prefix_caching
     if prefix_caching and any(spec.is_sliding for spec in specs):
@@ -216,6 +239,7 @@ def build_engine_parts(config: EngineConfig, checkpoint=None) -> EngineParts:
         prefix_cache_uncompressed=config.cache.prefix_cache_uncompressed,
         kv_cache_dtype=config.cache.kv_cache_dtype,
         full_precision_layers=full_precision_layers(config, len(specs)),
+        backend=backend,
     )
     tokenizer = checkpoint.tokenizer
     return EngineParts(
@@ -225,7 +249,7 @@ def build_engine_parts(config: EngineConfig, checkpoint=None) -> EngineParts:
         model=model,
         kv=kv,
         scheduler=Scheduler(config.scheduler, kv),
-        runner=ModelRunner(model, kv, torch.device(device)),
+        runner=ModelRunner(model, kv, torch.device(device), backend),
         max_model_len=max_model_len,
         eos_token_ids=_eos_ids(hf_config, tokenizer, getattr(checkpoint, "eos_token_ids", ())),
         vocab_size=hf_config.vocab_size,

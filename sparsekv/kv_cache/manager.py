@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+from sparsekv.attention.backends.base import AttentionBackend
 from sparsekv.kv_cache import prefix_sharing as sharing
 from sparsekv.kv_cache.block_pool import BlockPool
 from sparsekv.kv_cache.budget import may_compact, peak_request_pages
@@ -50,6 +51,8 @@ class KVCacheManager:
         kv_cache_dtype: page format, ``auto`` (= ``dtype``), ``int8``, ``fp8`` or ``int4``.
         full_precision_layers: layers whose pages stay in ``dtype`` when the format is
             quantized; they draw from a second pool (page kind 1).
+        backend: the engine's attention backend every storage runs on (``None``: the
+            ``auto`` backend of ``device``).
 
     Raises:
         ValueError: an unknown format, a layer index out of range, or ``num_pages`` that does
@@ -70,6 +73,7 @@ class KVCacheManager:
         prefix_cache_uncompressed: bool = False,
         kv_cache_dtype: str = "auto",
         full_precision_layers: Sequence[int] = (),
+        backend: AttentionBackend | None = None,
     ) -> None:
         self.layer_specs = layer_specs
         self.block_size = block_size
@@ -84,7 +88,9 @@ class KVCacheManager:
             raise ValueError(f"num_pages: {len(formats)} page kinds need {len(formats)} sizes")
         self.pool = BlockPool(sizes)
         self.storages: list[KVStorage] = [
-            make_storage(fmt, size, start, num_kv_heads, block_size, head_dim, dtype, device)
+            make_storage(
+                fmt, size, start, num_kv_heads, block_size, head_dim, dtype, device, backend
+            )
             for fmt, size, start in zip(formats, sizes, self.pool.kind_starts)
         ]
         self.layer_kinds = [int(layer in full) for layer in range(len(layer_specs))]

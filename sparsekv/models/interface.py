@@ -44,7 +44,7 @@ class CausalLM(Protocol):
         Args:
             input_ids: ``[num_tokens]`` int64, the step's tokens of every request, flattened.
             positions: ``[num_tokens]`` int64 absolute positions in their requests.
-            ctx: the attention context (``attention.paged.PagedAttention`` or a test
+            ctx: the attention context (``runner.paged_attention.PagedAttention`` or a test
                 reference) with ``attend(layer, q, k, v, scale, sliding_window=None)``.
 
         Returns:

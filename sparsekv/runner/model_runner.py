@@ -11,12 +11,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sparsekv.attention.metadata import BlockTableCache, RequestSlice, build_metadata
-from sparsekv.attention.paged import PagedAttention
+from sparsekv.attention.backends.base import AttentionBackend
 from sparsekv.engine.scheduler_output import SchedulerOutput
 from sparsekv.kv_cache.manager import KVCacheManager
 from sparsekv.models.fused import ops as fused
 from sparsekv.outputs import Logprob
+from sparsekv.runner.metadata import BlockTableCache, RequestSlice, build_metadata
+from sparsekv.runner.paged_attention import PagedAttention
 from sparsekv.runner.prompt_logprobs import prompt_logprob_rows, prompt_logprobs
 from sparsekv.sampling.sampler import Sampler, SamplingBatch
 
@@ -47,12 +48,20 @@ class ModelRunner:
             ``layer_specs()``.
         kv: the KV manager (page storage and per-request state).
         device: torch device of the model.
+        backend: the engine's attention backend (``None``: the one the KV storages run on).
     """
 
-    def __init__(self, model: torch.nn.Module, kv: KVCacheManager, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv: KVCacheManager,
+        device: torch.device,
+        backend: AttentionBackend | None = None,
+    ) -> None:
         self.model = model
         self.kv = kv
         self.device = device
+        self.backend = backend if backend is not None else kv.storage(0).backend
         self.layer_specs = kv.layer_specs
         self.sampler = Sampler()
         self.logit_softcap = getattr(model, "attn_logit_softcap", None)
@@ -93,7 +102,7 @@ class ModelRunner:
             slices, len(self.layer_specs), self.kv.block_size, self.device, self._block_tables
         )
         storages = [self.kv.storage(layer) for layer in range(len(self.layer_specs))]
-        ctx = PagedAttention(storages, metadata, self.layer_specs, self.logit_softcap)
+        ctx = PagedAttention(storages, metadata, self.layer_specs, self.backend, self.logit_softcap)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         with fused.native_scope():  # the fused ops' checks once per step, not per call

@@ -164,9 +164,13 @@ def checkpoint_of(model, config=None):
 
 
 def make_engine(checkpoint, max_len=None, max_num_batched_tokens=4096, block_size=4, **kw):
-    """An fp32 engine over ``checkpoint``."""
+    """An fp32 engine over ``checkpoint`` (``attention_backend=`` picks the backend)."""
     config = EngineConfig(
-        model=ModelConfig(dtype="float32", max_model_len=max_len),
+        model=ModelConfig(
+            dtype="float32",
+            max_model_len=max_len,
+            attention_backend=kw.pop("attention_backend", "auto"),
+        ),
         cache=CacheConfig(
             kv_cache_memory=0.01,
             block_size=block_size,

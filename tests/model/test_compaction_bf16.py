@@ -1,13 +1,13 @@
 """SmolLM2 in bf16 with decode-time eviction: compaction read from the pages
-(``attention.compaction``, AMX kernels) gives the same tokens and kept counts as the gathered
+(``runner.compaction``, AMX kernels) gives the same tokens and kept counts as the gathered
 route."""
 
 from __future__ import annotations
 
 import pytest
 
-from sparsekv.attention import compaction
 from sparsekv.config import CompressionConfig
+from sparsekv.runner import compaction
 from sparsekv.sampling_params import SamplingParams
 from tests.conftest import run_to_completion
 

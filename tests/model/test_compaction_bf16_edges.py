@@ -1,4 +1,4 @@
-"""Edge cases of decode-time compaction read from the pages (``attention.compaction``) with
+"""Edge cases of decode-time compaction read from the pages (``runner.compaction``) with
 SmolLM2 in bf16: every case runs once with the fast path and once with it ruled out
 (``compaction.applies`` forced False: the gathered route) on a fresh engine, and compares token
 ids, finish reasons and kept counts per layer. The autouse fixture checks for page leaks."""
@@ -9,8 +9,8 @@ import itertools
 
 import pytest
 
-from sparsekv.attention import compaction
 from sparsekv.config import CompressionConfig
+from sparsekv.runner import compaction
 from sparsekv.sampling_params import SamplingParams
 from tests.conftest import run_to_completion
 
@@ -48,11 +48,11 @@ class Recorder:
         self.applied = []
         real_compact, real_applies = compaction.compact_from_pages, compaction.applies
 
-        def compact(request, layers, storages, scale):
+        def compact(request, layers, storages, scale, backend):
             cow = any(request.layers[layer].compact_table is not None for layer in layers)
             self.calls.append((request.request_id, len(layers), cow))
             self.times.append(next(CLOCK))
-            return real_compact(request, layers, storages, scale)
+            return real_compact(request, layers, storages, scale, backend)
 
         def applies(request, layers, storages, *rest):
             answer = real_applies(request, layers, storages, *rest)

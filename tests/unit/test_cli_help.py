@@ -43,7 +43,10 @@ def test_engine_flags_show_their_real_defaults(monkeypatch):
     assert "(default: 1024; replaced by --kv-compression-ratio)" in help_text
     assert "--kv-compression-ratio R fraction of the prompt's tokens removed" in help_text
     assert "--kv-cache-memory GIB GiB of KV memory" in help_text
-    assert "(default: 2)" in help_text
+    assert "(default: sized from the device; 2 GiB on CPU)" in help_text
+    assert "--attention-backend {auto,cpu,torch,triton} attention kernels" in help_text
+    assert "--gpu-memory-utilization FRACTION fraction of the device's memory" in help_text
+    assert "--device auto|cpu|cuda[:N] torch device" in help_text
     assert "--port N TCP port (default: 8000)" in help_text
     assert "--enable-prefix-caching, --no-enable-prefix-caching share the KV pages" in help_text
     assert "(default: on)" in help_text and "(default: off)" in help_text

@@ -1,4 +1,4 @@
-"""Decode-time compaction read from the pages (``attention.compaction``) equals the general
+"""Decode-time compaction read from the pages (``runner.compaction``) equals the general
 route that gathers the layers (``PagedAttention._compact_decode_stacked``)."""
 
 from __future__ import annotations
@@ -6,19 +6,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparsekv.attention import compaction
-from sparsekv.attention.metadata import RequestSlice
-from sparsekv.attention.paged import PagedAttention
+from sparsekv.attention.backends.cpu_native import CpuNativeBackend
+from sparsekv.attention.backends.torch_backend import TorchBackend
 from sparsekv.attention.torch_ref import gather_kv, write_leading_slots
 from sparsekv.compression.h2o import H2OCompressor
 from sparsekv.compression.snapkv import SnapKVCompressor
 from sparsekv.kv_cache.plan import LayerStep
 from sparsekv.kv_cache.request_kv import LayerKV, RequestKV
 from sparsekv.kv_cache.storage import KVStorage
+from sparsekv.runner import compaction
+from sparsekv.runner.metadata import RequestSlice
+from sparsekv.runner.paged_attention import PagedAttention
 
 BLOCK = 16
 KV_HEADS, HEADS, HEAD_DIM = 3, 9, 64
 SCALE = HEAD_DIM**-0.5
+NATIVE = CpuNativeBackend()
 
 
 def _setup(
@@ -74,10 +77,10 @@ def test_compaction_from_pages_equals_gathered_route(
     reference, ref_request = _setup(
         num_layers, num_slots, budget, window, copy_on_write, seed=budget
     )
-    assert compaction.applies(request, layers, [storage] * num_layers)
+    assert compaction.applies(request, layers, [storage] * num_layers, NATIVE)
 
-    compaction.compact_from_pages(request, layers, [storage] * num_layers, SCALE)
-    attention = PagedAttention([reference] * num_layers, None, [None] * num_layers)
+    compaction.compact_from_pages(request, layers, [storage] * num_layers, SCALE, NATIVE)
+    attention = PagedAttention([reference] * num_layers, None, [None] * num_layers, NATIVE)
     attention._compact_decode_stacked(ref_request, layers, SCALE)
 
     for (k, v), (ref_k, ref_v) in zip(
@@ -88,7 +91,8 @@ def test_compaction_from_pages_equals_gathered_route(
 
 
 @pytest.mark.kernel_variant("decode")  # the extension, any variant
-def test_move_slots_in_place_and_to_fresh_pages():
+@pytest.mark.parametrize("backend", [NATIVE, TorchBackend()], ids=["cpu", "torch"])
+def test_move_slots_in_place_and_to_fresh_pages(backend):
     g = torch.Generator().manual_seed(3)
     pool = torch.randn(40, 2, KV_HEADS, BLOCK, HEAD_DIM, generator=g).to(torch.bfloat16)
     source = torch.tensor([[7, 3, 30, 12, 5], [8, 9, 1, 2, 20]])
@@ -101,7 +105,7 @@ def test_move_slots_in_place_and_to_fresh_pages():
         expected.append((k[heads, kept[layer]].clone(), v[heads, kept[layer]].clone()))
     for target in (source[:, :3], torch.tensor([[33, 34, 35], [36, 37, 38]])):
         moved = pool.clone()
-        compaction.move_slots(moved, source, target, kept)
+        backend.move_slots(moved, source, target, kept)
         for layer in range(2):
             k, v = gather_kv(moved, target[layer], 37)
             assert torch.equal(k, expected[layer][0]) and torch.equal(v, expected[layer][1])
@@ -118,13 +122,14 @@ def test_move_slots_in_place_and_to_fresh_pages():
 @pytest.mark.kernel_variant("window_fused")  # a fused window kernel (AMX or AVX512-BF16)
 def test_applies_only_to_window_scored_plain_bf16_pages():
     storage, request = _setup(2, 56, 40, 8, False, seed=1)
-    assert compaction.applies(request, [0, 1], [storage, storage])
+    assert compaction.applies(request, [0, 1], [storage, storage], NATIVE)
+    assert not compaction.applies(request, [0, 1], [storage, storage], TorchBackend())
     other = KVStorage(200, 0, KV_HEADS, BLOCK, HEAD_DIM, torch.bfloat16)
-    assert not compaction.applies(request, [0, 1], [storage, other])  # two storages
+    assert not compaction.applies(request, [0, 1], [storage, other], NATIVE)  # two storages
     fp32 = KVStorage(200, 0, KV_HEADS, BLOCK, HEAD_DIM, torch.float32)
-    assert not compaction.applies(request, [0, 1], [fp32, fp32])
+    assert not compaction.applies(request, [0, 1], [fp32, fp32], NATIVE)
     request.compressor = H2OCompressor(window=8)
-    assert not compaction.applies(request, [0, 1], [storage, storage])
+    assert not compaction.applies(request, [0, 1], [storage, storage], NATIVE)
 
 
 @pytest.mark.kernel_variant("decode")  # the extension, any variant
@@ -132,6 +137,6 @@ def test_move_slots_rejects_out_of_range_slots_and_pages():
     pool = torch.zeros(4, 2, KV_HEADS, BLOCK, HEAD_DIM, dtype=torch.bfloat16)
     kept = torch.arange(3).expand(1, KV_HEADS, 3).contiguous()
     with pytest.raises(RuntimeError, match="outside the source table"):
-        compaction.move_slots(pool, torch.tensor([[0]]), torch.tensor([[1]]), kept + BLOCK)
+        NATIVE.move_slots(pool, torch.tensor([[0]]), torch.tensor([[1]]), kept + BLOCK)
     with pytest.raises(RuntimeError, match="out of range"):
-        compaction.move_slots(pool, torch.tensor([[9]]), torch.tensor([[1]]), kept)
+        NATIVE.move_slots(pool, torch.tensor([[9]]), torch.tensor([[1]]), kept)

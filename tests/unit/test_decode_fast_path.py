@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparsekv.attention.metadata import BlockTableCache, RequestSlice, build_metadata
 from sparsekv.attention.torch_ref import write_kv
 from sparsekv.kv_cache.plan import LayerStep
 from sparsekv.kv_cache.request_kv import LayerKV, RequestKV
 from sparsekv.models import prepack
 from sparsekv.models.fused import build, ops
+from sparsekv.runner.metadata import BlockTableCache, RequestSlice, build_metadata
 
 
 def _ext():
@@ -165,9 +165,9 @@ def test_logged_decode_queries_equal_one_shot(held, steps):
 def test_decode_path_logs_queries_once_per_step():
     """The decode path logs one stacked tensor per step and request (not one row per layer),
     and the windows read after ``finish`` hold that step's query of each layer."""
-    from sparsekv.attention.paged import PagedAttention
     from sparsekv.kv_cache.spec import LayerSpec
     from sparsekv.kv_cache.storage import KVStorage
+    from sparsekv.runner.paged_attention import PagedAttention
 
     num_layers, heads, kv_heads, d, block = 2, 4, 2, 8, 16
     storages = [KVStorage(8, 0, kv_heads, block, d, torch.float32) for _ in range(num_layers)]
@@ -178,7 +178,7 @@ def test_decode_path_logs_queries_once_per_step():
             state.block_table, state.num_slots = list(table), 11  # as _decode_slices plans
     slices = _decode_slices(tables, kvs)
     metadata = build_metadata(slices, num_layers, block, torch.device("cpu"))
-    ctx = PagedAttention(storages, metadata, [LayerSpec("full")] * num_layers)
+    ctx = PagedAttention(storages, metadata, [LayerSpec("full")] * num_layers, storages[0].backend)
     torch.manual_seed(3)
     queries = [torch.randn(2, heads, d) for _ in range(num_layers)]
     for layer in range(num_layers):

@@ -14,12 +14,15 @@ import os
 import pytest
 import torch
 
-from sparsekv.attention import backend, torch_ref
+from sparsekv.attention import torch_ref
+from sparsekv.attention.backends import DecodeParams
+from sparsekv.attention.backends.cpu_native import CpuNativeBackend
 from sparsekv.attention.cpu import build, ops
 from sparsekv.attention.cpu.memory import advise_huge_pages
-from sparsekv.attention.cpu.reference import window_scores_paged as ref_window_scores
+from sparsekv.attention.reference import window_scores_paged as ref_window_scores
 from sparsekv.engine.engine_setup import cpu_flags
 
+backend = CpuNativeBackend()
 FP32_TOL = {"atol": 1e-5, "rtol": 0.0}
 BF16_TOL = {"atol": 1e-2, "rtol": 1.6e-2}
 RAGGED_LENS = [1, 15, 16, 17, 100, 1999]
@@ -224,11 +227,12 @@ def test_decode_ignores_garbage_in_unheld_slots(isas):
 @pytest.mark.kernel_variant("decode")
 def test_decode_empty_batch_and_no_mass(isas):
     pool, tables, lens, _ = make_paged([3], 2, 16, 64, torch.float32)
-    out, lse, mass = backend.decode_attention(
-        torch.randn(0, 4, 64), pool, tables[:0], lens[:0], 0.125, return_attn_mass=True
-    )
+    params = DecodeParams(tables[:0], lens[:0], 0.125, return_attn_mass=True)
+    out, lse, mass = backend.paged_decode(torch.randn(0, 4, 64), pool, params)
     assert out.shape == (0, 4, 64) and lse.shape == (0, 4) and mass.shape == (0, 2, 0)
-    out, lse, mass = backend.decode_attention(torch.randn(1, 4, 64), pool, tables, lens, 0.125)
+    out, lse, mass = backend.paged_decode(
+        torch.randn(1, 4, 64), pool, DecodeParams(tables, lens, 0.125)
+    )
     assert mass is None and out.shape == (1, 4, 64)
 
 
@@ -257,7 +261,8 @@ def test_window_scores_match_reference(isas, dtype, group, head_dim, block_size)
 def test_backend_window_scores(isas):
     pool, tables, _, _ = make_paged([100], 3, 16, 64, torch.float32)
     queries, lse = torch.randn(9, 8, 64), torch.full((9, 8), 4.0)
-    got = backend.window_scores_paged(queries, lse, pool, tables[0], 100, 0.125)
+    got, got_lse = backend.window_scores_paged(queries, pool, tables[:1], 100, lse, 0.125)
+    assert torch.equal(got_lse, lse)
     want = ref_window_scores(queries, lse, pool, tables[0], 100, 0.125)
     torch.testing.assert_close(got, want, **FP32_TOL)
 
@@ -333,7 +338,8 @@ def test_isa_env_forces_each_variant(isas, monkeypatch):
     for isa in isas:
         monkeypatch.setenv(ops.ISA_ENV, isa)
         assert ops.pick_isa(64) == isa
-        check(backend.decode_attention(query, pool, tables, lens, 0.125)[0], want, torch.bfloat16)
+        got = backend.paged_decode(query, pool, DecodeParams(tables, lens, 0.125))[0]
+        check(got, want, torch.bfloat16)
     monkeypatch.setenv(ops.ISA_ENV, "no_such_isa")
     with pytest.warns(RuntimeWarning, match="SPARSEKV_KERNEL_ISA"):
         assert ops.pick_isa(64) == next(i for i in isas if i != "avx2_w16")
@@ -341,17 +347,19 @@ def test_isa_env_forces_each_variant(isas, monkeypatch):
 
 def test_disable_env_falls_back_to_reference(monkeypatch):
     monkeypatch.setenv("SPARSEKV_DISABLE_NATIVE", "1")
-    assert build.load_extension() is None and not backend.prepare_native_kernels()
+    assert build.load_extension() is None and not backend.prepare()
     pool, tables, lens, _ = make_paged([5, 40], 2, 16, 64, torch.float32)
     query = torch.randn(2, 4, 64)
-    got = backend.decode_attention(query, pool, tables, lens, 0.125, return_attn_mass=True)
+    got = backend.paged_decode(
+        query, pool, DecodeParams(tables, lens, 0.125, return_attn_mass=True)
+    )
     want = torch_ref.paged_decode_attention(
         query, pool, tables, lens, 0.125, None, None, None, True
     )
     for a, b in zip(got, want):
         assert torch.equal(a, b)
     queries, lse = torch.randn(4, 3, 64), torch.zeros(4, 3)
-    got = backend.window_scores_paged(queries, lse, pool, tables[1], 40, 0.125)
+    got, _ = backend.window_scores_paged(queries, pool, tables[1:], 40, lse, 0.125)
     assert torch.equal(got, ref_window_scores(queries, lse, pool, tables[1], 40, 0.125))
 
 
@@ -380,7 +388,7 @@ def test_build_failure_warns_and_falls_back(monkeypatch):
     monkeypatch.setattr(build, "load_extension", lambda: None)
     pool, tables, lens, _ = make_paged([9], 1, 16, 64, torch.bfloat16)
     query = torch.randn(1, 2, 64).to(torch.bfloat16)
-    got = backend.decode_attention(query, pool, tables, lens, 0.125)
+    got = backend.paged_decode(query, pool, DecodeParams(tables, lens, 0.125))
     want = torch_ref.paged_decode_attention(query, pool, tables, lens, 0.125)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     with pytest.raises(RuntimeError, match="not available"):

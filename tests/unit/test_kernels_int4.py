@@ -25,7 +25,7 @@ import torch
 
 from sparsekv.attention import torch_ref
 from sparsekv.attention.cpu import build, ops
-from sparsekv.attention.cpu.reference import dequantize_int4_pool
+from sparsekv.attention.reference import dequantize_int4_pool
 from sparsekv.bench import kernels
 from sparsekv.kv_cache import quant
 

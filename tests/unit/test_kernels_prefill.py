@@ -1,6 +1,6 @@
 """Native causal prefill attention (``ops.prefill_attention``) against
 ``torch_ref.attention_with_lse`` computed in fp32 from the same bf16 inputs, and the dispatch of
-``backend.prefill_attention`` (the kernel for bf16, the PyTorch paths otherwise).
+``CpuNativeBackend.prefill_attention`` (the kernel for bf16, the PyTorch paths otherwise).
 
 Variants: the full case set runs on this CPU's default variant (``avx512_amx`` on AMX CPUs,
 ``avx512_bf16`` on AVX512-BF16 ones such as AMD Zen 4, ...); every other variant the CPU runs
@@ -22,10 +22,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparsekv.attention import backend, torch_ref
+from sparsekv.attention import torch_ref
+from sparsekv.attention.backends.cpu_native import CpuNativeBackend
 from sparsekv.attention.cpu import build, ops
 from tests import kernel_variants
 
+backend = CpuNativeBackend()
 OUT_TOL = {"atol": 1e-2, "rtol": 1.6e-2}
 LSE_ATOL = 1e-2
 LENGTHS = [1, 15, 16, 17, 100, 333]

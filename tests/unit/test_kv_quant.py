@@ -12,6 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sparsekv.attention.backends import DecodeParams
+from sparsekv.attention.backends.torch_backend import TorchBackend
 from sparsekv.attention.torch_ref import attention_with_lse
 from sparsekv.config import CacheConfig
 from sparsekv.kv_cache import quant
@@ -191,17 +193,10 @@ def test_decode_attention_over_quantized_pages(fmt):
         torch.stack([k[:, -1] for k in keys]),
         torch.stack([v[:, -1] for v in values]),
     )
-    out, lse, _ = store.decode_attention(
-        queries,
-        torch.tensor(tables),
-        torch.tensor(lengths),
-        torch.zeros(3, dtype=torch.long),
-        states,
-        D**-0.5,
-        None,
-        None,
-        False,
+    params = DecodeParams(
+        torch.tensor(tables), torch.tensor(lengths), D**-0.5, torch.zeros(3, dtype=torch.long)
     )
+    out, lse, _ = store.decode_attention(queries, params, states)
     errors = []
     for i in range(3):
         expected, _ = attention_with_lse(queries[i][:, None], keys[i], values[i], D**-0.5)
@@ -272,29 +267,17 @@ def test_cache_config_validation():
     CacheConfig(kv_cache_dtype="int4", kv_cache_full_precision_layers=(0, 1)).validate()
 
 
-class _ReferenceInt4Kernel:
-    """Stands in for the native int4 kernel: dequantize every page, dense reference attention."""
+class _ReferenceInt4Backend(TorchBackend):
+    """Reads int4 pages "in place" with the reference kernel (dequantize, dense attention), so
+    the storage takes its page + residual merge route without the native extension."""
 
-    @staticmethod
-    def supports_int4(query, *tensors) -> bool:
+    def supports_int4_decode(self, query, *pages) -> bool:
         return True
-
-    @staticmethod
-    def paged_decode_attention_int4(query, codes, ks, kz, vs, vz, tables, seq_lens, scale, first,
-                                    window, softcap, mass):  # fmt: skip
-        from sparsekv.attention.torch_ref import paged_decode_attention
-
-        keys = quant.dequantize_int4_keys(codes[:, 0], ks, kz, torch.float32)
-        values = quant.dequantize_int4_values(codes[:, 1], vs, vz, torch.float32)
-        pool = torch.stack((keys, values), dim=1)
-        return paged_decode_attention(query, pool, tables, seq_lens, scale, first, window, softcap)
 
 
 @pytest.mark.parametrize("softcap", [None, 20.0])
-def test_int4_residual_merge_equals_the_dequantized_path(monkeypatch, softcap):
+def test_int4_residual_merge_equals_the_dequantized_path(softcap):
     """Pages through the kernel + residuals merged by log-sum-exp = one dense attention."""
-    from sparsekv.kv_cache.storage import int4
-
     lengths = [37, 64, 5, 16]  # residuals of 5, 0 (page boundary), 5 (no full page), 0
     store = storage("int4", num_pages=24)
     queries = activations((4, 9, D), 12, outlier_channels=())
@@ -306,9 +289,16 @@ def test_int4_residual_merge_equals_the_dequantized_path(monkeypatch, softcap):
         store.write_slots(state, table, 0, key, value)
         tables.append(table)
         states.append(state)
-    args = (torch.tensor(tables), torch.tensor(lengths), torch.zeros(4, dtype=torch.long))
-    expected = store.decode_attention(queries, *args, states, D**-0.5, None, softcap, False)
-    monkeypatch.setattr(int4, "_native_int4", lambda: _ReferenceInt4Kernel)
-    merged = store.decode_attention(queries, *args, states, D**-0.5, None, softcap, False)
+    params = DecodeParams(
+        torch.tensor(tables),
+        torch.tensor(lengths),
+        D**-0.5,
+        torch.zeros(4, dtype=torch.long),
+        logit_softcap=softcap,
+    )
+    store.backend = TorchBackend()  # no int4 kernel: the dequantizing route
+    expected = store.decode_attention(queries, params, states)
+    store.backend = _ReferenceInt4Backend()
+    merged = store.decode_attention(queries, params, states)
     torch.testing.assert_close(merged[0], expected[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(merged[1], expected[1], atol=1e-5, rtol=1e-5)

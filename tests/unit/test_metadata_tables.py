@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from sparsekv.attention.metadata import BlockTableCache, RequestSlice, build_metadata
 from sparsekv.kv_cache.plan import LayerStep
 from sparsekv.kv_cache.request_kv import LayerKV, RequestKV
+from sparsekv.runner.metadata import BlockTableCache, RequestSlice, build_metadata
 
 CPU = torch.device("cpu")
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sparsekv.attention.backends import cpu_window
+from sparsekv.attention.backends.cpu_native import CpuNativeBackend
 from sparsekv.attention.cpu import build
 from sparsekv.compression import scoring
 from sparsekv.compression.base import LayerView
@@ -26,6 +28,9 @@ pytestmark = pytest.mark.kernel_variant("decode")
 @pytest.fixture(autouse=True, scope="module")
 def _native_built() -> None:
     assert build.load_extension() is not None, "the native extension failed to build"
+
+
+NATIVE = CpuNativeBackend()
 
 
 def _inputs(num_kv_heads, group, n, w, head_dim, dtype, seed=0):
@@ -58,8 +63,8 @@ def _dense_lse(keys, queries, scale):
 def test_native_window_scores_equal_dense(num_kv_heads, group, n, w, head_dim, dtype, given_lse):
     keys, queries = _inputs(num_kv_heads, group, n, w, head_dim, dtype)
     lse = _dense_lse(keys, queries, SCALE) if given_lse else None
-    assert scoring._native_window_ready(keys, queries)
-    got = scoring.window_attention_scores(keys, queries, lse, SCALE)
+    assert cpu_window.native_window_ready(keys, queries)
+    got = scoring.window_attention_scores(keys, queries, lse, SCALE, backend=NATIVE)
     want = scoring.attention_mass_per_head(keys, queries, lse, SCALE)
     assert got.dtype == torch.float32 and got.shape == (num_kv_heads * group, n)
     torch.testing.assert_close(got, want, rtol=0, atol=REL_TOL[dtype] * want.abs().max().item())
@@ -72,17 +77,19 @@ def test_native_window_scores_equal_dense(num_kv_heads, group, n, w, head_dim, d
 def test_snapkv_keeps_the_same_slots_native_and_dense(monkeypatch):
     """A SmolLM2-sized decode re-scoring picks the identical kept set on both paths (fp32)."""
     keys, queries = _inputs(3, 3, 1040, 32, 64, torch.float32, seed=3)
-    view = LayerView(keys=keys, values=keys, window_queries=queries, window_lse=None, scale=SCALE)
+    view = LayerView(
+        keys=keys, values=keys, window_queries=queries, window_lse=None, scale=SCALE, backend=NATIVE
+    )
     native_kept = SnapKVCompressor().select(view, 1024, 32)
     monkeypatch.setenv("SPARSEKV_DISABLE_NATIVE", "1")
-    assert not scoring._native_window_ready(keys, queries)
+    assert not cpu_window.native_window_ready(keys, queries)
     dense_kept = SnapKVCompressor().select(view, 1024, 32)
     assert torch.equal(native_kept, dense_kept)
 
 
 def test_fallback_when_dtypes_differ():
     keys, queries = _inputs(1, 2, 40, 8, 64, torch.float32)
-    assert not scoring._native_window_ready(keys, queries.bfloat16())
-    got = scoring.window_attention_scores(keys, queries.bfloat16(), None, SCALE)
+    assert not cpu_window.native_window_ready(keys, queries.bfloat16())
+    got = scoring.window_attention_scores(keys, queries.bfloat16(), None, SCALE, backend=NATIVE)
     want = scoring.attention_mass_per_head(keys, queries.bfloat16(), None, SCALE)
     torch.testing.assert_close(got, want)

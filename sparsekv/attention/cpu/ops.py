@@ -1,16 +1,16 @@
 """Native paged CPU kernels: the Python face of ``csrc/`` (same contracts as ``torch_ref``).
 
 Each function raises ``RuntimeError`` when the extension is unavailable; callers that want the
-silent fallback use ``sparsekv.attention.backend``. ``isa`` picks a kernel variant
+silent fallback use ``attention.backends.CpuNativeBackend``. ``isa`` picks a kernel variant
 (``"avx512_amx"``: bf16 on AMX tiles, ``"avx512"``, ``"avx2"``, ``"avx2_w16"``, ``"generic"``); by
 default the fastest one this CPU runs whose vector width divides ``head_dim``, or the one named
 by ``SPARSEKV_KERNEL_ISA`` (to compare variants or rule one out; ignored with a warning where
 this CPU does not run it).
 
 ``paged_decode_attention_quantized`` reads the int8 and fp8 pages of ``kv_cache.quant`` (codes
-and per-slot scales) in place; its oracle is ``cpu.reference.dequantize_pool`` followed by
+and per-slot scales) in place; its oracle is ``attention.reference.dequantize_pool`` followed by
 ``torch_ref.paged_decode_attention``. ``paged_decode_attention_int4`` does the same for KIVI int4
-pages (``kv_cache.storage.Int4Storage``), against ``cpu.reference.dequantize_int4_pool``.
+pages (``kv_cache.storage.Int4Storage``), against ``attention.reference.dequantize_int4_pool``.
 
 ``prefill_attention`` is the causal attention of a prompt, or of a chunk after its earlier keys
 (bf16 only; ``supports_prefill``), against ``torch_ref.attention_with_lse``. Its variants
@@ -285,7 +285,7 @@ def paged_decode_attention_quantized(
     """Decode attention reading int8 or fp8 K/V pages in place (``kv_cache.quant`` formats).
 
     The same attention as :func:`paged_decode_attention` over the dequantized pool
-    (``cpu.reference.dequantize_pool``): element = code * scale of its (page, K/V, head, slot).
+    (``attention.reference.dequantize_pool``): element = code * scale of its (page, K/V, head, slot).
     The kernel takes the codes as they are stored: a slot's logit is ``q . k_codes * k_scale``
     and its value row enters with weight ``p * v_scale``.
 
@@ -349,7 +349,7 @@ def paged_decode_attention_int4(
     """Decode attention reading KIVI int4 pages in place (Liu et al. 2024; ``kv_cache.quant``).
 
     The same attention as :func:`paged_decode_attention` over the dequantized pool
-    (``cpu.reference.dequantize_int4_pool``): keys ``code * key_scale[c] + key_zero[c]`` per
+    (``attention.reference.dequantize_int4_pool``): keys ``code * key_scale[c] + key_zero[c]`` per
     channel ``c`` of the page, values ``code * value_scale[j] + value_zero[j]`` per slot ``j``.
     The kernel never dequantizes: per page it scales the query by the key scales and adds
     ``q . key_zero`` to every logit, and weighs each code row by ``p * value_scale`` with
@@ -408,7 +408,7 @@ def window_scores_paged(
     scale: float,
     isa: str | None = None,
 ) -> torch.Tensor:
-    """Window scores over paged keys; see ``cpu.reference.window_scores_paged``.
+    """Window scores over paged keys; see ``attention.reference.window_scores_paged``.
 
     Args:
         window_queries: ``[num_heads, window, head_dim]`` fp32 or bf16.

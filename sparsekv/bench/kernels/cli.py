@@ -11,7 +11,7 @@ times, for the given shapes (default: SmolLM2 S1, 16 requests x 2000 tokens, 30 
   holding ``--fused-slots`` slots; default SmolLM2 at a 1024-slot budget) against the larger of
   its bandwidth bound (key bytes) and FLOP bound (``Q K^T`` at the bf16 matmul rate); skipped
   with a message where the kernel does not run;
-- prefill attention with LSE (``attention_with_lse`` vs ``backend.prefill_attention``) against
+- prefill attention with LSE (``attention_with_lse`` vs ``CpuNativeBackend.prefill_attention``) against
   the FLOP bound of causal attention;
 - with ``--kv-dtypes`` (e.g. ``bf16,int8,fp8,int4``), native paged decode over pages of each KV
   dtype at the same shape (int8 / fp8: ``kv_cache.quant`` codes and per-slot fp32 scales, read
@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from sparsekv.attention import backend
+from sparsekv.attention.backends.cpu_native import CpuNativeBackend
 from sparsekv.attention.cpu import build, ops
 from sparsekv.bench.kernels.decode import bench_decode, bench_decode_kv
 from sparsekv.bench.kernels.pages import KV_DTYPES
@@ -182,7 +182,7 @@ def run(args: argparse.Namespace, machine: dict | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    native = backend.prepare_native_kernels()
+    native = CpuNativeBackend().prepare()
     print(
         f"native kernels: {'ready, variant ' + str(native_isa(args)) if native else 'unavailable'} "
         f"({time.perf_counter() - start:.1f} s to build or load)"

@@ -1,5 +1,5 @@
 """Prefill attention rows: ``torch_ref.attention_with_lse`` (explicit mask),
-``backend.prefill_attention`` and, for bf16, each native prefill variant this CPU runs
+``CpuNativeBackend.prefill_attention`` and, for bf16, each native prefill variant this CPU runs
 (``ops.prefill_isas``: ``avx512_amx``, ``avx512_bf16``, ``avx512``, ``avx2``) over one layer,
 against the FLOP bound of causal attention."""
 
@@ -9,7 +9,8 @@ import argparse
 
 import torch
 
-from sparsekv.attention import backend, torch_ref
+from sparsekv.attention import torch_ref
+from sparsekv.attention.backends.cpu_native import CpuNativeBackend
 from sparsekv.attention.cpu import ops
 from sparsekv.bench.kernels.probe import DTYPES, row, timed
 
@@ -27,6 +28,7 @@ def bench_prefill(args: argparse.Namespace, dtype_name: str, machine: dict) -> l
     bound = flops / rate
     note = f"{flops / 1e9:.1f} GFLOP at {rate / 1e9:.0f} GFLOP/s"
     scale = d**-0.5
+    backend = CpuNativeBackend()
     repeats = max(1, args.repeats // 2)
     variants = [
         row(

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 
 from sparsekv.attention.cpu import ops
-from sparsekv.attention.cpu.reference import window_scores_paged as ref_window_scores
+from sparsekv.attention.reference import window_scores_paged as ref_window_scores
 from sparsekv.bench.kernels.probe import DTYPES, native_and_reference_rows
 
 

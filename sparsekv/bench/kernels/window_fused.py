@@ -1,5 +1,5 @@
 """The fused window-score row: ``window_scores_fused_paged``, the AMX kernel decode-time
-compaction runs (``attention/compaction.py``), over one request's stacked layers.
+compaction runs (``runner/compaction.py``), over one request's stacked layers.
 
 One call reads every stacked layer's keys from the pages and returns each window row's
 log-sum-exp and the summed window attention per slot (``attention/cpu/window_fused.py``). Its

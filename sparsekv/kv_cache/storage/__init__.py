@@ -10,8 +10,9 @@ code or a scale:
 - ``write_decode`` / ``write_slots`` / ``write_leading``: new slots, appended or compacted;
 - ``write_kept``: a compaction's kept rows out of dense keys and values (prefill);
 - ``gather``: a (request, layer)'s held slots, dequantized;
-- ``decode_attention``: one query per request over its pages (native kernels read int8/fp8
-  pages in place; int4 and the fallbacks dequantize the referenced pages once per call);
+- ``decode_attention``: one query per request over its pages, on the engine's attention
+  backend (``attention.backends``: a backend that reads int8/fp8/int4 pages in place does so;
+  otherwise the referenced pages are dequantized once per call);
 - ``read_pages`` / ``write_pages``: bit-exact copies for swapping.
 
 Formats (``kv_cache.quant``): ``auto`` (the compute dtype), ``int8`` and ``fp8`` (one fp32 scale
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from sparsekv.attention.backends.base import AttentionBackend
 from sparsekv.kv_cache import quant
 from sparsekv.kv_cache.storage.base import KVStorage
 from sparsekv.kv_cache.storage.int4 import Int4Storage
@@ -59,13 +61,15 @@ def make_storage(
     head_dim: int,
     dtype: torch.dtype,
     device: str | torch.device = "cpu",
+    backend: AttentionBackend | None = None,
 ) -> KVStorage:
-    """The storage of a format (``quant.KV_CACHE_DTYPES``).
+    """The storage of a format (``quant.KV_CACHE_DTYPES``) running on ``backend`` (``None``:
+    the ``auto`` backend of ``device``).
 
     Raises:
         ValueError: an unknown format.
     """
-    geometry = (num_pages, page_offset, num_kv_heads, block_size, head_dim, dtype, device)
+    geometry = (num_pages, page_offset, num_kv_heads, block_size, head_dim, dtype, device, backend)
     if kv_cache_dtype == "auto":
         return KVStorage(*geometry)
     if kv_cache_dtype in ("int8", "fp8"):

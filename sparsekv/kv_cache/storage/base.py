@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import torch
 
-from sparsekv.attention import backend
-from sparsekv.attention.cpu.kept_slots import supports_kept_slots, write_kept_slots
-from sparsekv.attention.torch_ref import gather_kv, write_leading_slots
+from sparsekv.attention.backends import AttentionBackend, DecodeParams, DecodeResult, create_backend
+from sparsekv.attention.paging import gather_kv, write_leading_slots
 from sparsekv.kv_cache.request_kv import LayerKV
 from sparsekv.kv_cache.spec import cdiv
-from sparsekv.models.fused import ops as fused
 
 
 class KVStorage:
@@ -22,6 +22,8 @@ class KVStorage:
         num_kv_heads, block_size, head_dim: page geometry.
         dtype: compute dtype (what ``gather`` returns; the stored dtype here).
         device: where pages live.
+        backend: the engine's attention backend (decode, writes); ``None`` builds the
+            ``auto`` one for ``device`` (direct construction in tests).
     """
 
     kv_cache_dtype = "auto"
@@ -35,6 +37,7 @@ class KVStorage:
         head_dim: int,
         dtype: torch.dtype,
         device: str | torch.device = "cpu",
+        backend: AttentionBackend | None = None,
     ) -> None:
         self.num_pages = num_pages
         self.page_offset = page_offset
@@ -43,6 +46,7 @@ class KVStorage:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
+        self.backend = backend if backend is not None else create_backend("auto", self.device)
         self.tensors = self._allocate()
 
     def _allocate(self) -> list[torch.Tensor]:
@@ -94,7 +98,7 @@ class KVStorage:
         # `.to` costs ~5 us even as a no-op (30 calls per decode step).
         if key.dtype != self.dtype or value.dtype != self.dtype:
             key, value = key.to(self.dtype), value.to(self.dtype)
-        fused.write_kv_(self.tensors[0], local_slots, key, value)
+        self.backend.write_kv(self.tensors[0], local_slots, key, value)
 
     def write_slots(
         self, state: LayerKV, table: list[int], start: int, key: torch.Tensor, value: torch.Tensor
@@ -131,17 +135,18 @@ class KVStorage:
         """Compact a layer from its dense keys and values: rows ``kept[h]`` of head ``h`` to
         held slots ``0 .. k - 1`` of ``table`` (``write_leading`` of those rows).
 
-        Plain pages of the compute dtype take the rows in one native copy
-        (``cpu.kept_slots``); quantized formats (their ``write_leading`` encodes) and the
-        fallback gather the rows first.
+        Plain pages of the compute dtype take the rows in one copy where the backend has that
+        route (``AttentionBackend.supports_kept_slots``); quantized formats (their
+        ``write_leading`` encodes) and the rest gather the rows first.
 
         Args:
             key, value: ``[num_kv_heads, n, head_dim]`` in the compute dtype.
             kept: ``[num_kv_heads, k]`` int64 row indices into ``n``.
         """
-        if self.kv_cache_dtype == "auto" and supports_kept_slots(self.tensors[0], key, value):
+        pool = self.tensors[0]
+        if self.kv_cache_dtype == "auto" and self.backend.supports_kept_slots(pool, key, value):
             pages = self.local(table[: cdiv(kept.shape[1], self.block_size)])
-            write_kept_slots(self.tensors[0], pages, key, value, kept)
+            self.backend.write_kept_slots(pool, pages, key, value, kept)
             return
         heads = torch.arange(kept.shape[0], device=kept.device)[:, None]
         self.write_leading(state, table, key[heads, kept], value[heads, kept])
@@ -156,23 +161,24 @@ class KVStorage:
         return gather_kv(self.tensors[0], pages, num_held)
 
     def decode_attention(
-        self,
-        query: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        first_slots: torch.Tensor,
-        states: list[LayerKV],
-        scale: float,
-        sliding_window: int | None,
-        logit_softcap: float | None,
-        return_attn_mass: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """One query per request over its pages; arguments and results as
-        ``backend.decode_attention`` (``block_tables`` hold global ids)."""
-        return dense_decode(
-            query, self.tensors[0], self._local_tables(block_tables), seq_lens, first_slots, scale, sliding_window,
-            logit_softcap, return_attn_mass,
-        )  # fmt: skip
+        self, query: torch.Tensor, params: DecodeParams, states: list[LayerKV]
+    ) -> DecodeResult:
+        """One query per request over its pages.
+
+        Args:
+            query: ``[batch, num_heads, head_dim]``.
+            params: the decode batch (``block_tables`` hold global page ids).
+            states: the requests' layer states (formats with a residual read it).
+
+        Returns:
+            ``AttentionBackend.paged_decode``'s (out, lse, mass).
+        """
+        return self.backend.paged_decode(query, self.tensors[0], self._local_params(params))
+
+    def _local_params(self, params: DecodeParams) -> DecodeParams:
+        if self.page_offset == 0:
+            return params
+        return replace(params, block_tables=self._local_tables(params.block_tables))
 
     # ------------------------------------------------------------------ swap
     def read_pages(self, pages: list[int]) -> tuple[torch.Tensor, ...]:
@@ -187,24 +193,6 @@ class KVStorage:
         index = self.local(pages)
         for tensor, saved in zip(self.tensors, copy):
             tensor.index_copy_(0, index, saved.to(self.device))
-
-
-def dense_decode(
-    query, pool, tables, seq_lens, first_slots, scale, sliding_window, logit_softcap, mass
-):
-    """``backend.decode_attention`` over a dense pool with local page ids (the shared tail of
-    every format's ``decode_attention``)."""
-    return backend.decode_attention(
-        query,
-        pool,
-        tables,
-        seq_lens,
-        scale,
-        first_slots=first_slots,
-        sliding_window=sliding_window,
-        logit_softcap=logit_softcap,
-        return_attn_mass=mass,
-    )
 
 
 def materialize(dequantize_pages, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
-from sparsekv.attention.cpu import ops as native_ops
-from sparsekv.attention.torch_ref import gather_kv
+from sparsekv.attention.backends import DecodeParams, DecodeResult
+from sparsekv.attention.paging import gather_kv
 from sparsekv.kv_cache import quant
-from sparsekv.kv_cache.storage.base import KVStorage, dense_decode, materialize
+from sparsekv.kv_cache.request_kv import LayerKV
+from sparsekv.kv_cache.storage.base import KVStorage, materialize
 
 
 class Int4Storage(KVStorage):
@@ -90,41 +93,28 @@ class Int4Storage(KVStorage):
         return keys, values
 
     def decode_attention(
-        self,
-        query,
-        block_tables,
-        seq_lens,
-        first_slots,
-        states,
-        scale,
-        sliding_window,
-        logit_softcap,
-        return_attn_mass,
-    ):
-        """Native path: the kernel reads the full int4 pages in place, and each request's
-        residual (its newest ``< block_size`` slots, the new token included) is attended in
-        one padded batch here; the two parts merge through their log-sum-exps. Sliding
-        windows and attention mass (per-head renormalisation) take the dequantizing path."""
-        tables = self._local_tables(block_tables)
-        native = _native_int4()
+        self, query: torch.Tensor, params: DecodeParams, states: list[LayerKV]
+    ) -> DecodeResult:
+        """Where the backend reads int4 pages in place (``supports_int4_decode``), it attends
+        the full pages, and each request's residual (its newest ``< block_size`` slots, the
+        new token included) is attended in one padded batch here; the two parts merge through
+        their log-sum-exps. Sliding windows and attention mass (per-head renormalisation) take
+        the dequantizing path."""
+        params = _with_first_slots(self._local_params(params))
         if (
-            sliding_window is not None
-            or return_attn_mass
-            or not native.supports_int4(query, *self.tensors)
+            params.sliding_window is not None
+            or params.return_attn_mass
+            or not self.backend.supports_int4_decode(query, *self.tensors)
         ):
-            return self._decode_dequantized(
-                query, tables, seq_lens, first_slots, states, scale, sliding_window,
-                logit_softcap, return_attn_mass,
-            )  # fmt: skip
+            return self._decode_dequantized(query, params, states)
+        seq_lens, first_slots = params.seq_lens, params.first_slots
         num_residual = (seq_lens - first_slots) % self.block_size
-        out, lse, _ = native.paged_decode_attention_int4(
-            query, *self.tensors, tables, seq_lens - num_residual, scale, first_slots,
-            None, logit_softcap, False,
-        )  # fmt: skip
+        pages = replace(params, seq_lens=seq_lens - num_residual, sliding_window=None)
+        out, lse, _ = self.backend.paged_decode_int4(query, *self.tensors, pages)
         if not bool(num_residual.any()):
             return out, lse, None
         out, lse = self._merge_residuals(
-            query, states, num_residual, out, lse, scale, logit_softcap
+            query, states, num_residual, out, lse, params.scale, params.logit_softcap
         )
         return out, lse, None
 
@@ -165,32 +155,23 @@ class Int4Storage(KVStorage):
         )
 
     def _decode_dequantized(
-        self,
-        query,
-        tables,
-        seq_lens,
-        first_slots,
-        states,
-        scale,
-        sliding_window,
-        logit_softcap,
-        return_attn_mass,
-    ):
-        """Dequantize every referenced page once, overlay the residuals, run the dense kernel."""
-        dense, remapped = materialize(self.dequantize_pages, tables)
-        held_now = (seq_lens - first_slots).tolist()  # the new token included
+        self, query: torch.Tensor, params: DecodeParams, states: list[LayerKV]
+    ) -> DecodeResult:
+        """Dequantize every referenced page once, overlay the residuals, decode densely."""
+        params = _with_first_slots(params)
+        dense, remapped = materialize(self.dequantize_pages, params.block_tables)
+        held_now = (params.seq_lens - params.first_slots).tolist()  # the new token included
         for i, state in enumerate(states):
             if state.residual is not None:
                 num = state.residual[0].shape[1]
                 page = remapped[i, held_now[i] // self.block_size]
                 dense[page, 0, :, :num] = state.residual[0]
                 dense[page, 1, :, :num] = state.residual[1]
-        return dense_decode(
-            query, dense, remapped, seq_lens, first_slots, scale, sliding_window,
-            logit_softcap, return_attn_mass,
-        )  # fmt: skip
+        return self.backend.paged_decode(query, dense, replace(params, block_tables=remapped))
 
 
-def _native_int4():
-    """The native ops module (a seam tests replace with a reference kernel)."""
-    return native_ops
+def _with_first_slots(params: DecodeParams) -> DecodeParams:
+    """``params`` with explicit first slots (0 where not given): the residual count needs them."""
+    if params.first_slots is not None:
+        return params
+    return replace(params, first_slots=torch.zeros_like(params.seq_lens))

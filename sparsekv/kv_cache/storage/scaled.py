@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
-from sparsekv.attention.cpu import ops as native_ops
-from sparsekv.attention.torch_ref import gather_kv, write_kv, write_leading_slots
+from sparsekv.attention.backends import DecodeParams, DecodeResult
+from sparsekv.attention.paging import gather_kv, write_kv, write_leading_slots
 from sparsekv.kv_cache import quant
 from sparsekv.kv_cache.request_kv import LayerKV
 from sparsekv.kv_cache.spec import cdiv
-from sparsekv.kv_cache.storage.base import KVStorage, dense_decode, materialize
+from sparsekv.kv_cache.storage.base import KVStorage, materialize
 
 
 class ScaledStorage(KVStorage):
@@ -74,37 +76,16 @@ class ScaledStorage(KVStorage):
         return gather_kv(self.dequantize_pages(pages), torch.arange(len(pages)), num_held)
 
     def decode_attention(
-        self,
-        query,
-        block_tables,
-        seq_lens,
-        first_slots,
-        states,
-        scale,
-        sliding_window,
-        logit_softcap,
-        return_attn_mass,
-    ):
-        tables = self._local_tables(block_tables)
-        native = _native_quantized()
-        if native.supports_quantized(query, self.codes, self.scales):
-            return native.paged_decode_attention_quantized(
-                query,
-                self.codes,
-                self.scales,
-                tables,
-                seq_lens,
-                scale,
-                first_slots,
-                sliding_window,
-                logit_softcap,
-                return_attn_mass,
-            )
-        dense, remapped = materialize(self.dequantize_pages, tables)
-        return dense_decode(
-            query, dense, remapped, seq_lens, first_slots, scale, sliding_window,
-            logit_softcap, return_attn_mass,
-        )  # fmt: skip
+        self, query: torch.Tensor, params: DecodeParams, states: list[LayerKV]
+    ) -> DecodeResult:
+        """The backend reads the codes in place where it can
+        (``AttentionBackend.supports_quantized_decode``); else the referenced pages are
+        dequantized once and decoded densely."""
+        params = self._local_params(params)
+        if self.backend.supports_quantized_decode(query, self.codes, self.scales):
+            return self.backend.paged_decode_quantized(query, self.codes, self.scales, params)
+        dense, remapped = materialize(self.dequantize_pages, params.block_tables)
+        return self.backend.paged_decode(query, dense, replace(params, block_tables=remapped))
 
 
 def _quantize_fp8_bits(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,8 +95,3 @@ def _quantize_fp8_bits(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _dequantize_fp8_bits(bits: torch.Tensor, scale: torch.Tensor, dtype) -> torch.Tensor:
     return quant.dequantize_fp8(bits.view(quant.FP8_DTYPE), scale, dtype)
-
-
-def _native_quantized():
-    """The native ops module (a seam tests replace with a reference kernel)."""
-    return native_ops

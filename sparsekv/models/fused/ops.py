@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from sparsekv.attention import torch_ref
+from sparsekv.attention import paging
 from sparsekv.models.fused import build, reference
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
@@ -154,7 +154,7 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
 def write_kv_(
     kv_pool: torch.Tensor, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 ) -> None:
-    """``attention.torch_ref.write_kv`` in one native call where it applies (a contiguous CPU
+    """``attention.paging.write_kv`` in one native call where it applies (a contiguous CPU
     pool, ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` of the pool's dtype with a
     contiguous last dimension): the decode path's per-layer write without index tensors."""
     ext = _extension()
@@ -167,6 +167,6 @@ def write_kv_(
         or value.stride(-1) != 1
         or not kv_pool.is_contiguous()
     ):
-        torch_ref.write_kv(kv_pool, slot_mapping, key, value)
+        paging.write_kv(kv_pool, slot_mapping, key, value)
         return
     ext.write_kv_(kv_pool, slot_mapping, key, value)

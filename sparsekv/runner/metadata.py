@@ -16,15 +16,15 @@ from operator import attrgetter
 import numpy as np
 import torch
 
-from sparsekv.attention.block_tables import (
+from sparsekv.compression.base import Compressor
+from sparsekv.kv_cache.manager import LayerStep
+from sparsekv.kv_cache.request_kv import RequestKV
+from sparsekv.runner.block_tables import (
     BlockTableCache,
     layer_tensors,
     padded_tables,
     slot_counts,
 )
-from sparsekv.compression.base import Compressor
-from sparsekv.kv_cache.manager import LayerStep
-from sparsekv.kv_cache.request_kv import RequestKV
 
 
 @dataclass

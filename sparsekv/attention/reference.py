@@ -2,8 +2,8 @@
 over paged keys, and the dequantized pools that quantized decode is checked against (int8 /
 fp8: ``dequantize_pool``; KIVI int4: ``dequantize_int4_pool``).
 
-(They belong beside the other references in ``attention/torch_ref.py``; they live here until
-that file takes them.)
+The reference backend (``backends.TorchBackend``) runs them; the kernel tests compare against
+them.
 """
 
 from __future__ import annotations

@@ -6,12 +6,16 @@ the layer's keys and values out of the pages, scores the gathered copy and write
 back. For SnapKV-family methods (``Compressor.window_scored``: the score is a function of the
 summed window attention alone) over plain full-precision pages this module skips the copies:
 
-1. the fused AMX window kernel (``window_fused.window_scores_fused_paged``) reads every
-   layer's keys from the pages and returns the summed window attention, computing each window
-   row's log-sum-exp over the slots it sees on the way (one exponential per visible logit);
+1. the backend's paged window scores (``AttentionBackend.window_scores_paged``; on the native
+   CPU backend the fused AMX / AVX512-BF16 kernel) read every layer's keys from the pages and
+   return the summed window attention, computing each window row's log-sum-exp over the slots
+   it sees on the way (one exponential per visible logit);
 2. the layers' scores are stacked and ranked with one ``keep_top``;
-3. the kept slots move page to page (``move_slots``: row copies in C++, one item per
-   (layer, KV head)).
+3. the kept slots move page to page (``AttentionBackend.move_slots``; native: row copies in
+   C++, one item per (layer, KV head)).
+
+It applies where the backend says its paged route takes the tensors
+(``supports_window_scores_paged``).
 
 The result equals the general route's up to float rounding of the scores
 (``tests/unit/test_compaction.py``: identical kept slots on the tested shapes).
@@ -21,23 +25,23 @@ from __future__ import annotations
 
 import torch
 
-from sparsekv.attention.cpu import window_fused
-from sparsekv.attention.cpu.ops import _extension as native_ops
-from sparsekv.attention.metadata import RequestSlice
+from sparsekv.attention.backends.base import AttentionBackend
 from sparsekv.kv_cache.spec import cdiv
 from sparsekv.kv_cache.storage import KVStorage
+from sparsekv.runner.metadata import RequestSlice
 
 
 def applies(
     request: RequestSlice,
     layers: list[int],
     storages: list[KVStorage],
+    backend: AttentionBackend,
     logit_softcap: float | None = None,
 ) -> bool:
     """True when ``compact_from_pages`` takes these layers of ``request``: a window-scored
     compressor, no H2O accumulator, no attention soft-cap (the page-reading kernel scores
-    uncapped logits), one plain (``auto``) bf16 page storage for all of them and the fused
-    window kernel."""
+    uncapped logits), one plain (``auto``) page storage for all of them, and a backend whose
+    paged window route takes the pool (``supports_window_scores_paged``)."""
     if logit_softcap is not None:
         return False
     compressor = request.compressor
@@ -51,11 +55,15 @@ def applies(
         return False
     if storage.kv_cache_dtype != "auto":  # codes, not K/V (the pool's dtype is checked below)
         return False
-    return window_fused.supports_window_fused(first.recent_queries, storage.tensors[0])
+    return backend.supports_window_scores_paged(first.recent_queries, storage.tensors[0])
 
 
 def compact_from_pages(
-    request: RequestSlice, layers: list[int], storages: list[KVStorage], scale: float
+    request: RequestSlice,
+    layers: list[int],
+    storages: list[KVStorage],
+    scale: float,
+    backend: AttentionBackend,
 ) -> None:
     """Re-score ``layers`` of ``request`` (equal slot counts and budgets, one storage) from
     their pages and compact each to its first ``budget`` slots (of its ``compact_table`` when
@@ -72,41 +80,19 @@ def compact_from_pages(
     tables = storage.local([page for step in steps for page in step.block_table[:num_blocks]])
     tables = tables.view(len(layers), num_blocks)
     queries = torch.cat([request.kv.layers[layer].recent_queries for layer in layers])
-    summed, _ = window_fused.window_scores_fused_paged(
-        queries, pool, tables, num_slots, None, scale
-    )
+    summed, _ = backend.window_scores_paged(queries, pool, tables, num_slots, None, scale)
     num_kv_heads = storage.num_kv_heads
     compressor = request.compressor
     scores = compressor.score_window(summed, num_kv_heads * len(layers), queries.shape[1])
-    kept = compressor.keep_top(scores, steps[0].compress_to, request.window)
+    kept = compressor.keep_top(scores, steps[0].compress_to, request.window, backend)
     num_kept_blocks = cdiv(kept.shape[1], storage.block_size)
     targets = [
         step.compact_table if step.compact_table is not None else step.block_table for step in steps
     ]
     target = storage.local([page for table in targets for page in table[:num_kept_blocks]])
-    move_slots(
+    backend.move_slots(
         pool,
         tables,
         target.view(len(layers), num_kept_blocks),
         kept.view(len(layers), num_kv_heads, -1),
     )
-
-
-def move_slots(
-    pool: torch.Tensor, source: torch.Tensor, target: torch.Tensor, kept: torch.Tensor
-) -> None:
-    """Move the kept slots of each (layer, KV head) to slots ``0 .. k - 1`` of its target pages
-    (native: row copies, one item per (layer, KV head); ``csrc/compaction_binding.cpp``).
-
-    Args:
-        pool: ``[num_pages, 2, num_kv_heads, block_size, head_dim]`` page tensor (written).
-        source: ``[layers, >= num_blocks]`` int64 pages holding the slots ``kept`` indexes.
-        target: ``[layers, >= ceil(k / block_size)]`` int64 pages to write: fresh pages, or
-            ``source``'s own first pages (in place).
-        kept: ``[layers, num_kv_heads, k]`` int64 slot indices, ascending per row (what makes
-            the in-place move safe); slot ``j`` of the result is ``kept[..., j]``.
-
-    Raises:
-        RuntimeError: a slot or page id out of range, or the extension is unavailable.
-    """
-    native_ops().move_slots_(pool, source.contiguous(), target.contiguous(), kept.contiguous())

@@ -1,6 +1,6 @@
 """The decode path's block-table and slot-count tensors, and their cache between steps.
 
-``attention.metadata`` builds each decode group's tensors here: the ``[layers * requests,
+``runner.metadata`` builds each decode group's tensors here: the ``[layers * requests,
 longest]`` block tables padded with page 0, the slot counts (new token's physical slot, slot
 count after its write, first slot) and per-layer views of both. ``BlockTableCache`` keeps them
 between steps and rewrites only what changed.

@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import torch
 
-from sparsekv.attention import backend, compaction
-from sparsekv.attention.metadata import AttentionMetadata, RequestSlice
+from sparsekv.attention.backends.base import AttentionBackend, DecodeParams
 from sparsekv.compression.base import LayerView
 from sparsekv.compression.scoring import prefill_attention_mass
 from sparsekv.kv_cache.request_kv import LayerKV
 from sparsekv.kv_cache.spec import LayerSpec
 from sparsekv.kv_cache.storage import KVStorage
+from sparsekv.runner import compaction
+from sparsekv.runner.metadata import AttentionMetadata, RequestSlice
 
 
 class PagedAttention:
@@ -45,6 +46,8 @@ class PagedAttention:
         storages: the page storage of every layer (``KVCacheManager.storage(layer)``).
         metadata: this step's ``AttentionMetadata``.
         layer_specs: per-layer cache spec (sliding windows).
+        backend: the engine's attention backend; the storages, the compressors (through
+            ``LayerView.backend``) and compaction run on it.
         logit_softcap: optional attention logit soft-cap of the model.
     """
 
@@ -53,9 +56,11 @@ class PagedAttention:
         storages: list[KVStorage],
         metadata: AttentionMetadata,
         layer_specs: list[LayerSpec],
+        backend: AttentionBackend,
         logit_softcap: float | None = None,
     ) -> None:
         self.storages = storages
+        self.backend = backend
         self._pending: list[tuple[RequestSlice, int, float]] = []
         # Decode-path queries of budgeted layers, logged per request at ``finish``.
         self._step_queries: list[tuple[list[RequestSlice], int, torch.Tensor]] = []
@@ -122,17 +127,16 @@ class PagedAttention:
         ``batch``, in its order) and their new keys and values -> ``[batch, H, d]``."""
         states = [request.kv.layers[layer] for request in batch.slices]
         storage.write_decode(batch.slot_mapping, states, keys, values)
-        result, _, mass = storage.decode_attention(
-            queries,
-            batch.block_tables,
-            batch.seq_lens,
-            batch.first_slots,
-            states,
-            scale,
-            window,
-            self.logit_softcap,
-            batch.need_mass,
+        params = DecodeParams(
+            block_tables=batch.block_tables,
+            seq_lens=batch.seq_lens,
+            scale=scale,
+            first_slots=batch.first_slots,
+            sliding_window=window,
+            logit_softcap=self.logit_softcap,
+            return_attn_mass=batch.need_mass,
         )
+        result, _, mass = storage.decode_attention(queries, params, states)
         if batch.budgeted:
             self._step_queries.append((batch.slices, layer, queries))
         if batch.need_mass:
@@ -177,7 +181,7 @@ class PagedAttention:
         keys = torch.cat([cached_k, k.transpose(0, 1).to(storage.dtype)], dim=1)
         values = torch.cat([cached_v, v.transpose(0, 1).to(storage.dtype)], dim=1)
         queries = q.transpose(0, 1)  # [H, n, d]
-        out, lse = backend.prefill_attention(
+        out, lse = self.backend.prefill_attention(
             queries, keys, values, scale, sliding_window=window, logit_softcap=self.logit_softcap
         )
         if state.budget is not None:
@@ -209,8 +213,12 @@ class PagedAttention:
                 key = (step.num_held, step.compress_to, scale, id(self.storages[layer]))
                 groups.setdefault(key, []).append(layer)
             for (_, _, scale, _), layers in groups.items():
-                if compaction.applies(request, layers, self.storages, self.logit_softcap):
-                    compaction.compact_from_pages(request, layers, self.storages, scale)
+                if compaction.applies(
+                    request, layers, self.storages, self.backend, self.logit_softcap
+                ):
+                    compaction.compact_from_pages(
+                        request, layers, self.storages, scale, self.backend
+                    )
                 elif request.compressor.stackable:
                     self._compact_decode_stacked(request, layers, scale)
                 else:
@@ -255,6 +263,7 @@ class PagedAttention:
             accumulated=accumulated,
             generator=request.generator,
             logit_softcap=self.logit_softcap,
+            backend=self.backend,
         )
         budget = request.layers[layers[0]].compress_to
         kept = request.compressor.select(view, budget, request.window)  # [L * KVH, k]
@@ -293,6 +302,7 @@ class PagedAttention:
             accumulated=state.accumulated,
             generator=request.generator,
             logit_softcap=self.logit_softcap,
+            backend=self.backend,
         )
         budget = request.layers[layer].compress_to
         kept = request.compressor.select(view, budget, request.window)  # [KVH, k]

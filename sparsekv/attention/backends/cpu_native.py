@@ -1,0 +1,164 @@
+"""The native CPU backend: the C++ kernels of ``attention/cpu`` (and the fused KV write of
+``models/fused``), each used where it takes the tensors; everything else falls back to the
+PyTorch reference (``TorchBackend``), with identical results.
+
+``prepare`` compiles (or loads from its cache) the extension at engine start; a failed build
+warns once and every call falls back. ``SPARSEKV_DISABLE_NATIVE=1`` makes ``prepare`` report
+False, so ``--attention-backend auto`` picks the reference backend instead.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparsekv.attention.backends import cpu_window
+from sparsekv.attention.backends.base import DecodeParams, DecodeResult
+from sparsekv.attention.backends.torch_backend import TorchBackend
+from sparsekv.attention.cpu import build, kept_slots, window_fused
+from sparsekv.attention.cpu import ops as native
+from sparsekv.models.fused import ops as fused
+
+
+class CpuNativeBackend(TorchBackend):
+    """The C++ CPU kernels: paged decode (plain, int8 / fp8, int4 pages), flash prefill,
+    window scores (fused AMX / AVX512-BF16, or the paged kernel), kept-slot writes, slot moves
+    and kept-index selection."""
+
+    name = "cpu"
+
+    def prepare(self) -> bool:
+        return build.load_extension() is not None
+
+    def paged_decode(
+        self, query: torch.Tensor, kv_pool: torch.Tensor, params: DecodeParams
+    ) -> DecodeResult:
+        isa = native.decode_isa(query, kv_pool)
+        if isa is None:
+            return super().paged_decode(query, kv_pool, params)
+        return native.paged_decode_attention(
+            query,
+            kv_pool,
+            params.block_tables,
+            params.seq_lens,
+            params.scale,
+            params.first_slots,
+            params.sliding_window,
+            params.logit_softcap,
+            params.return_attn_mass,
+            isa,
+        )
+
+    def supports_quantized_decode(self, query, kv_data, kv_scales) -> bool:
+        return native.supports_quantized(query, kv_data, kv_scales)
+
+    def paged_decode_quantized(self, query, kv_data, kv_scales, params) -> DecodeResult:
+        return native.paged_decode_attention_quantized(
+            query, kv_data, kv_scales, params.block_tables, params.seq_lens, params.scale,
+            params.first_slots, params.sliding_window, params.logit_softcap,
+            params.return_attn_mass,
+        )  # fmt: skip
+
+    def supports_int4_decode(self, query, *pages) -> bool:
+        return native.supports_int4(query, *pages)
+
+    def paged_decode_int4(
+        self, query, codes, key_scale, key_zero, value_scale, value_zero, params
+    ) -> DecodeResult:
+        return native.paged_decode_attention_int4(
+            query, codes, key_scale, key_zero, value_scale, value_zero, params.block_tables,
+            params.seq_lens, params.scale, params.first_slots, params.sliding_window,
+            params.logit_softcap, params.return_attn_mass,
+        )  # fmt: skip
+
+    def prefill_attention(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scale: float,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Without soft-cap, bf16 inputs go to the native flash kernel (``ops.prefill_attention``:
+        AMX tiles, AVX512-BF16 dot products or fp32 FMAs, whichever this CPU runs fastest; GQA
+        without expanding K/V, causal blocks and blocks outside a sliding window skipped, any
+        number of queries up to the keys) where ``ops.supports_prefill`` says it runs; else
+        the reference backend's route."""
+        if logit_softcap is None and native.supports_prefill(query, key, value):
+            return native.prefill_attention(query, key, value, scale, sliding_window)
+        return super().prefill_attention(query, key, value, scale, sliding_window, logit_softcap)
+
+    def window_scores(self, keys, window_queries, window_lse, scale, logit_softcap=None):
+        """bf16 runs the fused kernel (``window_fused``: the LSE, when not given, and the sums
+        in one pass); other dtypes the paged window kernel (``cpu_window``) when it takes
+        the tensors; a soft-capped model and the rest the reference (the kernels do not cap)."""
+        if logit_softcap is not None:
+            return super().window_scores(keys, window_queries, window_lse, scale, logit_softcap)
+        if cpu_window.fused_window_ready(keys, window_queries):
+            lse = None if window_lse is None else window_lse.float().contiguous()
+            return window_fused.window_scores_fused(window_queries, keys, lse, scale)[0]
+        if cpu_window.native_window_ready(keys, window_queries):
+            return cpu_window.native_window_scores(keys, window_queries, window_lse, scale)
+        return super().window_scores(keys, window_queries, window_lse, scale)
+
+    def supports_window_scores_paged(self, window_queries, kv_pool) -> bool:
+        return window_fused.supports_window_fused(window_queries, kv_pool)
+
+    def window_scores_paged(self, window_queries, kv_pool, tables, num_slots, lse, scale):
+        """The fused kernel where it takes the tensors; with the LSE given, the paged window
+        kernel (``ops.window_scores_paged``, one call per layer); else the reference."""
+        if window_fused.supports_window_fused(window_queries, kv_pool):
+            return window_fused.window_scores_fused_paged(
+                window_queries, kv_pool, tables.contiguous(), num_slots, lse, scale
+            )
+        if lse is None or not native.supports(window_queries, kv_pool):
+            return super().window_scores_paged(
+                window_queries, kv_pool, tables, num_slots, lse, scale
+            )
+        heads = window_queries.shape[0] // tables.shape[0]
+        lse = lse.float()
+        scores = [
+            native.window_scores_paged(
+                window_queries[rows], lse[rows], kv_pool, tables[layer], num_slots, scale
+            )
+            for layer in range(tables.shape[0])
+            for rows in (slice(layer * heads, (layer + 1) * heads),)
+        ]
+        return torch.cat(scores), lse
+
+    def write_kv(self, kv_pool, slot_mapping, key, value) -> None:
+        """One native call (``models/fused``) where it applies: a contiguous CPU pool, keys and
+        values of the pool's dtype with a contiguous last dimension."""
+        fused.write_kv_(kv_pool, slot_mapping, key, value)
+
+    def supports_kept_slots(self, kv_pool, key, value) -> bool:
+        return kept_slots.supports_kept_slots(kv_pool, key, value)
+
+    def write_kept_slots(self, kv_pool, block_table, key, value, kept) -> None:
+        if not kept_slots.supports_kept_slots(kv_pool, key, value):
+            super().write_kept_slots(kv_pool, block_table, key, value, kept)
+            return
+        kept_slots.write_kept_slots(kv_pool, block_table, key, value, kept)
+
+    def move_slots(self, kv_pool, source, target, kept) -> None:
+        """Row copies in C++, one item per (layer, KV head) (``csrc/compaction_binding.cpp``)."""
+        ext = build.load_extension()
+        if ext is None or not kv_pool.is_cpu:
+            super().move_slots(kv_pool, source, target, kept)
+            return
+        ext.move_slots_(kv_pool, source.contiguous(), target.contiguous(), kept.contiguous())
+
+    def kept_indices(self, scores: torch.Tensor, k: int) -> torch.Tensor:
+        """The rule per row in C++ (nth_element, then one pass: ~0.1 ms against ~1.4 ms) for
+        CPU fp32 scores; the reference otherwise."""
+        rows, m = scores.shape
+        ext = build.load_extension()
+        if (
+            0 < k < m
+            and rows
+            and ext is not None
+            and scores.device.type == "cpu"
+            and scores.dtype == torch.float32
+        ):
+            return ext.kept_indices_prefer_recent(scores.contiguous(), k)
+        return super().kept_indices(scores, k)
