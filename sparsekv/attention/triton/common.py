@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
 
 MIN_DOT = 16  # tl.dot needs at least 16 rows and columns on GPUs
+# ``triton.jit`` reads TRITON_INTERPRET when a kernel is defined: the kernel modules, which
+# import this one first, run under the interpreter exactly when this was true at import.
+INTERPRETED = bool(knobs.runtime.interpret)
 
 
 def interpreted() -> bool:
-    """True when kernels run under Triton's interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """True when this package's kernels were defined under Triton's interpreter."""
+    return INTERPRETED
 
 
 def check_device(*tensors: torch.Tensor) -> None:
