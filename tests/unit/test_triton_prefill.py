@@ -1,7 +1,8 @@
 """Triton prefill attention with LSE and window scores against the PyTorch references
 (interpreted on CPU tensors; on a GPU with ``SPARSEKV_TEST_DEVICE=cuda``, where PyTorch's
 flash kernel is checked too): whole prompts and chunks (queries are the last keys), GQA,
-sliding window, soft-cap; window scores over paged keys with the LSE given or computed.
+sliding window, soft-cap; window scores over paged keys (one or several layers' tables) and
+dense keys, with the LSE given or computed.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ import pytest
 import torch
 
 from sparsekv.attention import torch_ref
-from sparsekv.attention.cpu.reference import window_scores_paged as reference_window_scores
 from tests import triton_kernels
 from tests.triton_kernels import DEVICE, DTYPES, tolerance, triton_mode  # noqa: F401
 
@@ -76,40 +76,76 @@ def test_prefill_rejects_more_queries_than_keys_and_flash_on_cpu():
             kernels.prefill.attention_with_lse(query, key, value, 0.1, use_flash=True)
 
 
-# (num_heads, num_kv_heads, head_dim, block_size, num_slots, window, lse given)
+def reference_window_scores(queries, keys, lse, scale, softcap=None):
+    """The dense fp32 definition: ``sum_i exp(l_ij - lse_i)`` over window rows that see slot
+    ``j``; ``lse`` computed over those slots when not given."""
+    keys = keys.float().repeat_interleave(queries.shape[0] // keys.shape[0], dim=0)
+    logits = torch.matmul(queries.float(), keys.transpose(-1, -2)) * scale
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    visible = torch_ref.causal_mask(queries.shape[1], keys.shape[1])
+    logits = logits.masked_fill(~visible, float("-inf"))
+    if lse is None:
+        lse = torch.logsumexp(logits, dim=-1)
+    return torch.exp(logits - lse[..., None]).sum(dim=1), lse
+
+
+# (num_heads, num_kv_heads, head_dim, block_size, num_slots, window, lse given, layers)
 WINDOW_CASES = [
-    (4, 2, 64, 16, 45, 8, True),
-    (4, 2, 64, 16, 45, 8, False),
-    (3, 3, 96, 32, 70, 16, False),
-    (6, 2, 128, 16, 16, 16, True),  # the window is every slot
+    (4, 2, 64, 16, 45, 8, True, 1),
+    (4, 2, 64, 16, 45, 8, False, 1),
+    (3, 3, 96, 32, 70, 16, False, 1),
+    (6, 2, 128, 16, 16, 16, True, 1),  # the window is every slot
+    (2, 1, 64, 16, 40, 8, False, 3),  # three layers' tables at once
 ]
 
 
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "head_dim", "block_size", "num_slots", "window", "given"), WINDOW_CASES
+    ("heads", "kv_heads", "head_dim", "block_size", "num_slots", "window", "given", "layers"),
+    WINDOW_CASES,
 )
 @pytest.mark.parametrize("dtype", DTYPES[:2])
-def test_window_scores_match_reference(
-    heads, kv_heads, head_dim, block_size, num_slots, window, given, dtype
+def test_window_scores_paged_match_reference(
+    heads, kv_heads, head_dim, block_size, num_slots, window, given, layers, dtype
 ):
     gen = torch.Generator().manual_seed(7)
-    num_pages = -(-num_slots // block_size) + 3
+    num_blocks = -(-num_slots // block_size)
+    num_pages = layers * num_blocks + 3
     pool = torch.randn(num_pages, 2, kv_heads, block_size, head_dim, generator=gen).to(dtype)
-    table = torch.randperm(num_pages, generator=gen)[: -(-num_slots // block_size)]
-    queries = torch.randn(heads, window, head_dim, generator=gen).to(dtype)
-    keys, values = torch_ref.gather_kv(pool.float(), table, num_slots)
-    _, lse = torch_ref.attention_with_lse(queries.float(), keys, values, 0.1)
-    expected = reference_window_scores(queries.float(), lse, pool.float(), table, num_slots, 0.1)
-    scores = kernels.window_scores.window_scores_paged(
+    tables = torch.randperm(num_pages, generator=gen)[: layers * num_blocks].view(layers, -1)
+    queries = torch.randn(layers * heads, window, head_dim, generator=gen).to(dtype)
+    expected, lses = [], []
+    for layer in range(layers):
+        keys, _ = torch_ref.gather_kv(pool.float(), tables[layer], num_slots)
+        rows = queries[layer * heads : (layer + 1) * heads]
+        scores, lse = reference_window_scores(rows, keys, None, 0.1)
+        expected.append(scores)
+        lses.append(lse)
+    expected, lse = torch.cat(expected), torch.cat(lses)
+    scores, got_lse = kernels.window_scores.window_scores_paged(
         queries.to(DEVICE),
         lse.to(DEVICE) if given else None,
         pool.to(DEVICE),
-        table.to(DEVICE),
+        (tables[0] if layers == 1 else tables).to(DEVICE),
         num_slots,
         0.1,
     )
-    assert scores.dtype == torch.float32 and scores.shape == (heads, num_slots)
+    assert scores.dtype == torch.float32 and scores.shape == (layers * heads, num_slots)
     torch.testing.assert_close(scores.cpu(), expected, **tolerance(dtype))
+    torch.testing.assert_close(got_lse.cpu(), lse, **tolerance(dtype))
+
+
+@pytest.mark.parametrize(("given", "softcap"), [(True, None), (False, 3.0)])
+def test_window_scores_dense_match_reference(given, softcap):
+    gen = torch.Generator().manual_seed(8)
+    keys = torch.randn(2, 37, 64, generator=gen)
+    queries = torch.randn(4, 6, 64, generator=gen)
+    expected, lse = reference_window_scores(queries, keys, None, 0.1, softcap)
+    scores, got_lse = kernels.window_scores.window_scores_dense(
+        queries.to(DEVICE), keys.to(DEVICE), lse.to(DEVICE) if given else None, 0.1, softcap
+    )
+    torch.testing.assert_close(scores.cpu(), expected, **tolerance(torch.float32))
+    torch.testing.assert_close(got_lse.cpu(), lse, **tolerance(torch.float32))
 
 
 def test_window_scores_reject_a_window_past_the_slots():

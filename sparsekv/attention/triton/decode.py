@@ -1,7 +1,7 @@
 """Paged decode attention in Triton: one query token per request over its pages.
 
 Semantics of ``torch_ref.paged_decode_attention`` (int8 / fp8 pages: of the same over
-``cpu.reference.dequantize_pool``). The work is split as in FlashDecoding (Dao et al. 2023)
+the dequantized pool). The work is split as in FlashDecoding (Dao et al. 2023)
 and vLLM's / SGLang's Triton decode kernels:
 
 1. ``_decode_partial_kernel``, one program per (request, KV head, split of the table): the
