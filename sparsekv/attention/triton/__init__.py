@@ -1,7 +1,7 @@
 """Triton kernels over the paged KV layout (the GPU attention backend).
 
 One module per kernel family, each with the signature and semantics of its plain-PyTorch
-oracle (``attention/torch_ref.py``, ``attention/cpu/reference.py``):
+oracle (``attention/torch_ref.py`` and the reference attention backend):
 
 - ``decode``: paged decode attention (output, LSE, optional per-slot attention mass), GQA
   heads packed per KV head, split-KV merged by LSE, plain and int8 / fp8 pages;

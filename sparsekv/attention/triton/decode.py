@@ -232,7 +232,8 @@ def paged_decode_attention_quantized(
     num_splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Decode attention reading int8 or fp8 (e4m3) pages in place: the attention of
-    :func:`paged_decode_attention` over ``cpu.reference.dequantize_pool(kv_data, kv_scales)``.
+    :func:`paged_decode_attention` over the dequantized pool (``code * scale``,
+    ``kv_cache.quant``).
     A slot's logit is ``q . k_codes * k_scale`` and its value row enters with weight
     ``p * v_scale``; 16-bit queries multiply the codes in their own dtype (exact for both
     formats).
@@ -277,10 +278,10 @@ def _decode(
         )
     check_device(query, pool, block_tables, seq_lens)
     table_slots = block_tables.shape[1] * block_size
-    if batch == 0 or table_slots == 0:
+    if batch == 0 or table_slots == 0:  # nothing to read: as torch_ref, mass width 0
         out = torch.zeros_like(query)
         lse = torch.full((batch, num_heads), float("-inf"), device=query.device)
-        mass = query.new_zeros((batch, num_kv_heads, table_slots), dtype=torch.float32)
+        mass = query.new_zeros((batch, num_kv_heads, 0), dtype=torch.float32)
         return out, lse, mass if return_attn_mass else None
     if first_slots is None:
         first_slots = torch.zeros_like(seq_lens)

@@ -3,9 +3,9 @@
 - ``write_kv``: ``torch_ref.write_kv`` (one program per token, every KV head); a negative
   slot is skipped, so padding rows of a captured batch can point at ``-1`` (vLLM's
   convention) instead of a scratch page.
-- ``write_kept_slots``: ``cpu.kept_slots.write_kept_slots`` (prefill compaction: kept rows of
+- ``write_kept_slots``: ``AttentionBackend.write_kept_slots`` (prefill compaction: kept rows of
   the dense K/V straight into the first slots of the block table).
-- ``move_slots``: ``compaction.move_slots`` (decode-time compaction page to page, in place or
+- ``move_slots``: ``AttentionBackend.move_slots`` (decode-time compaction page to page, in place or
   into fresh pages). One program walks a whole (layer, KV head) in order, a tile at a time,
   with a barrier between a tile's loads and its stores: kept slots ascend, so slot ``j``
   (written) never comes after ``kept[j]`` (read), and a tile only overwrites slots below every
@@ -137,7 +137,7 @@ def write_kept_slots(
     kept: torch.Tensor,
 ) -> None:
     """Write rows ``kept[h]`` of ``key[h]`` / ``value[h]`` to held slots ``0 .. k - 1`` of the
-    block table, per KV head (``cpu.kept_slots.write_kept_slots``); slots past ``k`` in the
+    block table, per KV head (``AttentionBackend.write_kept_slots``); slots past ``k`` in the
     last page keep what they held.
 
     Args:
@@ -164,7 +164,7 @@ def move_slots(
     pool: torch.Tensor, source: torch.Tensor, target: torch.Tensor, kept: torch.Tensor
 ) -> None:
     """Move the kept slots of each (layer, KV head) to slots ``0 .. k - 1`` of its target
-    pages (``compaction.move_slots``).
+    pages (``AttentionBackend.move_slots``).
 
     Args:
         pool: ``[num_pages, 2, num_kv_heads, block_size, head_dim]`` (written).
