@@ -33,7 +33,10 @@ from sparsekv.attention.triton.common import (
 )
 from sparsekv.attention.triton.decode_mass import attention_mass
 
+# Launch settings, module attributes so that the GPU benchmark can sweep them
+# (``scripts/gpu_bench_decode.py``); the interpreter ignores the warp count.
 BLOCK_N = 32  # held slots per tile
+NUM_WARPS = 4
 MIN_SPLIT_SLOTS = 256  # a split walks at least this many slots (GPU)
 QUANT_NONE, QUANT_INT8, QUANT_FP8 = 0, 1, 2
 
@@ -312,7 +315,7 @@ def _decode(
         query, query.stride(0), query.stride(1), pool, *pool_strides(pool), *scale_args,
         block_tables, block_tables.stride(0), seq_lens, first_slots, part_out, part_lse,
         splits, split_slots, out, out.stride(0), out.stride(1), lse, float(scale), window, cap,
-        GROUP=group, BLOCK_H=dot_rows(group), DIRECT=direct, **consts,
+        GROUP=group, BLOCK_H=dot_rows(group), DIRECT=direct, num_warps=NUM_WARPS, **consts,
     )  # fmt: skip
     if not direct:
         _merge_kernel[(batch,)](
