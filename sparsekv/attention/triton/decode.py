@@ -52,7 +52,7 @@ def _decode_partial_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, QUANT: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DIRECT: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, DIRECT: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -91,7 +91,7 @@ def _decode_partial_kernel(
         if QUANT == 2:  # fp8 codes travel as their uint8 bit patterns
             k = k.to(tl.float8e4nv, bitcast=True)
             v = v.to(tl.float8e4nv, bitcast=True)
-        logits = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision="ieee")
+        logits = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
         if QUANT != 0:
             s_ptrs = scale_base + page * stride_s_page + offset
             logits = logits * tl.load(s_ptrs, mask=slot_mask, other=0.0)[None, :]
@@ -105,7 +105,7 @@ def _decode_partial_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         if QUANT != 0:
             p = p * tl.load(s_ptrs + stride_s_kv, mask=slot_mask, other=0.0)[None, :]
-        pv = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision="ieee")
+        pv = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
         tile += BLOCK_N
@@ -159,16 +159,18 @@ def _merge_kernel(
     tl.store(lse_ptr + b * NUM_HEADS + heads, lse, mask=head_mask)
 
 
-def dot_dtype(query: torch.Tensor, pool_dtype: torch.dtype) -> tl.dtype:
-    """The dtype both dot operands are cast to: the query's 16-bit dtype when the pages hold
-    it (or int8 / fp8 codes, exact in it), else fp32 (IEEE products, never TF32)."""
+def dot_config(query: torch.Tensor, pool_dtype: torch.dtype) -> dict:
+    """``DOT_DTYPE``, the dtype both dot operands are cast to (the query's 16-bit dtype when
+    the pages hold it, or int8 / fp8 codes, exact in it; else fp32), and ``DOT_PRECISION``
+    (``ieee`` for fp32 operands: never TF32; the default, tensor cores, for 16-bit ones)."""
     if query.dtype in (torch.bfloat16, torch.float16) and pool_dtype in (
         query.dtype,
         torch.int8,
         torch.uint8,
     ):
-        return tl.bfloat16 if query.dtype == torch.bfloat16 else tl.float16
-    return tl.float32
+        dtype = tl.bfloat16 if query.dtype == torch.bfloat16 else tl.float16
+        return {"DOT_DTYPE": dtype, "DOT_PRECISION": "tf32"}
+    return {"DOT_DTYPE": tl.float32, "DOT_PRECISION": "ieee"}
 
 
 def num_kv_splits(batch: int, num_kv_heads: int, table_slots: int, device: torch.device) -> int:
@@ -307,7 +309,7 @@ def _decode(
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
         BLOCK_N=BLOCK_N, HAS_WINDOW=sliding_window is not None,
         HAS_SOFTCAP=logit_softcap is not None, QUANT=quant,
-        DOT_DTYPE=dot_dtype(query, pool.dtype),
+        **dot_config(query, pool.dtype),
     )  # fmt: skip
     window = sliding_window if sliding_window is not None else 0
     cap = float(logit_softcap) if logit_softcap is not None else 1.0

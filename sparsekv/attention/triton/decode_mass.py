@@ -25,7 +25,7 @@ def _mass_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, QUANT: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -60,7 +60,7 @@ def _mass_kernel(
         k = tl.load(k_ptrs, mask=slot_mask[:, None] & dim_mask[None, :], other=0)
         if QUANT == 2:
             k = k.to(tl.float8e4nv, bitcast=True)
-        logits = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision="ieee")
+        logits = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
         if QUANT != 0:
             k_scale = tl.load(scale_base + page * stride_s_page + offset, mask=slot_mask, other=0.0)
             logits = logits * k_scale[None, :]

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from sparsekv.attention.triton.common import check_device, softcap
-from sparsekv.attention.triton.decode import dot_dtype
+from sparsekv.attention.triton.decode import dot_config
 
 BLOCK_M = 16
 BLOCK_N = 32
@@ -33,7 +33,7 @@ def _prefill_kernel(
     out_ptr, stride_oh, stride_om, lse_ptr, num_queries, num_keys, sm_scale, window, cap,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     head = tl.program_id(0)
     kv_head = head // GROUP
@@ -63,7 +63,7 @@ def _prefill_kernel(
         kv_mask = col_mask[:, None] & dim_mask[None, :]
         k = tl.load(k_head + cols[:, None] * stride_kn + dims[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_head + cols[:, None] * stride_vn + dims[None, :], mask=kv_mask, other=0.0)
-        logits = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision="ieee") * sm_scale
+        logits = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * sm_scale
         if HAS_SOFTCAP:
             logits = softcap(logits, cap)
         visible = col_mask[None, :] & (cols[None, :] <= position[:, None])
@@ -75,7 +75,7 @@ def _prefill_kernel(
         alpha = tl.exp(m_i - safe_m)
         p = tl.exp(logits - safe_m[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        pv = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision="ieee")
+        pv = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
         tile += BLOCK_N
@@ -146,7 +146,7 @@ def attention_with_lse(
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logit_softcap is not None,
-        DOT_DTYPE=dot_dtype(query, key.dtype),
+        **dot_config(query, key.dtype),
     )  # fmt: skip
     return out, lse
 

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from sparsekv.attention.triton.common import check_device, dot_rows, pool_strides, softcap
-from sparsekv.attention.triton.decode import dot_dtype
+from sparsekv.attention.triton.decode import dot_config
 
 BLOCK_N = 32
 ONE_PAGE = 1 << 30  # block size that puts every slot of dense keys in page 0
@@ -31,7 +31,7 @@ ONE_PAGE = 1 << 30  # block size that puts every slot of dense keys in page 0
 def _window_logits(
     q, table_row, head_base, tile, num_slots, num_window, dims, dim_mask, window_rows,
     sm_scale, cap, stride_page, stride_slot, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Logits ``[BLOCK_W, BLOCK_N]`` of the window rows over one tile of held slots, ``-inf``
     where a row does not see the slot (or either is padding)."""
@@ -41,7 +41,7 @@ def _window_logits(
     offset = (slots % BLOCK_SIZE).to(tl.int64)
     k_ptrs = (head_base + page * stride_page + offset * stride_slot)[:, None] + dims[None, :]
     k = tl.load(k_ptrs, mask=slot_mask[:, None] & dim_mask[None, :], other=0.0)
-    logits = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision="ieee") * sm_scale
+    logits = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * sm_scale
     if HAS_SOFTCAP:
         logits = softcap(logits, cap)
     last_seen = num_slots - num_window + window_rows  # row i sees slots up to this one
@@ -75,7 +75,7 @@ def _window_lse_kernel(
     stride_tl, lse_ptr, num_slots, num_window, heads_per_layer, sm_scale, cap,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     head, rows, dims, dim_mask, q, table_row, head_base = _window_setup(
         q_ptr, stride_qh, stride_qw, pool_ptr, stride_head, table_ptr, stride_tl, num_window,
@@ -88,7 +88,7 @@ def _window_lse_kernel(
         logits, _, _ = _window_logits(
             q, table_row, head_base, tile, num_slots, num_window, dims, dim_mask, rows,
             sm_scale, cap, stride_page, stride_slot, BLOCK_SIZE, BLOCK_N, HAS_SOFTCAP,
-            DOT_DTYPE,
+            DOT_DTYPE, DOT_PRECISION,
         )  # fmt: skip
         m_new = tl.maximum(m_i, tl.max(logits, 1))
         safe_m = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -105,7 +105,7 @@ def _window_scores_kernel(
     stride_tl, lse_ptr, stride_lh, out_ptr, num_slots, num_window, heads_per_layer, sm_scale,
     cap, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_W: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     head, rows, dims, dim_mask, q, table_row, head_base = _window_setup(
         q_ptr, stride_qh, stride_qw, pool_ptr, stride_head, table_ptr, stride_tl, num_window,
@@ -115,7 +115,7 @@ def _window_scores_kernel(
     logits, slots, slot_mask = _window_logits(
         q, table_row, head_base, tl.program_id(1) * BLOCK_N, num_slots, num_window, dims,
         dim_mask, rows, sm_scale, cap, stride_page, stride_slot, BLOCK_SIZE, BLOCK_N,
-        HAS_SOFTCAP, DOT_DTYPE,
+        HAS_SOFTCAP, DOT_DTYPE, DOT_PRECISION,
     )  # fmt: skip
     scores = tl.sum(tl.exp(logits - lse.to(tl.float32)[:, None]), 0)
     tl.store(out_ptr + head.to(tl.int64) * num_slots + slots, scores, mask=slot_mask)
@@ -201,7 +201,7 @@ def _launch(queries, lse, pages, shape, num_slots, scale, logit_softcap):
     consts = dict(
         GROUP=heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_W=dot_rows(num_window), BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N,
-        HAS_SOFTCAP=logit_softcap is not None, DOT_DTYPE=dot_dtype(queries, pages[0].dtype),
+        HAS_SOFTCAP=logit_softcap is not None, **dot_config(queries, pages[0].dtype),
     )  # fmt: skip
     cap = float(logit_softcap) if logit_softcap is not None else 1.0
     args = (queries, queries.stride(0), queries.stride(1), *pages)
