@@ -25,7 +25,15 @@ import pytest
 import torch
 
 # Dependency order: each module is imported after the ones it takes names from.
-MODULES = ("common", "decode_mass", "decode", "prefill", "window_scores", "kv_write")
+MODULES = (
+    "common",
+    "decode_mass",
+    "decode_splits",
+    "decode",
+    "prefill",
+    "window_scores",
+    "kv_write",
+)
 PACKAGE = "sparsekv.attention.triton"
 
 DEVICE = torch.device(os.environ.get("SPARSEKV_TEST_DEVICE", "cpu"))

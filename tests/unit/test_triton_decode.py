@@ -2,8 +2,8 @@
 with ``SPARSEKV_TEST_DEVICE=cuda``): GQA groups 1/2/3/4/7/8 and head_dim 64/96/128/256 (a
 sampled subset of the product), pages of 16 and 32 slots, ragged and page-unaligned lengths
 (1 included), ``first_slot > 0``, padding rows, sliding window, soft-cap, split-KV, attention
-mass, and int8 / fp8 pages (against the reference over the dequantized pool). fp32 within 1e-5; fp16 (and bf16 on a GPU) against the fp32
-reference of the same rounded inputs.
+mass, and int8 / fp8 pages (against the reference over the dequantized pool). fp32 within
+1e-5; fp16 (and bf16 on a GPU) against the fp32 reference of the same rounded inputs.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ and vLLM's / SGLang's Triton decode kernels:
    key tile is read once per group; the split's slots are walked in tiles of ``BLOCK_N`` held
    slots (any tile crosses pages: each slot looks up its page in the block table); an online
    softmax in fp32 gives the split's normalised output and log-sum-exp;
-2. ``_merge_kernel``, one program per (request, query head): partials merged by their LSE;
+2. ``decode_splits.merge_kernel``, one program per request: partials merged by their LSE;
 3. with ``return_attn_mass``, ``decode_mass.attention_mass`` re-reads the keys once to turn
    the final LSE into each slot's probability summed over the group (H2O).
 
@@ -32,12 +32,12 @@ from sparsekv.attention.triton.common import (
     softcap,
 )
 from sparsekv.attention.triton.decode_mass import attention_mass
+from sparsekv.attention.triton.decode_splits import merge_kernel, num_kv_splits
 
 # Launch settings, module attributes so that the GPU benchmark can sweep them
 # (``scripts/gpu_bench_decode.py``); the interpreter ignores the warp count.
 BLOCK_N = 32  # held slots per tile
 NUM_WARPS = 4
-MIN_SPLIT_SLOTS = 256  # a split walks at least this many slots (GPU)
 QUANT_NONE, QUANT_INT8, QUANT_FP8 = 0, 1, 2
 
 
@@ -124,41 +124,6 @@ def _decode_partial_kernel(
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], out, mask=out_mask)
 
 
-@triton.jit
-def _merge_kernel(
-    part_out_ptr, part_lse_ptr, num_splits, out_ptr, stride_ob, stride_oh, lse_ptr,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HEADS: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-):  # fmt: skip
-    """One program per request: every head's split partials merged by their LSE (an empty
-    split has ``lse = -inf`` and weighs nothing; a request with none gets zeros, ``-inf``)."""
-    b = tl.program_id(0)
-    heads = tl.arange(0, BLOCK_HEADS)
-    head_mask = heads < NUM_HEADS
-    splits = tl.arange(0, BLOCK_S)
-    rows = (b * NUM_HEADS + heads).to(tl.int64)[:, None] * num_splits + splits[None, :]
-    mask = head_mask[:, None] & (splits < num_splits)[None, :]
-    lse_s = tl.load(part_lse_ptr + rows, mask=mask, other=float("-inf"))  # [heads, splits]
-    top = tl.max(lse_s, 1)
-    safe_top = tl.where(top == float("-inf"), 0.0, top)
-    weights = tl.exp(lse_s - safe_top[:, None])
-    total = tl.sum(weights, 1)
-    dims = tl.arange(0, BLOCK_D)
-    dim_mask = dims < HEAD_DIM
-    parts = tl.load(
-        part_out_ptr + rows[:, :, None] * HEAD_DIM + dims[None, None, :],
-        mask=mask[:, :, None] & dim_mask[None, None, :],
-        other=0.0,
-    )
-    seen = total > 0
-    out = tl.sum(parts * weights[:, :, None], 1) / tl.where(seen, total, 1.0)[:, None]
-    lse = tl.where(seen, safe_top + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
-    o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + dims[None, :]
-    out_mask = head_mask[:, None] & dim_mask[None, :]
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
-    tl.store(lse_ptr + b * NUM_HEADS + heads, lse, mask=head_mask)
-
-
 def dot_config(query: torch.Tensor, pool_dtype: torch.dtype) -> dict:
     """``DOT_DTYPE``, the dtype both dot operands are cast to (the query's 16-bit dtype when
     the pages hold it, or int8 / fp8 codes, exact in it; else fp32), and ``DOT_PRECISION``
@@ -171,16 +136,6 @@ def dot_config(query: torch.Tensor, pool_dtype: torch.dtype) -> dict:
         dtype = tl.bfloat16 if query.dtype == torch.bfloat16 else tl.float16
         return {"DOT_DTYPE": dtype, "DOT_PRECISION": "tf32"}
     return {"DOT_DTYPE": tl.float32, "DOT_PRECISION": "ieee"}
-
-
-def num_kv_splits(batch: int, num_kv_heads: int, table_slots: int, device: torch.device) -> int:
-    """Splits of the table so that ``batch x num_kv_heads x splits`` programs fill the GPU
-    twice over, each walking at least ``MIN_SPLIT_SLOTS`` slots (one split on the CPU)."""
-    if device.type != "cuda":
-        return 1
-    programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    wanted = triton.cdiv(programs, max(batch * num_kv_heads, 1))
-    return max(1, min(wanted, triton.cdiv(table_slots, MIN_SPLIT_SLOTS)))
 
 
 def paged_decode_attention(
@@ -320,7 +275,7 @@ def _decode(
         GROUP=group, BLOCK_H=dot_rows(group), DIRECT=direct, num_warps=NUM_WARPS, **consts,
     )  # fmt: skip
     if not direct:
-        _merge_kernel[(batch,)](
+        merge_kernel[(batch,)](
             part_out, part_lse, splits, out, out.stride(0), out.stride(1), lse,
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_HEADS=triton.next_power_of_2(num_heads),
             BLOCK_D=consts["BLOCK_D"], BLOCK_S=triton.next_power_of_2(splits),
