@@ -85,3 +85,10 @@ def load() -> types.SimpleNamespace:
 def triton_mode(monkeypatch):
     """``TRITON_INTERPRET`` for the duration of one Triton test (launches read it)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1" if DEVICE.type == "cpu" else "0")
+
+
+def backend():
+    """A ``TritonBackend`` whose kernels run on :data:`DEVICE` (interpreted on the CPU), for
+    suites that run every backend on the same cases; they need :func:`triton_mode` active."""
+    load()
+    return importlib.import_module(f"{PACKAGE}.backend").TritonBackend()
