@@ -91,4 +91,4 @@ def backend():
     """A ``TritonBackend`` whose kernels run on :data:`DEVICE` (interpreted on the CPU), for
     suites that run every backend on the same cases; they need :func:`triton_mode` active."""
     load()
-    return importlib.import_module(f"{PACKAGE}.backend").TritonBackend()
+    return importlib.import_module("sparsekv.attention.backends.triton_backend").TritonBackend()

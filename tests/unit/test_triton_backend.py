@@ -30,7 +30,7 @@ from tests.conftest import run_to_completion, tiny_checkpoint, tiny_llama_config
 from tests.triton_kernels import DEVICE, FP32_TOL, triton_mode  # noqa: E402, F401
 
 triton_kernels.load()
-backend_module = importlib.import_module("sparsekv.attention.triton.backend")
+backend_module = importlib.import_module("sparsekv.attention.backends.triton_backend")
 TRITON = backend_module.TritonBackend()
 REFERENCE = TorchBackend()
 

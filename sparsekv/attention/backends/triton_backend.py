@@ -1,5 +1,5 @@
-"""The Triton attention backend (``--attention-backend triton``): the GPU kernels of this
-package behind the ``AttentionBackend`` interface.
+"""The Triton attention backend (``--attention-backend triton``): the GPU kernels of
+``attention.triton`` behind the ``AttentionBackend`` interface.
 
 Operations with a Triton kernel: paged decode over plain and int8 / fp8 pages (with LSE and
 attention mass), prefill / chunk attention with LSE (PyTorch's flash kernel on CUDA where it
