@@ -34,7 +34,7 @@ HISTORY = re.compile(
 
 def _repo_text_files() -> list[Path]:
     files = [p for p in ROOT.iterdir() if p.is_file()]
-    for folder in ("sparsekv", "tests", "docs", ".ci"):
+    for folder in ("sparsekv", "tests", "docs", ".ci", "scripts"):
         files += [p for p in (ROOT / folder).rglob("*") if p.is_file()]
     keep = []
     for path in files:
@@ -53,7 +53,7 @@ def _repo_text_files() -> list[Path]:
 def _repo_paths() -> set[str]:
     """Every file and folder under the repository's own folders, as ``/``-joined relative paths."""
     paths = {p.name for p in ROOT.iterdir()}
-    for folder in ("sparsekv", "tests", "docs", ".ci"):
+    for folder in ("sparsekv", "tests", "docs", ".ci", "scripts"):
         paths |= {p.relative_to(ROOT).as_posix() for p in (ROOT / folder).rglob("*")}
     return paths
 
