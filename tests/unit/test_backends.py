@@ -17,9 +17,11 @@ from sparsekv.attention.backends import DecodeParams, backend_class, create_back
 from sparsekv.attention.backends.cpu_native import CpuNativeBackend
 from sparsekv.attention.backends.torch_backend import TorchBackend
 from sparsekv.kv_cache import quant
+from tests import triton_kernels
+from tests.triton_kernels import triton_mode  # noqa: F401 (the interpreter around each test)
 
 TOL = {"atol": 1e-5, "rtol": 0.0}
-BACKENDS = [TorchBackend(), CpuNativeBackend()]
+BACKENDS = [TorchBackend(), CpuNativeBackend(), triton_kernels.backend()]
 IDS = [backend.name for backend in BACKENDS]
 each_backend = pytest.mark.parametrize("backend", BACKENDS, ids=IDS)
 

@@ -14,20 +14,16 @@ import importlib
 import pytest
 import torch
 
-# The AttentionBackend interface and its reference implementation live beside this package;
-# a tree without them has nothing to test here (with them, every test below runs).
-pytest.importorskip("sparsekv.attention.backends.torch_backend")
-
-from sparsekv.attention import torch_ref  # noqa: E402
-from sparsekv.attention.backends import DecodeParams, backend_class  # noqa: E402
-from sparsekv.attention.backends.torch_backend import TorchBackend  # noqa: E402
-from sparsekv.compression.base import Compressor  # noqa: E402
-from sparsekv.config import CacheConfig, CompressionConfig, EngineConfig, ModelConfig  # noqa: E402
-from sparsekv.kv_cache import quant  # noqa: E402
-from sparsekv.sampling_params import SamplingParams  # noqa: E402
-from tests import triton_kernels  # noqa: E402
-from tests.conftest import run_to_completion, tiny_checkpoint, tiny_llama_config  # noqa: E402
-from tests.triton_kernels import DEVICE, FP32_TOL, triton_mode  # noqa: E402, F401
+from sparsekv.attention import torch_ref
+from sparsekv.attention.backends import DecodeParams, backend_class
+from sparsekv.attention.backends.torch_backend import TorchBackend
+from sparsekv.compression.base import Compressor
+from sparsekv.config import CacheConfig, CompressionConfig, EngineConfig, ModelConfig
+from sparsekv.kv_cache import quant
+from sparsekv.sampling_params import SamplingParams
+from tests import triton_kernels
+from tests.conftest import run_to_completion, tiny_checkpoint, tiny_llama_config
+from tests.triton_kernels import DEVICE, FP32_TOL, triton_mode  # noqa: F401
 
 triton_kernels.load()
 backend_module = importlib.import_module("sparsekv.attention.backends.triton_backend")
