@@ -22,6 +22,7 @@ COMPRESSION_METHODS = (
     "tova",
     "knorm",
     "random",
+    "expected_attention",
 )
 
 

@@ -46,6 +46,8 @@ class PagedAttention:
         metadata: this step's ``AttentionMetadata``.
         layer_specs: per-layer cache spec (sliding windows).
         logit_softcap: optional attention logit soft-cap of the model.
+        rope_frequencies: optional per-layer RoPE frequencies ``[rotary_dim // 2]`` (the
+            model's ``rope_frequencies()``), handed to compressors in their ``LayerView``.
     """
 
     def __init__(
@@ -54,6 +56,7 @@ class PagedAttention:
         metadata: AttentionMetadata,
         layer_specs: list[LayerSpec],
         logit_softcap: float | None = None,
+        rope_frequencies: list[torch.Tensor] | None = None,
     ) -> None:
         self.storages = storages
         self._pending: list[tuple[RequestSlice, int, float]] = []
@@ -62,6 +65,7 @@ class PagedAttention:
         self.metadata = metadata
         self.layer_specs = layer_specs
         self.logit_softcap = logit_softcap
+        self.rope_frequencies = rope_frequencies
 
     def attend(
         self,
@@ -293,6 +297,7 @@ class PagedAttention:
             accumulated=state.accumulated,
             generator=request.generator,
             logit_softcap=self.logit_softcap,
+            rope_inv_freq=None if self.rope_frequencies is None else self.rope_frequencies[layer],
         )
         budget = request.layers[layer].compress_to
         kept = request.compressor.select(view, budget, request.window)  # [KVH, k]

@@ -39,6 +39,9 @@ class LayerView:
         generator: random source of the ``random`` baseline (seeded per request), or ``None``.
         logit_softcap: the model's attention soft-cap (Gemma 2): scores from attention
             weights use the capped logits the attention softmaxed; ``None``: none.
+        rope_inv_freq: ``[r // 2]`` fp32 RoPE frequencies of the layer (radians per position,
+            rotate-half layout over the leading ``r`` dimensions of a head), for methods that
+            move queries along positions; ``None``: unknown or no RoPE.
     """
 
     keys: torch.Tensor
@@ -49,6 +52,7 @@ class LayerView:
     accumulated: torch.Tensor | None = None
     generator: torch.Generator | None = None
     logit_softcap: float | None = None
+    rope_inv_freq: torch.Tensor | None = None
 
     @property
     def num_kv_heads(self) -> int:
