@@ -28,6 +28,7 @@ COMPRESSION_METHODS = (
     "tova",
     "knorm",
     "random",
+    "expected_attention",
 )
 
 

@@ -44,6 +44,9 @@ class LayerView:
             weights use the capped logits the attention softmaxed; ``None``: none.
         backend: the engine's attention backend, which scoring and selection run on
             (``None``: the PyTorch reference, for direct callers such as tests).
+        rope_inv_freq: ``[r // 2]`` fp32 RoPE frequencies of the layer (radians per position,
+            rotate-half layout over the leading ``r`` dimensions of a head), for methods that
+            move queries along positions; ``None``: unknown or no RoPE.
     """
 
     keys: torch.Tensor
@@ -55,6 +58,7 @@ class LayerView:
     generator: torch.Generator | None = None
     logit_softcap: float | None = None
     backend: AttentionBackend | None = None
+    rope_inv_freq: torch.Tensor | None = None
 
     @property
     def num_kv_heads(self) -> int:

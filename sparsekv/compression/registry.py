@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from sparsekv.compression.base import Compressor
+from sparsekv.compression.expected_attention import ExpectedAttentionCompressor
 from sparsekv.compression.h2o import H2OCompressor
 from sparsekv.compression.knorm import KNormCompressor
 from sparsekv.compression.pyramidkv import PyramidKVCompressor
@@ -22,6 +23,7 @@ COMPRESSORS: dict[str, type[Compressor]] = {
         TOVACompressor,
         KNormCompressor,
         RandomCompressor,
+        ExpectedAttentionCompressor,
     )
 }
 

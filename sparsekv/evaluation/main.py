@@ -56,6 +56,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="chat: chat template + answer prefix; completion: plain text ending in the answer "
         "prefix (base models, e.g. gemma3-270m)",
     )
+    parser.add_argument(
+        "--suite", choices=("builtin", "ruler"), default="builtin",
+        help="builtin: sparsekv's RULER-style generators; ruler: the official 13 RULER tasks "
+        "from nvidia-long-context-eval (the `ruler` extra; tasks default to all 13, length 4096)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--protocol", choices=("both", "aware", "agnostic"), default="both",
+        help="--suite ruler: aware = whole prompt compressed (question in the window); "
+        "agnostic = context compressed with scope context, question after",
+    )  # fmt: skip
+    parser.add_argument(
+        "--min-full-score", type=float, default=30.0,
+        help="--suite ruler: macro score over tasks the full cache scores at least this on",
+    )  # fmt: skip
     parser.add_argument("--output-dir", default="reports/eval")
     parser.add_argument("--quick", action="store_true", help="a couple of minutes on SmolLM2")
     parser.add_argument("--fidelity", action="store_true", help="also run bench fidelity")
@@ -95,8 +109,12 @@ def main(argv: list[str] | None = None, *, checkpoint=None) -> int:
         argv = argv[1:]
     args = build_parser().parse_args(argv)
     common.apply_threads(args.threads)
-    load_start = common.load_average()
     grid = resolve_grid(args)
+    if args.suite == "ruler":
+        from sparsekv.evaluation import ruler_main
+
+        return ruler_main.run(args, grid, checkpoint)
+    load_start = common.load_average()
     config = engine_config_from_args(args)
     checkpoint = common.load_checkpoint(config, checkpoint)
     cells = runner.build_cells(grid["methods"], grid["ratios"], config.compression)

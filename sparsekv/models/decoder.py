@@ -209,6 +209,12 @@ class DecoderForCausalLM(nn.Module):
             for kind in self.layer_types
         ]
 
+    def rope_frequencies(self) -> list[torch.Tensor]:
+        """Per layer, its RoPE frequencies ``[rotary_dim // 2]`` fp32 (radians per position,
+        rotate-half layout over a head's leading ``rotary_dim`` dimensions): what compressors
+        that move queries along positions read (``LayerView.rope_inv_freq``)."""
+        return [self.rotary[layer.rope_key].inv_freq.float() for layer in self.layers]
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         """``input_ids``, ``positions``: ``[num_tokens]`` -> hidden ``[num_tokens, hidden]``."""
         hidden = self.embed_tokens(input_ids)

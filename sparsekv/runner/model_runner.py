@@ -65,6 +65,8 @@ class ModelRunner:
         self.layer_specs = kv.layer_specs
         self.sampler = Sampler()
         self.logit_softcap = getattr(model, "attn_logit_softcap", None)
+        frequencies = getattr(model, "rope_frequencies", None)
+        self.rope_frequencies = frequencies() if frequencies is not None else None
         self._block_tables = BlockTableCache()  # the decode path's tables between steps
 
     @torch.inference_mode()
@@ -102,7 +104,14 @@ class ModelRunner:
             slices, len(self.layer_specs), self.kv.block_size, self.device, self._block_tables
         )
         storages = [self.kv.storage(layer) for layer in range(len(self.layer_specs))]
-        ctx = PagedAttention(storages, metadata, self.layer_specs, self.backend, self.logit_softcap)
+        ctx = PagedAttention(
+            storages,
+            metadata,
+            self.layer_specs,
+            self.backend,
+            self.logit_softcap,
+            self.rope_frequencies,
+        )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         with fused.native_scope():  # the fused ops' checks once per step, not per call

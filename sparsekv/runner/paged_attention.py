@@ -49,6 +49,8 @@ class PagedAttention:
         backend: the engine's attention backend; the storages, the compressors (through
             ``LayerView.backend``) and compaction run on it.
         logit_softcap: optional attention logit soft-cap of the model.
+        rope_frequencies: optional per-layer RoPE frequencies ``[rotary_dim // 2]`` (the
+            model's ``rope_frequencies()``), handed to compressors in their ``LayerView``.
     """
 
     def __init__(
@@ -58,6 +60,7 @@ class PagedAttention:
         layer_specs: list[LayerSpec],
         backend: AttentionBackend,
         logit_softcap: float | None = None,
+        rope_frequencies: list[torch.Tensor] | None = None,
     ) -> None:
         self.storages = storages
         self.backend = backend
@@ -67,6 +70,7 @@ class PagedAttention:
         self.metadata = metadata
         self.layer_specs = layer_specs
         self.logit_softcap = logit_softcap
+        self.rope_frequencies = rope_frequencies
 
     def attend(
         self,
@@ -303,6 +307,7 @@ class PagedAttention:
             generator=request.generator,
             logit_softcap=self.logit_softcap,
             backend=self.backend,
+            rope_inv_freq=None if self.rope_frequencies is None else self.rope_frequencies[layer],
         )
         budget = request.layers[layer].compress_to
         kept = request.compressor.select(view, budget, request.window)  # [KVH, k]

@@ -16,7 +16,16 @@ from tests.conftest import run_to_completion, tiny_checkpoint, tiny_llama_config
 from tests.model.dense_reference import DenseMaskedAttention
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
-METHODS = ["snapkv", "pyramidkv", "h2o", "streaming_llm", "tova", "knorm", "random"]
+METHODS = [
+    "snapkv",
+    "pyramidkv",
+    "h2o",
+    "streaming_llm",
+    "tova",
+    "knorm",
+    "random",
+    "expected_attention",
+]
 
 
 @pytest.fixture(scope="module", params=["gqa", "mha"])
@@ -196,10 +205,11 @@ def test_bounded_chunk_mode_keeps_memory_bounded(tiny, make_engine):
     assert peak <= 4 * ((24 + 16) // 4 + 1)
 
 
-def test_single_shot_prefill_never_holds_uncompressed_pages(tiny, make_engine):
+@pytest.mark.parametrize("method", ["snapkv", "expected_attention"])
+def test_single_shot_prefill_never_holds_uncompressed_pages(tiny, make_engine, method):
     checkpoint, _ = tiny
     budget = 32
-    policy = CompressionConfig(method="snapkv", budget=budget, window=4, full_layers=0)
+    policy = CompressionConfig(method=method, budget=budget, window=4, full_layers=0)
     engine = make_engine(checkpoint, block_size=4)
     prompt = prompt_of(400, seed=6)
     engine.add_request("s", prompt, SamplingParams(max_tokens=1, **GREEDY), policy)
@@ -210,3 +220,25 @@ def test_single_shot_prefill_never_holds_uncompressed_pages(tiny, make_engine):
     engine.scheduler.update(scheduled)
     assert result.token_ids
     engine.abort_request("s")
+
+
+def test_expected_attention_reads_each_layers_rope_frequencies(tiny, make_engine, monkeypatch):
+    from sparsekv.compression.expected_attention import ExpectedAttentionCompressor
+
+    checkpoint, _ = tiny
+    seen = []
+    original = ExpectedAttentionCompressor.score
+
+    def recording(self, view):
+        seen.append(view.rope_inv_freq)
+        return original(self, view)
+
+    monkeypatch.setattr(ExpectedAttentionCompressor, "score", recording)
+    policy = CompressionConfig(method="expected_attention", budget=20, window=4, full_layers=1)
+    run_one(make_engine(checkpoint, block_size=4), prompt_of(50, seed=3), 2, policy)
+    head_dim = 64 // 4
+    theta = checkpoint.hf_config.rope_parameters["rope_theta"]
+    expected = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    assert len(seen) == 3  # the three budgeted layers at the end of the prompt
+    for frequencies in seen:
+        torch.testing.assert_close(frequencies, expected)

@@ -68,9 +68,10 @@ def test_later_questions_attach_the_compressed_context(tiny, make_engine, fmt):
     assert first | later == cold(make_engine, tiny, prompts, policy(), kv_cache_dtype=fmt)
 
 
-def test_only_the_context_is_compressed(tiny, make_engine):
+@pytest.mark.parametrize("method", ["snapkv", "expected_attention"])
+def test_only_the_context_is_compressed(tiny, make_engine, method):
     prompt = DOCUMENT + QUESTIONS[1]
-    out = run(make_engine(tiny), {"a": prompt}, policy(), max_tokens=12)["a"]
+    out = run(make_engine(tiny), {"a": prompt}, policy(method=method), max_tokens=12)["a"]
     kept = out.kv_stats.kept_per_layer
     # Full layer: everything; budgeted layers: the budget, then question and output whole
     # (no decode-time eviction), the last output token's K/V never computed.
