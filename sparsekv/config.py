@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from sparsekv.kv_cache.quant import KV_CACHE_DTYPES
+from sparsekv.parallel_config import ParallelConfig
 
 COMPRESSION_METHODS = (
     "none",
@@ -288,9 +289,11 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     compression: CompressionConfig = field(default_factory=CompressionConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def validate(self) -> None:
         self.model.validate()
         self.cache.validate()
         self.compression.validate()
         self.scheduler.validate()
+        self.parallel.validate()
