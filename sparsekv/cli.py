@@ -85,12 +85,11 @@ def check_port_free(host: str, port: int) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from sparsekv.llm import LLM
+    from sparsekv.distributed.batch import output_row
     from sparsekv.sampling_params import SamplingParams
 
     prompts = read_prompts(args)
     config = engine_config_from_args(args)
-    llm = LLM(engine_config=config)
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -98,28 +97,37 @@ def cmd_generate(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         seed=args.seed,
     )
-    inputs = [[{"role": "user", "content": p}] if args.chat else p for p in prompts]
-    outputs = llm.generate(inputs, params, use_tqdm=len(inputs) > 1)
-    for prompt, output in zip(prompts, outputs):
-        completion = output.outputs[0]
+    if config.parallel.data_parallel_size > 1:
+        rows = _generate_on_replicas(config, prompts, params, args.chat)
+    else:
+        from sparsekv.llm import LLM
+
+        if config.parallel.threads_per_rank is not None:
+            import torch
+
+            torch.set_num_threads(config.parallel.threads_per_rank)
+        llm = LLM(engine_config=config)
+        inputs = [[{"role": "user", "content": p}] if args.chat else p for p in prompts]
+        outputs = llm.generate(inputs, params, use_tqdm=len(inputs) > 1)
+        rows = [output_row(p, o) for p, o in zip(prompts, outputs)]
+    for row in rows:
         if args.json:
-            stats = output.kv_stats
-            print(
-                json.dumps(
-                    {
-                        "prompt": prompt,
-                        "text": completion.text,
-                        "token_ids": completion.token_ids,
-                        "finish_reason": completion.finish_reason,
-                        "kv_tokens_kept": stats.tokens_kept if stats else 0,
-                        "kv_tokens_full": stats.tokens_full if stats else 0,
-                        "kv_compression_ratio": stats.compression_ratio if stats else 0.0,
-                    }
-                )
-            )
+            print(json.dumps(row))
         else:
-            print(f"### {prompt}\n{completion.text}\n[{completion.finish_reason}]")
+            print(f"### {row['prompt']}\n{row['text']}\n[{row['finish_reason']}]")
     return 0
+
+
+def _generate_on_replicas(config, prompts: list[str], params, chat: bool) -> list[dict]:
+    """``generate --data-parallel-size N``: one ray.data actor per replica."""
+    from sparsekv.distributed.batch import generate_with_replicas
+    from sparsekv.distributed.cluster import connect
+
+    cluster = connect(config.parallel.ray_address)
+    try:
+        return generate_with_replicas(config, prompts, params, chat)
+    finally:
+        cluster.shutdown()
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -1,9 +1,9 @@
 """CLI flags generated from the config dataclasses, so flag names, defaults and help never drift.
 
-Each field of ``ModelConfig``, ``CacheConfig``, ``CompressionConfig`` and ``SchedulerConfig``
-becomes one flag in a help section named after its dataclass; the help line is the first
-sentence of the field's entry under ``Attributes:`` in the dataclass docstring, followed by the
-field's default. Parsed values land in ``args.<section>__<field>`` and
+Each field of ``ModelConfig``, ``CacheConfig``, ``CompressionConfig``, ``SchedulerConfig`` and
+``ParallelConfig`` becomes one flag in a help section named after its dataclass; the help line
+is the first sentence of the field's entry under ``Attributes:`` in the dataclass docstring,
+followed by the field's default. Parsed values land in ``args.<section>__<field>`` and
 :func:`engine_config_from_args` turns them back into an ``EngineConfig``.
 """
 
@@ -26,18 +26,21 @@ from sparsekv.config import (
     SchedulerConfig,
 )
 from sparsekv.kv_cache.quant import KV_CACHE_DTYPES
+from sparsekv.parallel_config import ROUTING_POLICIES, ParallelConfig
 
 SECTIONS = {
     "model": ModelConfig,
     "cache": CacheConfig,
     "compression": CompressionConfig,
     "scheduler": SchedulerConfig,
+    "parallel": ParallelConfig,
 }
 SECTION_TITLES = {
     "model": "model (weights and precision)",
     "cache": "cache (paged KV memory, prefix caching, KV quantization)",
     "compression": "compression (default per-layer KV compression policy)",
     "scheduler": "scheduler (continuous batching and preemption)",
+    "parallel": "parallel (replicas on Ray Serve and request routing)",
 }
 
 # Flag names that are not the field name in kebab case.
@@ -56,6 +59,7 @@ CHOICES = {
     ("model", "dtype"): ("auto", "bfloat16", "float32"),
     ("model", "attention_backend"): ATTENTION_BACKENDS,
     ("cache", "kv_cache_dtype"): KV_CACHE_DTYPES,
+    ("parallel", "routing_policy"): ROUTING_POLICIES,
 }
 METAVARS = {
     ("model", "model"): "NAME|PATH",
@@ -66,6 +70,7 @@ METAVARS = {
     ("cache", "kv_cache_full_precision_layers"): "L0,L1,...",
     ("compression", "layer_budgets"): "B0,B1,...",
     ("compression", "compression_ratio"): "R",
+    ("parallel", "ray_address"): "HOST:PORT",
 }
 # What a ``None`` default means, for the help line.
 NONE_DEFAULTS = {
@@ -76,6 +81,8 @@ NONE_DEFAULTS = {
     ("cache", "kv_cache_memory"): "sized from the device; 2 GiB on CPU",
     ("compression", "compression_ratio"): "unset",
     ("compression", "layer_budgets"): "unset",
+    ("parallel", "threads_per_rank"): "the cores divided by the replicas",
+    ("parallel", "ray_address"): "a local cluster",
 }
 SKIPPED = {("model", "seed"), ("compression", "context_tokens")}
 

@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from sparsekv.kv_cache.quant import KV_CACHE_DTYPES
+from sparsekv.parallel_config import ParallelConfig
 
 DEVICES = ("auto", "cpu", "cuda")
 # The names of ``attention.backends.BACKENDS`` (and ``auto``); a test keeps the two equal.
@@ -320,9 +321,11 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     compression: CompressionConfig = field(default_factory=CompressionConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def validate(self) -> None:
         self.model.validate()
         self.cache.validate()
         self.compression.validate()
         self.scheduler.validate()
+        self.parallel.validate()

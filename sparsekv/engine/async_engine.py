@@ -119,6 +119,10 @@ class AsyncEngine:
         """The latest published engine state (cheap; safe from any thread)."""
         return self._snapshot
 
+    async def refresh(self) -> None:
+        """Nothing to fetch: the loop thread publishes its snapshot after every step (a client
+        of remote replicas fetches theirs here, before /metrics is rendered)."""
+
     # ----------------------------------------------------------------- requests
     async def add_request(
         self,

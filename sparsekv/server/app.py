@@ -21,6 +21,7 @@ import time
 from collections.abc import Awaitable
 from contextlib import asynccontextmanager
 
+import torch
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -64,7 +65,7 @@ def _lifespan(ctx: ServerContext):
         ctx.engine.start()
         await warm_up(ctx)
         await asyncio.to_thread(lambda: ctx.max_prompt_chars)  # one pass over the vocabulary
-        if ctx.engine.engine.config.cache.enable_prefix_caching and not ctx.prefix_caching:
+        if ctx.info.prefix_caching_requested and not ctx.prefix_caching:
             logger.warning(
                 "prefix caching is off: %s has sliding-window layers, whose pages past the "
                 "window are freed and cannot be shared",
@@ -89,7 +90,11 @@ def create_app(engine: LLMEngine, settings: ServerSettings | None = None) -> Fas
         engine: the loaded engine; the app owns it from now on.
         settings: HTTP-side settings (defaults: open, 8 MiB bodies, no timeout).
     """
-    ctx = ServerContext(engine, settings or ServerSettings())
+    return create_app_for(ServerContext.local(engine, settings or ServerSettings()))
+
+
+def create_app_for(ctx: ServerContext) -> FastAPI:
+    """Build the app around a server context (one engine, or the replicas' client)."""
     app = FastAPI(title="sparsekv", lifespan=_lifespan(ctx))
     app.state.ctx = ctx
     install_error_handlers(app)
@@ -107,6 +112,7 @@ def create_app(engine: LLMEngine, settings: ServerSettings | None = None) -> Fas
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        await ctx.engine.refresh()
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
@@ -228,8 +234,22 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError("shutdown_timeout must be >= 0 seconds")
     if settings.fault_marker:
         logger.warning("test-only fault injection is on (%s)", FAULT_MARKER_ENV)
+    if config.parallel.data_parallel_size > 1:
+        from sparsekv.server.ingress import start_ingress
+
+        app, cluster = start_ingress(config, settings)
+        try:
+            return _run(app, args)
+        finally:
+            cluster.shutdown()
+    if config.parallel.threads_per_rank is not None:
+        torch.set_num_threads(config.parallel.threads_per_rank)
     logger.info("loading %s", config.model.model)
-    app = create_app(LLMEngine(config), settings)
+    return _run(create_app(LLMEngine(config), settings), args)
+
+
+def _run(app: FastAPI, args: argparse.Namespace) -> int:
+    """Serve ``app`` with uvicorn until SIGTERM; the exit code of ``sparsekv serve``."""
     uv_config = uvicorn.Config(
         app,
         host=args.host,

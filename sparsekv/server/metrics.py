@@ -8,11 +8,12 @@ consumes each request's outputs.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from sparsekv.engine.async_engine import AsyncEngine
+from sparsekv.engine.async_engine import EngineSnapshot
 from sparsekv.outputs import RequestOutput
 
 PREFIX = "sparsekv_"
@@ -61,33 +62,50 @@ _COUNTERS = (
 
 
 class _EngineCollector:
-    """Yields the engine's gauges and counters from its latest snapshot."""
+    """Yields the engine gauges and counters from the latest snapshots, one sample per replica
+    (labelled ``replica``) when there are several, else one unlabelled sample."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
-        self.engine = engine
+    def __init__(
+        self, snapshots: Callable[[], dict[str, EngineSnapshot]], prefix_caching: bool
+    ) -> None:
+        self.snapshots = snapshots
+        self.prefix_caching = prefix_caching
 
     def collect(self):
-        snapshot = self.engine.snapshot()
+        snapshots = self.snapshots()
+        labels = ["replica"] if any(snapshots) else []
         for name, doc, attr in _GAUGES:
-            yield GaugeMetricFamily(PREFIX + name, doc, value=float(getattr(snapshot, attr)))
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+            for label, snapshot in snapshots.items():
+                family.add_metric([label] if labels else [], float(getattr(snapshot, attr)))
+            yield family
         for name, doc, attr in _COUNTERS:
-            # A counter a stats object lacks reads 0.
-            value = float(getattr(snapshot.stats, attr, 0))
-            yield CounterMetricFamily(PREFIX + name, doc, value=value)
-        enabled = self.engine.engine.kv.prefix_cache is not None
+            family = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+            for label, snapshot in snapshots.items():
+                # A counter a stats object lacks reads 0.
+                value = float(getattr(snapshot.stats, attr, 0))
+                family.add_metric([label] if labels else [], value)
+            yield family
         yield GaugeMetricFamily(
             PREFIX + "prefix_caching_enabled",
             "1 when prefix caching is on (off for models with sliding-window layers).",
-            value=float(enabled),
+            value=float(self.prefix_caching),
         )
 
 
 class ServerMetrics:
-    """The app's registry: engine collector plus latency histograms (seconds)."""
+    """The app's registry: engine collector plus latency histograms (seconds).
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    Args:
+        snapshots: the engine state per replica label (``""``: one unlabelled engine).
+        prefix_caching: whether the engines' prefix cache is on.
+    """
+
+    def __init__(
+        self, snapshots: Callable[[], dict[str, EngineSnapshot]], prefix_caching: bool
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_EngineCollector(engine))
+        self.registry.register(_EngineCollector(snapshots, prefix_caching))
         self.ttft = Histogram(
             PREFIX + "time_to_first_token_seconds",
             "Time from arrival to the first generated token.",

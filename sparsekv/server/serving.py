@@ -7,16 +7,18 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from sparsekv.engine.async_engine import (
     AsyncEngine,
     EngineDeadError,
     EngineOverloadedError,
+    EngineSnapshot,
     RequestStream,
 )
 from sparsekv.engine.llm_engine import LLMEngine
+from sparsekv.engine.model_info import ModelInfo
 from sparsekv.engine.prompts import max_prompt_chars
 from sparsekv.engine.token_bytes import TokenBytes
 from sparsekv.outputs import RequestOutput
@@ -53,30 +55,52 @@ class ServerSettings:
 
 
 class ServerContext:
-    """Per-app state: the async engine, settings, metrics and readiness flags.
+    """Per-app state: the engine client, settings, metrics and readiness flags.
+
+    The engine client is an ``AsyncEngine`` (one process) or an object with the same methods
+    that forwards to replicas (``sparsekv.server.replica_client``): ``start``, ``shutdown``,
+    ``add_request``, ``generate``, ``abort``, ``is_alive``, ``error`` and ``refresh``.
 
     Args:
-        engine: a loaded engine (its loop starts with the app).
+        engine: the engine client (its loop starts with the app).
+        info: the served model's facts.
         settings: HTTP-side settings.
+        snapshots: engine state per replica label for /metrics (``""``: one unlabelled engine).
+        faults: the test-only step fault injector, if installed.
     """
 
-    def __init__(self, engine: LLMEngine, settings: ServerSettings) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        info: ModelInfo,
+        settings: ServerSettings,
+        snapshots: Callable[[], dict[str, EngineSnapshot]],
+        faults: StepFaultInjector | None = None,
+    ) -> None:
         self.settings = settings
-        self.faults = StepFaultInjector(engine.runner) if settings.fault_marker else None
-        self.engine = AsyncEngine(engine)
-        self.metrics = ServerMetrics(self.engine)
-        self.model_name = engine.model_name
-        self.tokenizer = engine.tokenizer
-        self.max_model_len = engine.max_model_len
-        self.max_num_seqs = engine.config.scheduler.max_num_seqs
-        self.default_scope = engine.config.compression.scope
-        self.prefix_caching = engine.kv.prefix_cache is not None
-        self.token_bytes = TokenBytes(engine.tokenizer)
+        self.faults = faults
+        self.engine = engine
+        self.info = info
+        self.metrics = ServerMetrics(snapshots, info.prefix_caching)
+        self.model_name = info.model_name
+        self.tokenizer = info.tokenizer
+        self.max_model_len = info.max_model_len
+        self.max_num_seqs = info.max_num_seqs
+        self.default_scope = info.default_scope
+        self.prefix_caching = info.prefix_caching
+        self.token_bytes = TokenBytes(info.tokenizer)
         self.created = int(time.time())
         self.is_ready = False
         self.is_draining = False
         self.num_in_flight = 0  # /v1 HTTP requests being answered (DrainMiddleware counts)
         self.running_ids: set[str] = set()  # engine requests of this server not yet ended
+
+    @classmethod
+    def local(cls, engine: LLMEngine, settings: ServerSettings) -> ServerContext:
+        """The context of a server around one in-process engine."""
+        faults = StepFaultInjector(engine.runner) if settings.fault_marker else None
+        client = AsyncEngine(engine)
+        return cls(client, ModelInfo.of(engine), settings, lambda: {"": client.snapshot()}, faults)
 
     @property
     def max_prompt_chars(self) -> int:

@@ -1,0 +1,1 @@
+"""Scale-out: replicas of the engine on Ray Serve and the policies that route requests to them."""
