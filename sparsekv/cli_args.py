@@ -18,6 +18,7 @@ import typing
 
 from sparsekv.config import (
     COMPRESSION_METHODS,
+    WEIGHT_DTYPES,
     CacheConfig,
     CompressionConfig,
     EngineConfig,
@@ -53,6 +54,7 @@ CHOICES = {
     ("compression", "scope"): ("prompt", "context"),
     ("scheduler", "preemption_mode"): ("swap", "recompute"),
     ("model", "dtype"): ("auto", "bfloat16", "float32"),
+    ("model", "weight_dtype"): WEIGHT_DTYPES,
     ("cache", "kv_cache_dtype"): KV_CACHE_DTYPES,
 }
 METAVARS = {
