@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,6 +30,7 @@ from sparsekv.models.quant.linear import QuantizedLinear
 from sparsekv.sampling_params import SamplingParams
 from tests.conftest import tiny_checkpoint, tiny_llama_config
 
+FIXTURES = Path(__file__).parent / "fixtures" / "gguf"
 NUM_TEXTS, PROMPT_LEN, FORCED = 8, 128, 64
 AGREEMENT_FLOOR = {"gguf": 0.99, "int8": 0.90}
 
@@ -127,7 +130,7 @@ def test_bad_weight_dtype_names_the_parameter():
 
 def test_gguf_needs_a_gguf_checkpoint(smollm2_tokenizer, make_engine, tmp_path):
     tiny = tiny_checkpoint(tiny_llama_config(), smollm2_tokenizer)[0]
-    with pytest.raises(ValueError, match="weight_dtype: gguf needs a GGUF checkpoint"):
+    with pytest.raises(ValueError, match="weight_dtype: gguf needs a GGUF checkpoint loaded with"):
         make_engine(tiny, weight_dtype="gguf")
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     (tmp_path / "model.safetensors").write_bytes(b"")
@@ -147,3 +150,15 @@ def test_dense_checkpoint_packs_at_load(smollm2_tokenizer, make_engine, weight_d
     tolerance = 2**-8 if weight_dtype == "bf16" else 1 / 254
     error = (dequantize_reference(down.parts[0]) - state).abs()
     assert (error <= tolerance * state.abs().amax(dim=1, keepdim=True)).all()
+
+
+def test_gguf_without_packable_blocks_stays_dense(make_engine, caplog):
+    # llama.cpp's converter wrote this file's linear weights as F16: nothing to keep packed.
+    path = FIXTURES / "llama3.gguf"
+    checkpoint = load_checkpoint(str(path), torch.float32, weight_dtype="gguf")
+    assert checkpoint.packed_weights == {}
+    assert "model.layers.0.self_attn.q_proj.weight (F16)" in checkpoint.dense_linear_weights
+    with caplog.at_level(logging.WARNING, logger="sparsekv.models.quant.apply"):
+        engine = make_engine(checkpoint, weight_dtype="gguf")
+    assert not any(isinstance(m, QuantizedLinear) for m in engine.parts.model.modules())
+    assert "0 linear layers packed" in caplog.text and "q_proj.weight (F16)" in caplog.text

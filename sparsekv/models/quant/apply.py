@@ -37,19 +37,21 @@ def apply_weight_dtype(model: nn.Module, weight_dtype: str, checkpoint=None) -> 
         The number of linear layers replaced.
 
     Raises:
-        ValueError: ``weight_dtype`` is unknown, or ``gguf`` with a checkpoint that holds no
-            packed weights (not a GGUF file, or not loaded with ``weight_dtype="gguf"``).
+        ValueError: ``weight_dtype`` is unknown, or ``gguf`` with a checkpoint not loaded from
+            a GGUF file with ``weight_dtype="gguf"``. A GGUF file whose linear weights are all in
+            other types (F16, K-quants) loads dense, with a warning.
     """
     if weight_dtype == "auto":
         return 0
     if weight_dtype == "gguf":
         packed = getattr(checkpoint, "packed_weights", None) or {}
-        if not packed:
+        file_dense = getattr(checkpoint, "dense_linear_weights", None) or []
+        if not packed and not file_dense:
             raise ValueError(
-                "weight_dtype: gguf needs a GGUF checkpoint with quantized linear weights "
-                "(load it with weight_dtype='gguf'); use int8 or bf16 for other checkpoints"
+                "weight_dtype: gguf needs a GGUF checkpoint loaded with weight_dtype='gguf'; "
+                "use int8 or bf16 for other checkpoints"
             )
-        return _pack_gguf(model, packed, getattr(checkpoint, "dense_linear_weights", []))
+        return _pack_gguf(model, packed, file_dense)
     if weight_dtype in ("int8", "bf16"):
         return _pack_dense(model, quantize_int8 if weight_dtype == "int8" else pack_bf16)
     raise ValueError(f"weight_dtype must be one of auto, bf16, int8, gguf, got {weight_dtype!r}")
@@ -77,7 +79,8 @@ def _pack_gguf(model: nn.Module, packed: dict[str, PackedTensor], file_dense: li
         setattr(parent, attribute, QuantizedLinear(parts, linear.bias))
         counts.update(p.format for p in parts)
         replaced += 1
-    logger.info(
+    log = logger.info if replaced else logger.warning
+    log(
         "weight_dtype gguf: %d linear layers packed (tensors: %s); dense: embeddings, norms%s",
         replaced,
         ", ".join(f"{n} {fmt}" for fmt, n in sorted(counts.items())),

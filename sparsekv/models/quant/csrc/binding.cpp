@@ -86,10 +86,13 @@ void check_weight(const at::Tensor& w, int64_t format, int64_t k) {
               row_bytes_of(format, k), " bytes for ", k, " inputs, got ", w.size(1));
 }
 
-// Below ~32 KiB of packed weights per task a call stays on the calling thread (decode-sized
-// layers: waking the pool costs more than it saves).
+// Below ~4 MiB of packed weights per task a call stays on the calling thread. Each call joins
+// its threads at the end, and on a machine whose cores other processes keep busy a helper
+// thread that is not running holds that join for a scheduler slice: on 2 shared cores,
+// SmolLM2's 120 decode-sized layers took 8x longer with 2 threads per call than with one.
+// Only large layers (an output head) are split.
 int64_t grain_rows(int64_t row_bytes, int64_t multiple) {
-  const int64_t rows = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, row_bytes));
+  const int64_t rows = std::max<int64_t>(1, (int64_t{1} << 22) / std::max<int64_t>(1, row_bytes));
   return (rows + multiple - 1) / multiple * multiple;
 }
 
