@@ -52,6 +52,8 @@ def apply_weight_dtype(model: nn.Module, weight_dtype: str, checkpoint=None) -> 
                 "use int8 or bf16 for other checkpoints"
             )
         return _pack_gguf(model, packed, file_dense)
+    if weight_dtype == "bf16" and model.embed_tokens.weight.dtype == torch.bfloat16:
+        return 0  # already bf16: the dense bf16 path (oneDNN / AMX where present) is faster
     if weight_dtype in ("int8", "bf16"):
         return _pack_dense(model, quantize_int8 if weight_dtype == "int8" else pack_bf16)
     raise ValueError(f"weight_dtype must be one of auto, bf16, int8, gguf, got {weight_dtype!r}")
