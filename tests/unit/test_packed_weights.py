@@ -136,6 +136,7 @@ def test_unknown_forced_variant_warns_and_uses_the_fastest(monkeypatch):
     assert_close_to_exact(ops.matmul(x, [weight]), x, dequantize_reference(weight))
 
 
+@pytest.mark.kernel_variant("packed_weights")
 def test_kernel_rejects_bad_arguments():
     weight = random_weight("q4_1", 4, 64)
     with pytest.raises(RuntimeError, match="bytes"):
