@@ -19,6 +19,7 @@ import typing
 from sparsekv.config import (
     ATTENTION_BACKENDS,
     COMPRESSION_METHODS,
+    WEIGHT_DTYPES,
     CacheConfig,
     CompressionConfig,
     EngineConfig,
@@ -58,6 +59,7 @@ CHOICES = {
     ("scheduler", "preemption_mode"): ("swap", "recompute"),
     ("model", "dtype"): ("auto", "bfloat16", "float32"),
     ("model", "attention_backend"): ATTENTION_BACKENDS,
+    ("model", "weight_dtype"): WEIGHT_DTYPES,
     ("cache", "kv_cache_dtype"): KV_CACHE_DTYPES,
     ("parallel", "routing_policy"): ROUTING_POLICIES,
 }

@@ -20,6 +20,9 @@ ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 # The pool size on CPU when ``kv_cache_memory`` is not given, in GiB.
 CPU_KV_CACHE_MEMORY = 2.0
 
+# ``--weight-dtype`` values (``ModelConfig.weight_dtype``).
+WEIGHT_DTYPES = ("auto", "bf16", "int8", "gguf")
+
 COMPRESSION_METHODS = (
     "none",
     "snapkv",
@@ -54,6 +57,10 @@ class ModelConfig:
         seed: seed for requests that give none (sampling stays reproducible per request).
         tokenizer: a tokenizer folder or file (``tokenizer.json``, a GGUF) to use instead of
             the model's own, e.g. for random-weight benchmark models.
+        weight_dtype: how linear weights are stored: ``auto`` (the model dtype), ``bf16``
+            (bf16 rows), ``int8`` (per output channel, quantized at load) or ``gguf`` (the GGUF
+            file's Q4_0 / Q4_1 / Q8_0 blocks kept packed). Packed weights run native kernels
+            that dequantize in registers for up to 64 rows; embeddings and norms stay dense.
     """
 
     model: str = "smollm2-135m-instruct"
@@ -65,6 +72,7 @@ class ModelConfig:
     max_model_len: int | None = None
     seed: int = 0
     tokenizer: str | None = None
+    weight_dtype: str = "auto"
 
     def validate(self) -> None:
         if self.dtype not in ("auto", "bfloat16", "float32", "bf16", "fp32"):
@@ -75,6 +83,10 @@ class ModelConfig:
             raise ValueError(
                 f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                 f"got {self.attention_backend!r}"
+            )
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(
+                f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {self.weight_dtype!r}"
             )
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be > 0 tokens, got {self.max_model_len}")

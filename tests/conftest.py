@@ -132,6 +132,7 @@ def make_engine(smollm2_tokenizer):
         kv_cache_dtype="auto",
         full_precision_layers=None,
         dtype="float32",
+        weight_dtype="auto",
         **sched,
     ):
         sched.setdefault("watermark_pages", 0)
@@ -145,7 +146,7 @@ def make_engine(smollm2_tokenizer):
             kv_cache_full_precision_layers=full_precision_layers,
         )
         config = EngineConfig(
-            model=ModelConfig(dtype=dtype),
+            model=ModelConfig(dtype=dtype, weight_dtype=weight_dtype),
             cache=cache,
             compression=compression or CompressionConfig(method="none"),
             scheduler=SchedulerConfig(**sched),

@@ -2,7 +2,8 @@
 
 A test marked ``@pytest.mark.kernel_variant(family, variant)`` checks one variant of a native
 kernel family (``sparsekv.attention.cpu.variants.FAMILIES``, plus ``fused`` and
-``fused_small_gemm`` for the model ops); ``kernel_variant(family)`` checks every variant the CPU
+``fused_small_gemm`` for the model ops and ``packed_weights`` for the packed linears);
+``kernel_variant(family)`` checks every variant the CPU
 runs (the test loops over them). At collection, the cases of a variant this CPU cannot run are
 deselected and named, with the reason, as untested in the summary printed after the run; they
 are never skipped silently. When the extension fails to build the cases stay selected and fail
@@ -17,6 +18,8 @@ import pytest
 
 MARKER = "kernel_variant"
 FUSED_FAMILIES = {"fused": ("avx512", "avx2", "generic"), "fused_small_gemm": ("avx512_amx",)}
+# Packed-weight linears (sparsekv.models.quant); no AVX-512 variant is written yet.
+PACKED_FAMILY, PACKED_VARIANTS = "packed_weights", ("avx2", "generic")
 
 _tested: dict[str, dict[str, int]] = {}
 _untested: dict[str, dict[str, str]] = {}
@@ -25,6 +28,20 @@ _untested: dict[str, dict[str, str]] = {}
 @functools.cache
 def status(family: str) -> tuple[tuple[str, ...], dict[str, str], bool]:
     """(runnable variants, {variant: why not} for the others, build failed) of ``family``."""
+    if family == PACKED_FAMILY:
+        from sparsekv.attention.cpu.build import native_disabled
+        from sparsekv.models.quant import build as quant_build
+
+        ext = quant_build.load_extension()
+        if ext is None:
+            why = "native kernels disabled"
+            return (), dict.fromkeys(PACKED_VARIANTS, why), not native_disabled()
+        runs = tuple(str(ext.available_isas()).split(","))
+        return (
+            runs,
+            {v: "this CPU does not run it" for v in PACKED_VARIANTS if v not in runs},
+            False,
+        )
     if family in FUSED_FAMILIES:
         from sparsekv.models.fused import build as fused_build
 

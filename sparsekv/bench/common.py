@@ -82,7 +82,12 @@ def load_checkpoint(config: EngineConfig, checkpoint=None):
         return checkpoint
     from sparsekv.loader import load_checkpoint as load
 
-    return load(config.model.model, resolved_dtype(config), tokenizer=config.model.tokenizer)
+    return load(
+        config.model.model,
+        resolved_dtype(config),
+        tokenizer=config.model.tokenizer,
+        weight_dtype=config.model.weight_dtype,
+    )
 
 
 def build_engine(config: EngineConfig, checkpoint) -> LLMEngine:

@@ -17,6 +17,7 @@ import time
 
 from sparsekv.bench import common
 from sparsekv.cli_args import add_engine_args, engine_config_from_args
+from sparsekv.models.quant.apply import weight_bytes
 from sparsekv.sampling_params import SamplingParams
 
 
@@ -74,7 +75,8 @@ def run_throughput(args: argparse.Namespace, checkpoint=None) -> dict:
 
     Returns:
         The report: ``rows`` (one per system), ``batch`` details (per-request TTFTs),
-        ``single_ttft``, ``decode_batch1``, ``hf_speed_ratio``, ``notes`` and ``provenance``.
+        ``single_ttft``, ``decode_batch1``, ``hf_speed_ratio``, ``weight_bytes`` (the model's
+        weights in memory, packed ones as stored), ``notes`` and ``provenance``.
     """
     common.apply_threads(args.threads)
     load_start = common.load_average()
@@ -85,7 +87,10 @@ def run_throughput(args: argparse.Namespace, checkpoint=None) -> dict:
     avoid = common.special_token_ids(checkpoint.tokenizer)
     if not args.no_warmup:
         common.warm_up(engine, vocab_size)
-    document: dict = {"rows": [], "notes": []}
+    document: dict = {"rows": [], "notes": [], "weight_bytes": weight_bytes(engine.parts.model)}
+    document["notes"].append(
+        f"weights in memory ({config.model.weight_dtype}): {document['weight_bytes'] / 1e6:.1f} MB"
+    )
     settings = {k: v for k, v in vars(args).items() if "__" not in k}
 
     def save() -> None:  # after every part, so a long run that dies keeps what it measured

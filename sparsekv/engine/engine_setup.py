@@ -25,6 +25,7 @@ from sparsekv.host_allocator import tune_host_allocator
 from sparsekv.kv_cache.manager import KVCacheManager
 from sparsekv.kv_cache.storage import page_bytes
 from sparsekv.models.prepack import can_prepack, prepack_linears
+from sparsekv.models.quant.apply import apply_weight_dtype
 from sparsekv.models.registry import build_model
 from sparsekv.runner.model_runner import ModelRunner
 
@@ -205,11 +206,18 @@ def build_engine_parts(config: EngineConfig, checkpoint=None) -> EngineParts:
     if checkpoint is None:
         from sparsekv.loader import load_checkpoint
 
-        checkpoint = load_checkpoint(config.model.model, dtype, tokenizer=config.model.tokenizer)
+        checkpoint = load_checkpoint(
+            config.model.model,
+            dtype,
+            tokenizer=config.model.tokenizer,
+            weight_dtype=config.model.weight_dtype,
+        )
     hf_config = checkpoint.hf_config
     context = getattr(hf_config, "max_position_embeddings", None) or 2048
     max_model_len = min(config.model.max_model_len or context, context)
     model = build_model(hf_config, checkpoint.state_dict, dtype, device, max_model_len)
+    # Before the bf16 prepacking, which then leaves the packed layers alone.
+    apply_weight_dtype(model, config.model.weight_dtype, checkpoint)
     if can_prepack(dtype, device, has_native_bf16()):
         prepack_linears(model)
     specs = model.layer_specs()

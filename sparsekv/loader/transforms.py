@@ -46,6 +46,9 @@ def _subtract_one(weight: torch.Tensor, config) -> torch.Tensor:
     return weight - 1.0
 
 
+# Transforms that only reorder rows: they apply to packed rows of bytes as well.
+ROW_PERMUTATIONS = frozenset({"unpermute_q", "unpermute_k"})
+
 TRANSFORMS: dict[str, Callable[[torch.Tensor, object], torch.Tensor]] = {
     "unpermute_q": _unpermute_q,
     "unpermute_k": _unpermute_k,

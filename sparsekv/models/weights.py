@@ -106,20 +106,28 @@ def load_weights(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
                 module.set_freq_factors(state_dict[ROPE_FREQS])
 
 
-def _source_tensor(model, family: str, name: str, param, state_dict) -> torch.Tensor:
-    """The HF tensor(s) of decoder parameter ``name``, shape-checked and concatenated."""
+def source_forms(name: str) -> tuple[WeightRow, list[list[str]]] | None:
+    """The table row of decoder parameter ``name`` and its HF source forms with their full
+    names (fused first, each a list concatenated along dim 0); ``None`` for an unknown name."""
     match = _LAYER.fullmatch(name)
     if match is None:
         if name not in GLOBAL_WEIGHTS:
-            raise ValueError(f"model: {family}: no checkpoint tensor is known for {name}")
+            return None
         row, prefix = WeightRow(((GLOBAL_WEIGHTS[name],),)), ""
     else:
-        suffix = match.group(2)
-        if suffix not in LAYER_WEIGHTS:
-            raise ValueError(f"model: {family}: no checkpoint tensor is known for {name}")
-        row, prefix = LAYER_WEIGHTS[suffix], f"model.layers.{match.group(1)}."
-    for form in row.sources:
-        names = [prefix + source for source in form]
+        if match.group(2) not in LAYER_WEIGHTS:
+            return None
+        row, prefix = LAYER_WEIGHTS[match.group(2)], f"model.layers.{match.group(1)}."
+    return row, [[prefix + source for source in form] for form in row.sources]
+
+
+def _source_tensor(model, family: str, name: str, param, state_dict) -> torch.Tensor:
+    """The HF tensor(s) of decoder parameter ``name``, shape-checked and concatenated."""
+    found = source_forms(name)
+    if found is None:
+        raise ValueError(f"model: {family}: no checkpoint tensor is known for {name}")
+    row, forms = found
+    for names in forms:
         if all(n in state_dict for n in names):
             break
     else:

@@ -1,0 +1,160 @@
+// Torch operators of the packed-weight linears (torch.ops.sparsekv_quant.*): argument checks,
+// threading, and the run-time choice of the ISA variant. Compiled for the baseline ISA, with
+// light ATen headers as the fused ops' binding.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "quant.h"
+
+namespace qk = sparsekv_quant;
+
+namespace {
+
+bool has_avx2() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
+#else
+  return false;
+#endif
+}
+
+bool always() { return true; }
+
+struct Variant {
+  const char* name;
+  const qk::QuantTable* table;
+  bool (*cpu_runs)();
+};
+
+const Variant kVariants[] = {  // fastest first
+    {"avx2", &qk::kQuantAvx2, has_avx2},
+    {"generic", &qk::kQuantGeneric, always},
+};
+
+bool usable(const Variant& v) { return v.table->width > 0 && v.cpu_runs(); }
+
+std::string available_isas() {  // comma-separated, fastest first
+  std::string out;
+  for (const auto& v : kVariants)
+    if (usable(v)) out += (out.empty() ? "" : ",") + std::string(v.name);
+  return out;
+}
+
+// `isa` empty: the fastest variant this CPU runs.
+const qk::QuantTable& table_for(c10::string_view isa) {
+  static const qk::QuantTable* fastest = [] {
+    for (const auto& v : kVariants)
+      if (usable(v)) return v.table;
+    return &qk::kQuantGeneric;
+  }();
+  if (isa.empty()) return *fastest;
+  for (const auto& v : kVariants)
+    if (isa == v.name && usable(v)) return *v.table;
+  TORCH_CHECK(false, "packed-weight kernel variant '", std::string(isa),
+              "' is not supported on this CPU");
+}
+
+// Bytes one row of k weights takes in `format`.
+int64_t row_bytes_of(int64_t format, int64_t k) {
+  switch (format) {
+    case qk::kQ4_0: return k / qk::kBlock * 18;
+    case qk::kQ4_1: return k / qk::kBlock * 20;
+    case qk::kQ8_0: return k / qk::kBlock * 34;
+    case qk::kInt8Row: return 4 + k;
+    case qk::kBf16Row: return 2 * k;
+    default: TORCH_CHECK(false, "unknown packed format code ", format);
+  }
+}
+
+void check_weight(const at::Tensor& w, int64_t format, int64_t k) {
+  TORCH_CHECK(format >= 0 && format < qk::kNumFormats, "unknown packed format code ", format);
+  const bool blocks = format == qk::kQ4_0 || format == qk::kQ4_1 || format == qk::kQ8_0;
+  TORCH_CHECK(k >= 0 && (!blocks || k % qk::kBlock == 0),
+              "in_features must be a multiple of 32 for a block format, got ", k);
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 &&
+                  w.is_contiguous(),
+              "weight must be a contiguous CPU uint8 [out_features, row_bytes]");
+  TORCH_CHECK(w.size(1) == row_bytes_of(format, k), "weight rows must hold ",
+              row_bytes_of(format, k), " bytes for ", k, " inputs, got ", w.size(1));
+}
+
+// Below ~4 MiB of packed weights per task a call stays on the calling thread. Each call joins
+// its threads at the end, and on a machine whose cores other processes keep busy a helper
+// thread that is not running holds that join for a scheduler slice: on 2 shared cores,
+// SmolLM2's 120 decode-sized layers took 8x longer with 2 threads per call than with one.
+// Only large layers (an output head) are split.
+int64_t grain_rows(int64_t row_bytes, int64_t multiple) {
+  const int64_t rows = std::max<int64_t>(1, (int64_t{1} << 22) / std::max<int64_t>(1, row_bytes));
+  return (rows + multiple - 1) / multiple * multiple;
+}
+
+// y[:, col : col + n] = x [m, k] W^T for the packed W [n, k]; x and y fp32, y's last
+// dimension contiguous. One row of x goes through the GEMV, more through the tiled GEMM.
+void matmul_(const at::Tensor& x, const at::Tensor& w, int64_t format, int64_t k,
+             const at::Tensor& y, int64_t col, c10::string_view isa) {
+  check_weight(w, format, k);
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
+                  x.size(1) == k && (x.stride(1) == 1 || k <= 1),
+              "x must be a CPU float32 [m, ", k, "] with a contiguous last dimension");
+  const int64_t m = x.size(0), n = w.size(0);
+  TORCH_CHECK(y.device().is_cpu() && y.scalar_type() == at::kFloat && y.dim() == 2 &&
+                  y.size(0) == m && (y.stride(1) == 1 || y.size(1) <= 1),
+              "y must be a CPU float32 [", m, ", cols] with a contiguous last dimension");
+  TORCH_CHECK(col >= 0 && col + n <= y.size(1), "columns ", col, " + ", n,
+              " do not fit in y's ", y.size(1));
+  if (m == 0 || n == 0) return;
+  const auto& table = table_for(isa);
+  qk::MatmulArgs args{w.const_data_ptr<uint8_t>(), w.size(1), static_cast<int>(format),
+                      x.const_data_ptr<float>(), m, k, x.stride(0), nullptr,
+                      y.mutable_data_ptr<float>(), y.stride(0), col};
+  std::vector<float> sums;
+  if (m == 1 && (format == qk::kQ4_0 || format == qk::kQ4_1)) {
+    sums.resize(k / qk::kBlock);
+    const float* xp = args.x;
+    for (int64_t b = 0; b < k / qk::kBlock; ++b) {
+      float s = 0.0f;
+      for (int j = 0; j < qk::kBlock; ++j) s += xp[b * qk::kBlock + j];
+      sums[b] = s;
+    }
+    args.x_block_sums = sums.data();
+  }
+  const auto kernel = m == 1 ? table.gemv : table.gemm;
+  at::parallel_for(0, n, grain_rows(w.size(1), 4),
+                   [&](int64_t begin, int64_t end) { kernel(args, begin, end); });
+}
+
+// W [n, k] dequantized to a new fp32 tensor (prefill-sized matmuls run densely on it).
+at::Tensor dequantize(const at::Tensor& w, int64_t format, int64_t k, c10::string_view isa) {
+  check_weight(w, format, k);
+  const int64_t n = w.size(0);
+  at::Tensor out = at::empty({n, k}, w.options().dtype(at::kFloat));
+  if (n == 0 || k == 0) return out;
+  const auto& table = table_for(isa);
+  const uint8_t* src = w.const_data_ptr<uint8_t>();
+  float* dst = out.mutable_data_ptr<float>();
+  const int64_t row_bytes = w.size(1);
+  at::parallel_for(0, n, grain_rows(row_bytes, 1), [&](int64_t begin, int64_t end) {
+    table.dequantize(src, row_bytes, static_cast<int>(format), k, dst, begin, end);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(sparsekv_quant, m) {
+  m.def("available_isas", &available_isas);
+  m.def(
+      "matmul_(Tensor x, Tensor weight, int format, int in_features, Tensor(a!) y, int col, "
+      "str isa=\"\") -> ()",
+      &matmul_);
+  m.def("dequantize(Tensor weight, int format, int in_features, str isa=\"\") -> Tensor",
+        &dequantize);
+}

@@ -1,0 +1,61 @@
+// Plain-C++ interface between the torch binding and the per-ISA kernels of packed-weight
+// linears (weights kept in a quantized block format, dequantized in registers).
+//
+// As in the fused ops (models/fused/csrc/fused.h), the ISA translation units include no torch
+// or standard-library headers: each is compiled under its own `#pragma GCC target`, and an
+// inline function shared with the binding could be merged by the linker into its AVX2 copy and
+// then run on a CPU without AVX2. They see only these plain structs and raw pointers.
+//
+// A packed weight [n, k] is n rows of `row_bytes` bytes, one output feature per row; each row
+// holds its k input-feature weights in one of the formats below (the GGML block layouts of
+// llama.cpp's ggml-common.h for the GGUF ones).
+#pragma once
+
+#include <stdint.h>
+
+namespace sparsekv_quant {
+
+enum Format : int {
+  kQ4_0 = 0,  // blocks of 32: fp16 d, 16 bytes of nibbles; w = d * (q - 8)
+  kQ4_1 = 1,  // blocks of 32: fp16 d, fp16 m, 16 bytes of nibbles; w = d * q + m
+  kQ8_0 = 2,  // blocks of 32: fp16 d, 32 int8; w = d * q
+  kInt8Row = 3,  // one fp32 scale s, then k int8; w = s * q (per output channel)
+  kBf16Row = 4,  // k bf16 bit patterns
+  kNumFormats = 5,
+};
+
+// Nibbles of a 4-bit block: byte j holds element j (low nibble) and element j + 16 (high).
+constexpr int kBlock = 32;
+
+// y[r, col + i] = sum_j W[i, j] * x[r, j] for weight rows i in [begin, end) and all m rows r
+// of x; fp32 activations and results, fp32 accumulation.
+struct MatmulArgs {
+  const uint8_t* w;  // [n, row_bytes]
+  int64_t row_bytes;
+  int format;
+  const float* x;  // [m, k], row stride x_stride
+  int64_t m, k, x_stride;
+  // [m, k / 32] sums of x over each block (the 4-bit formats' offsets factor out of the dot
+  // product: sum (d q + c) x = d sum q x + c sum x), or nullptr for the other formats.
+  const float* x_block_sums;
+  float* y;  // [m, y_stride]; this call writes columns col + [begin, end)
+  int64_t y_stride, col;
+};
+
+struct QuantTable {
+  const char* name;
+  int width;  // fp32 lanes of a vector; 0: not compiled for this target
+  // One row of x (decode at batch 1): the 4-bit formats use x_block_sums.
+  void (*gemv)(const MatmulArgs&, int64_t begin, int64_t end);
+  // A few rows of x: each tile of weight rows is dequantized once (into a small buffer on the
+  // stack, in L1) and multiplied with every row of x.
+  void (*gemm)(const MatmulArgs&, int64_t begin, int64_t end);
+  // out [n, k] fp32 <- weight rows [begin, end) dequantized (the prefill path's tiles).
+  void (*dequantize)(const uint8_t* w, int64_t row_bytes, int format, int64_t k, float* out,
+                     int64_t begin, int64_t end);
+};
+
+extern const QuantTable kQuantAvx2;
+extern const QuantTable kQuantGeneric;
+
+}  // namespace sparsekv_quant

@@ -1,0 +1,199 @@
+"""Packed-weight kernels (``sparsekv.models.quant``) against the dequantized reference.
+
+Every format (the GGUF blocks Q4_0 / Q4_1 / Q8_0, int8 per channel, bf16 rows), every row count
+1-64 (the GEMV at one row, the tiled GEMM above), odd output widths and row formats of odd
+width, on each kernel variant this CPU runs, both called directly and forced through
+``SPARSEKV_KERNEL_ISA``. The dequantized values equal ``gguf.quants.dequantize`` bit for bit;
+products accumulate in fp32 in the kernel's own order, so each output is within
+``1e-5 * sum_j |x_j W_ij|`` of the exact (fp64) product of the dequantized weight (measured:
+below 2e-7 of that sum).
+"""
+
+from __future__ import annotations
+
+import gguf
+import pytest
+import torch
+from gguf.quants import dequantize as gguf_dequantize
+
+from sparsekv.models.quant import build, ops
+from sparsekv.models.quant.formats import (
+    FORMATS,
+    PackedTensor,
+    cat_rows,
+    dequantize_reference,
+    pack_bf16,
+    quantize_int8,
+)
+from sparsekv.models.quant.linear import QuantizedLinear
+
+VARIANTS = ("avx2", "generic")
+BLOCK_FORMATS = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q8_0": "Q8_0"}
+ALL_FORMATS = (*BLOCK_FORMATS, "int8", "bf16")
+# |y - exact| <= RTOL * sum_j |x_j W_ij| (fp32 accumulation over in_features).
+RTOL = 1e-5
+
+
+def _ext():
+    ext = build.load_extension()
+    assert ext is not None, "the packed-weight extension failed to build"
+    return ext
+
+
+@pytest.fixture(
+    params=[
+        pytest.param(v, marks=pytest.mark.kernel_variant("packed_weights", v)) for v in VARIANTS
+    ]
+)
+def isa(request) -> str:
+    return request.param
+
+
+def random_weight(fmt: str, out_features: int, in_features: int, seed: int = 0) -> PackedTensor:
+    """Random packed weight: every code value, finite fp16 scales (and Q4_1 offsets)."""
+    g = torch.Generator().manual_seed(seed)
+    if fmt == "int8":
+        return quantize_int8(torch.randn(out_features, in_features, generator=g))
+    if fmt == "bf16":
+        return pack_bf16(torch.randn(out_features, in_features, generator=g))
+    layout = FORMATS[fmt]
+    blocks = in_features // 32
+    data = torch.randint(
+        0, 256, (out_features, blocks, layout.block_bytes), dtype=torch.uint8, generator=g
+    )
+    scales = (torch.rand(out_features, blocks, 1, generator=g) * 0.02 + 1e-4).half()
+    data[..., 0:2] = scales.view(torch.uint8)
+    if fmt == "q4_1":
+        offsets = (torch.randn(out_features, blocks, 1, generator=g) * 0.05).half()
+        data[..., 2:4] = offsets.view(torch.uint8)
+    return PackedTensor(fmt, in_features, data.reshape(out_features, -1).contiguous())
+
+
+def assert_close_to_exact(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+    """``y`` (fp32) within RTOL of the fp64 product, relative to the sum of |terms|."""
+    exact = x.double() @ weight.double().T
+    scale = x.double().abs() @ weight.double().abs().T
+    error = (y.double() - exact).abs()
+    assert y.dtype == torch.float32
+    assert (error <= RTOL * scale + 1e-30).all(), f"max rel {(error / scale).max().item():.2e}"
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_reference_dequantization_equals_gguf(fmt):
+    weight = random_weight(fmt, 7, 96)
+    qtype = getattr(gguf.GGMLQuantizationType, BLOCK_FORMATS[fmt])
+    expected = torch.from_numpy(gguf_dequantize(weight.data.numpy(), qtype).copy())
+    assert torch.equal(dequantize_reference(weight), expected)
+
+
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_native_dequantization_is_exact(isa, fmt):
+    weight = random_weight(fmt, 13, 160 if fmt in BLOCK_FORMATS else 77)
+    assert torch.equal(ops.dequantize(weight, isa), dequantize_reference(weight))
+
+
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+@pytest.mark.parametrize("shape", [(37, 96), (5, 320)])
+def test_matmul_every_row_count(isa, fmt, shape):
+    out_features, in_features = shape
+    if fmt in ("int8", "bf16"):
+        in_features += 3  # row formats take any width (a vector tail)
+    weight = random_weight(fmt, out_features, in_features, seed=out_features)
+    dense = dequantize_reference(weight)
+    x = torch.randn(64, in_features, generator=torch.Generator().manual_seed(1))
+    code = FORMATS[fmt].code
+    for rows in range(1, 65):
+        y = torch.empty(rows, out_features)
+        _ext().matmul_(x[:rows], weight.data, code, in_features, y, 0, isa)
+        assert_close_to_exact(y, x[:rows], dense)
+
+
+def test_matmul_writes_only_its_columns(isa):
+    weight = random_weight("q4_1", 9, 64)
+    x = torch.randn(3, 64)
+    y = torch.full((3, 20), 7.0)
+    _ext().matmul_(x, weight.data, FORMATS["q4_1"].code, 64, y, 4, isa)
+    assert torch.equal(y[:, :4], torch.full((3, 4), 7.0))
+    assert torch.equal(y[:, 13:], torch.full((3, 7), 7.0))
+    assert_close_to_exact(y[:, 4:13], x, dequantize_reference(weight))
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_forced_variant_through_environment(isa, rows, monkeypatch):
+    monkeypatch.setenv(ops.ISA_ENV, isa)
+    assert ops.kernel_isa() == isa
+    weight = random_weight("q4_0", 40, 128)
+    x = torch.randn(rows, 128)
+    assert_close_to_exact(ops.matmul(x, [weight]), x, dequantize_reference(weight))
+
+
+def test_unknown_forced_variant_warns_and_uses_the_fastest(monkeypatch):
+    monkeypatch.setenv(ops.ISA_ENV, "amx_int8_unwritten")
+    with pytest.warns(RuntimeWarning, match="SPARSEKV_KERNEL_ISA"):
+        assert ops.kernel_isa() == ""
+    weight = random_weight("q8_0", 6, 64)
+    x = torch.randn(2, 64)
+    assert_close_to_exact(ops.matmul(x, [weight]), x, dequantize_reference(weight))
+
+
+@pytest.mark.kernel_variant("packed_weights")
+def test_kernel_rejects_bad_arguments():
+    weight = random_weight("q4_1", 4, 64)
+    with pytest.raises(RuntimeError, match="bytes"):
+        _ext().matmul_(torch.randn(1, 96), weight.data, 1, 96, torch.empty(1, 4), 0, "")
+    with pytest.raises(RuntimeError, match="do not fit"):
+        _ext().matmul_(torch.randn(1, 64), weight.data, 1, 64, torch.empty(1, 3), 0, "")
+    with pytest.raises(RuntimeError, match="float32"):
+        _ext().matmul_(torch.randn(1, 64).double(), weight.data, 1, 64, torch.empty(1, 4), 0, "")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_linear_mixed_parts_with_bias(dtype):
+    # A fused QKV whose parts the file stores in different formats, plus a bias.
+    parts = [random_weight("q4_1", 16, 64, 1), random_weight("q8_0", 8, 64, 2)]
+    parts.append(random_weight("q4_0", 8, 64, 3))
+    bias = torch.randn(32)
+    layer = QuantizedLinear(parts, bias)
+    dense = torch.cat([dequantize_reference(p) for p in parts])
+    assert layer.out_features == 32 and layer.weight_bytes == 16 * 40 + 8 * 68 + 8 * 36
+    for rows in (1, 5, ops.SMALL_M_MAX_ROWS, ops.SMALL_M_MAX_ROWS + 1, 130):
+        x = torch.randn(rows, 64).to(dtype)
+        expected = torch.nn.functional.linear(x.float(), dense, bias)
+        y = layer(x)
+        assert y.shape == (rows, 32) and y.dtype == dtype
+        if dtype == torch.float32:
+            torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+        else:
+            torch.testing.assert_close(y.float(), expected, rtol=1.6e-2, atol=1e-2 * rows**0.5)
+
+
+def test_quantized_linear_keeps_leading_dimensions():
+    layer = QuantizedLinear([random_weight("q8_0", 10, 32)])
+    x = torch.randn(2, 3, 32)
+    expected = x @ dequantize_reference(layer.parts[0]).T
+    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_int8_quantization_is_per_channel_and_symmetric():
+    w = torch.randn(6, 50) * torch.arange(1, 7).unsqueeze(1)
+    w[3] = 0.0
+    packed = quantize_int8(w)
+    scale = packed.data[:, :4].contiguous().view(torch.float32).squeeze(1)
+    expected = w.abs().amax(dim=1) / 127
+    expected[3] = 1.0
+    assert torch.equal(scale, expected)
+    codes = packed.data[:, 4:].view(torch.int8)
+    assert codes.abs().max() == 127 and codes.min() >= -127
+    error = (dequantize_reference(packed) - w).abs()
+    assert (error <= scale.unsqueeze(1) / 2 + 1e-7).all()
+
+
+def test_packed_tensor_checks_its_layout():
+    with pytest.raises(ValueError, match="divisible by 32"):
+        PackedTensor("q4_0", 48, torch.zeros(2, 27, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="take 36 bytes"):
+        PackedTensor("q4_0", 64, torch.zeros(2, 30, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="different formats"):
+        cat_rows([random_weight("q4_0", 2, 32), random_weight("q8_0", 2, 32)])
+    joined = cat_rows([random_weight("q4_0", 2, 32, 1), random_weight("q4_0", 3, 32, 2)])
+    assert joined.shape == (5, 32)
