@@ -13,6 +13,10 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Triton fixes interpretation when it is first imported (``tests/triton_kernels.py``); on CPU
+# the Triton tests need the interpreter, whichever library imports triton first.
+if os.environ.get("SPARSEKV_TEST_DEVICE", "cpu") == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

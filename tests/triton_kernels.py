@@ -6,7 +6,10 @@ defined when ``triton`` is first imported. :func:`load` therefore sets the varia
 ``triton`` and the kernel modules (dropping copies imported earlier without it, e.g. by
 ``torch._dynamo``), and restores the variable; Triton also reads it while launching, so
 each Triton test sets it again for its own duration (the autouse fixture
-:func:`triton_mode`, imported by the test modules). No other test sees it. With
+:func:`triton_mode`, imported by the test modules). ``tests/conftest.py`` also sets it for the
+whole CPU session, so that a library importing ``triton`` first (``torch._dynamo``, Ray) gets
+the interpreted definitions; Triton's compiled extension is never dropped (it cannot be
+imported twice). With
 ``SPARSEKV_TEST_DEVICE=cuda`` (the GPU check script) nothing is interpreted: the kernels
 compile for the GPU and the tests run on CUDA tensors.
 
@@ -65,9 +68,9 @@ def load() -> types.SimpleNamespace:
         common = sys.modules.get(f"{PACKAGE}.common")
         stale = stale_triton or (common is not None and common.INTERPRETED != interpret)
         for name in list(sys.modules):
-            if (stale_triton and name.split(".")[0] == "triton") or (
-                stale and name.startswith(PACKAGE + ".")
-            ):
+            # Triton's compiled extension (``triton._C``) cannot be imported twice: its entries stay.
+            python_part = name.split(".")[0] == "triton" and not name.startswith("triton._C")
+            if (stale_triton and python_part) or (stale and name.startswith(PACKAGE + ".")):
                 del sys.modules[name]
         import triton  # noqa: F401  (fails loudly where the extra is missing)
 
