@@ -199,7 +199,7 @@ def test_shared_prefix_meets_its_cached_pages(replicas):
 
 def test_disconnect_aborts_on_the_replica(replicas):
     url = replicas.url
-    body = {"prompt": [5, 6, 7, 8] * 10, "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    body = {"prompt": [5, 6, 7, 8] * 10, "max_tokens": 1000, "ignore_eos": True, "stream": True}
     aborted = replica_metrics(url)["sparsekv_aborted_requests_total"]
 
     async def read_then_leave() -> str:
@@ -223,7 +223,7 @@ def test_disconnect_aborts_on_the_replica(replicas):
 
 def test_killed_replica_fails_only_its_request(replicas):
     url = replicas.url
-    body = {"prompt": [9, 10, 11] * 10, "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    body = {"prompt": [9, 10, 11] * 10, "max_tokens": 1000, "ignore_eos": True, "stream": True}
 
     async def scenario() -> tuple[list[dict], tuple]:
         async with httpx.AsyncClient(base_url=url, timeout=120) as client:
