@@ -56,7 +56,10 @@ def test_tuned_process_reuses_freed_blocks_without_page_faults():
     untuned, untuned_faults = _faults("0", MALLOC_MMAP_THRESHOLD_="131072")
     assert tuned and not untuned
     assert untuned_faults > 50_000
-    assert tuned_faults < 1_000
+    # Tuned, the blocks come back from the heap: faults do not recur round after round. A heap
+    # that grows once in the 10 rounds faults one 24 MiB block afresh (6144 pages, seen on an
+    # AVX2 EPYC in a full test run), so the bound is relative: under a tenth of the baseline's.
+    assert tuned_faults < untuned_faults / 10, (tuned_faults, untuned_faults)
 
 
 @pytest.mark.parametrize(

@@ -53,6 +53,7 @@ TIERS = {  # longest matching prefix wins
     "sparsekv.attention.triton": 0,
     "sparsekv.models.fused": 0,
     "sparsekv.config": BASE,
+    "sparsekv.parallel_config": BASE,
     "sparsekv.outputs": BASE,
     "sparsekv.sampling_params": BASE,
     "sparsekv.ext_cache": BASE,
