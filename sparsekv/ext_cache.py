@@ -12,7 +12,10 @@ three minutes, so a lock much older than that has no live builder.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
+import os
+import sys
 import threading
 import time
 import warnings
@@ -92,6 +95,38 @@ def build_progress(
         done.set()
         reporter.join()
     logger.info("built %s in %.0f s", name, time.monotonic() - start)
+
+
+def cache_folder(
+    prefix: str, csrc_dir: Path, cflags: tuple[str, ...], ldflags: tuple[str, ...]
+) -> Path:
+    """Build folder of one extension: one per torch and Python version and version of the
+    sources and flags, so another version of ``csrc_dir`` never shares it.
+
+    Args:
+        prefix: the extension's folder prefix (``""``, ``"fused-"``, ``"quant-"``).
+        csrc_dir: folder of the sources and headers; every file's name and bytes are digested.
+        cflags / ldflags: the compiler and linker flags (digested too).
+
+    Returns:
+        ``$SPARSEKV_EXT_DIR`` (else ``$XDG_CACHE_HOME/sparsekv/ext``, else
+        ``~/.cache/sparsekv/ext``) ``/ {prefix}torch{version}-py{XY}-{digest[:16]}``.
+    """
+    import torch
+
+    digest = hashlib.sha256()
+    for path in sorted(Path(csrc_dir).iterdir()):
+        if path.is_file():
+            digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    digest.update(" ".join(tuple(cflags) + tuple(ldflags)).encode())
+    root = os.environ.get("SPARSEKV_EXT_DIR")
+    if root:
+        base = Path(root)
+    else:
+        base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "sparsekv" / "ext"
+    version = sys.version_info
+    tag = f"torch{torch.__version__.replace('+', '_')}-py{version[0]}{version[1]}"
+    return base / f"{prefix}{tag}-{digest.hexdigest()[:16]}"
 
 
 def compile_operators(

@@ -15,7 +15,6 @@ fall back to the plain-PyTorch reference (``attention/torch_ref.py``).
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
 import sys
 import threading
@@ -26,7 +25,7 @@ from types import ModuleType
 
 import torch
 
-from sparsekv.ext_cache import compile_operators
+from sparsekv.ext_cache import cache_folder, compile_operators
 
 EXTENSION_NAME = "sparsekv_cpu_kernels"
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
@@ -60,26 +59,10 @@ def native_disabled() -> bool:
     )
 
 
-def source_digest() -> str:
-    """Hex digest of every file in ``csrc/`` (sources and headers) and the compiler flags."""
-    digest = hashlib.sha256()
-    for path in sorted(CSRC_DIR.iterdir()):
-        if path.is_file():
-            digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    digest.update(" ".join(EXTRA_CFLAGS + EXTRA_LDFLAGS).encode())
-    return digest.hexdigest()[:16]
-
-
 def build_directory() -> Path:
-    """Cache folder of the compiled extension, one per torch and Python version and version of
-    the sources (:func:`source_digest`)."""
-    root = os.environ.get("SPARSEKV_EXT_DIR")
-    if root:
-        base = Path(root)
-    else:
-        base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "sparsekv" / "ext"
-    tag = f"torch{torch.__version__.replace('+', '_')}-py{sys.version_info[0]}{sys.version_info[1]}"
-    return base / f"{tag}-{source_digest()}"
+    """Cache folder of the compiled extension (``ext_cache.cache_folder``): one per torch and
+    Python version and version of the sources and flags."""
+    return cache_folder("", CSRC_DIR, EXTRA_CFLAGS, EXTRA_LDFLAGS)
 
 
 def compile_extension(verbose: bool = False) -> ModuleType:

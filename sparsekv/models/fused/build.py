@@ -14,7 +14,6 @@ callers fall back to the eager PyTorch code (``fused/reference.py``).
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
 import sys
 import threading
@@ -26,7 +25,7 @@ from types import ModuleType
 import torch
 
 from sparsekv.attention.cpu.build import native_disabled
-from sparsekv.ext_cache import compile_operators
+from sparsekv.ext_cache import cache_folder, compile_operators
 
 EXTENSION_NAME = "sparsekv_fused_ops"
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
@@ -55,21 +54,9 @@ def fused_disabled() -> bool:
 
 
 def build_directory() -> Path:
-    """Cache folder of the compiled extension, one per torch and Python version and version of
-    the sources and flags."""
-    digest = hashlib.sha256()
-    for path in sorted(CSRC_DIR.iterdir()):
-        if path.is_file():
-            digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    digest.update(" ".join(EXTRA_CFLAGS + EXTRA_LDFLAGS).encode())
-    root = os.environ.get("SPARSEKV_EXT_DIR")
-    base = Path(root) if root else Path.home() / ".cache" / "sparsekv" / "ext"
-    if not root and os.environ.get("XDG_CACHE_HOME"):
-        base = Path(os.environ["XDG_CACHE_HOME"]) / "sparsekv" / "ext"
-    version = (
-        f"torch{torch.__version__.replace('+', '_')}-py{sys.version_info[0]}{sys.version_info[1]}"
-    )
-    return base / f"fused-{version}-{digest.hexdigest()[:16]}"
+    """Cache folder of the compiled extension (``ext_cache.cache_folder``): one per torch and
+    Python version and version of the sources and flags."""
+    return cache_folder("fused-", CSRC_DIR, EXTRA_CFLAGS, EXTRA_LDFLAGS)
 
 
 def _registered() -> bool:
