@@ -57,6 +57,19 @@ class DecodeParams:
     logit_softcap: float | None = None
     return_attn_mass: bool = False
 
+    def kernel_args(self) -> tuple:
+        """The fields in declaration order: the positional arguments that every paged decode
+        kernel takes after the query and the pages (``torch_ref.paged_decode_attention``)."""
+        return (
+            self.block_tables,
+            self.seq_lens,
+            self.scale,
+            self.first_slots,
+            self.sliding_window,
+            self.logit_softcap,
+            self.return_attn_mass,
+        )
+
 
 class AttentionBackend(abc.ABC):
     """One platform's attention kernels (class attribute ``name``: the ``--attention-backend``

@@ -35,28 +35,15 @@ class CpuNativeBackend(TorchBackend):
         isa = native.decode_isa(query, kv_pool)
         if isa is None:
             return super().paged_decode(query, kv_pool, params)
-        return native.paged_decode_attention(
-            query,
-            kv_pool,
-            params.block_tables,
-            params.seq_lens,
-            params.scale,
-            params.first_slots,
-            params.sliding_window,
-            params.logit_softcap,
-            params.return_attn_mass,
-            isa,
-        )
+        return native.paged_decode_attention(query, kv_pool, *params.kernel_args(), isa)
 
     def supports_quantized_decode(self, query, kv_data, kv_scales) -> bool:
         return native.supports_quantized(query, kv_data, kv_scales)
 
     def paged_decode_quantized(self, query, kv_data, kv_scales, params) -> DecodeResult:
         return native.paged_decode_attention_quantized(
-            query, kv_data, kv_scales, params.block_tables, params.seq_lens, params.scale,
-            params.first_slots, params.sliding_window, params.logit_softcap,
-            params.return_attn_mass,
-        )  # fmt: skip
+            query, kv_data, kv_scales, *params.kernel_args()
+        )
 
     def supports_int4_decode(self, query, *pages) -> bool:
         return native.supports_int4(query, *pages)
@@ -65,10 +52,8 @@ class CpuNativeBackend(TorchBackend):
         self, query, codes, key_scale, key_zero, value_scale, value_zero, params
     ) -> DecodeResult:
         return native.paged_decode_attention_int4(
-            query, codes, key_scale, key_zero, value_scale, value_zero, params.block_tables,
-            params.seq_lens, params.scale, params.first_slots, params.sliding_window,
-            params.logit_softcap, params.return_attn_mass,
-        )  # fmt: skip
+            query, codes, key_scale, key_zero, value_scale, value_zero, *params.kernel_args()
+        )
 
     def prefill_attention(
         self,

@@ -7,6 +7,8 @@ engine on it.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from sparsekv.attention import reference, selection, torch_ref
@@ -21,17 +23,7 @@ class TorchBackend(AttentionBackend):
     def paged_decode(
         self, query: torch.Tensor, kv_pool: torch.Tensor, params: DecodeParams
     ) -> DecodeResult:
-        return torch_ref.paged_decode_attention(
-            query,
-            kv_pool,
-            params.block_tables,
-            params.seq_lens,
-            params.scale,
-            params.first_slots,
-            params.sliding_window,
-            params.logit_softcap,
-            params.return_attn_mass,
-        )
+        return torch_ref.paged_decode_attention(query, kv_pool, *params.kernel_args())
 
     def paged_decode_quantized(self, query, kv_data, kv_scales, params) -> DecodeResult:
         """The dequantized pool's :meth:`paged_decode` (``attention.reference.dequantize_pool``),
@@ -141,15 +133,7 @@ class TorchBackend(AttentionBackend):
 
 
 def _with_tables(params: DecodeParams, tables: torch.Tensor) -> DecodeParams:
-    return DecodeParams(
-        tables,
-        params.seq_lens,
-        params.scale,
-        params.first_slots,
-        params.sliding_window,
-        params.logit_softcap,
-        params.return_attn_mass,
-    )
+    return dataclasses.replace(params, block_tables=tables)
 
 
 def _write_rows(

@@ -50,7 +50,7 @@ class TritonBackend(TorchBackend):
     def paged_decode(
         self, query: torch.Tensor, kv_pool: torch.Tensor, params: DecodeParams
     ) -> DecodeResult:
-        return decode.paged_decode_attention(query, kv_pool, *_decode_args(params))
+        return decode.paged_decode_attention(query, kv_pool, *params.kernel_args())
 
     def supports_quantized_decode(
         self, query: torch.Tensor, kv_data: torch.Tensor, kv_scales: torch.Tensor
@@ -71,7 +71,7 @@ class TritonBackend(TorchBackend):
         params: DecodeParams,
     ) -> DecodeResult:
         return decode.paged_decode_attention_quantized(
-            query, kv_data, kv_scales, *_decode_args(params)
+            query, kv_data, kv_scales, *params.kernel_args()
         )
 
     # ------------------------------------------------------------------ prefill
@@ -128,19 +128,6 @@ class TritonBackend(TorchBackend):
 
     def move_slots(self, kv_pool, source, target, kept) -> None:
         kv_write.move_slots(kv_pool, source, target, kept)
-
-
-def _decode_args(params: DecodeParams) -> tuple:
-    """The positional arguments after the pages of ``decode.paged_decode_attention``."""
-    return (
-        params.block_tables,
-        params.seq_lens,
-        params.scale,
-        params.first_slots,
-        params.sliding_window,
-        params.logit_softcap,
-        params.return_attn_mass,
-    )
 
 
 def _runs_here(*tensors: torch.Tensor) -> bool:
