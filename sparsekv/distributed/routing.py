@@ -12,6 +12,7 @@ replica while the others idle).
 
 from __future__ import annotations
 
+import abc
 import hashlib
 from collections.abc import Sequence
 
@@ -51,7 +52,7 @@ def least_loaded(loads: Sequence[int]) -> int:
     return min(range(len(loads)), key=lambda i: (loads[i], i))
 
 
-class Router:
+class Router(abc.ABC):
     """Base policy: ``choose(key, loads)`` returns the index of the replica to use."""
 
     def choose(self, key: bytes | None, loads: Sequence[int]) -> int:
@@ -68,8 +69,9 @@ class Router:
             raise ValueError("loads: there must be at least one replica")
         return self._choose(key, loads)
 
+    @abc.abstractmethod
     def _choose(self, key: bytes | None, loads: Sequence[int]) -> int:
-        raise NotImplementedError
+        """The policy itself: ``loads`` is non-empty."""
 
 
 class RoundRobinRouter(Router):
