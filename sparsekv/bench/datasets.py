@@ -10,7 +10,8 @@ name                prompts
 ==================  =======================================================================
 ``random``          uniform random token ids, special tokens excluded (vLLM's random set)
 ``long-doc``        real text found on this machine (licenses, stdlib sources) cut to length
-``shared-prefix``   one random prefix of ``prefix_len`` tokens + a distinct random suffix each
+``shared-prefix``   ``num_prefixes`` random prefixes of ``prefix_len`` tokens, taken in turn,
+                    each followed by a distinct random suffix
 ==================  =======================================================================
 """
 
@@ -101,18 +102,29 @@ def long_doc_ids(tokenizer: Any, num_prompts: int, input_len: int, seed: int) ->
 
 
 def shared_prefix_ids(
-    tokenizer: Any, num_prompts: int, input_len: int, seed: int, prefix_len: int
+    tokenizer: Any,
+    num_prompts: int,
+    input_len: int,
+    seed: int,
+    prefix_len: int,
+    num_prefixes: int = 1,
 ) -> list[list[int]]:
-    """One random prefix of ``prefix_len`` tokens followed by a distinct random suffix each.
+    """Prompts sharing one of ``num_prefixes`` random prefixes, each with a distinct suffix.
+
+    Prompt ``i`` starts with prefix ``i % num_prefixes`` (the groups interleave, as requests
+    of several conversations or documents do), followed by ``input_len - prefix_len`` random
+    tokens of its own.
 
     Raises:
-        ValueError: ``prefix_len`` is not in ``[1, input_len)``.
+        ValueError: ``prefix_len`` is not in ``[1, input_len)`` or ``num_prefixes`` < 1.
     """
     if not 0 < prefix_len < input_len:
         raise ValueError(f"prefix_len must be in [1, input_len={input_len}), got {prefix_len}")
-    prefix = random_ids(tokenizer, 1, prefix_len, seed)[0]
+    if num_prefixes < 1:
+        raise ValueError(f"num_prefixes must be >= 1, got {num_prefixes}")
+    prefixes = random_ids(tokenizer, num_prefixes, prefix_len, seed)
     suffixes = random_ids(tokenizer, num_prompts, input_len - prefix_len, seed + 1)
-    return [prefix + suffix for suffix in suffixes]
+    return [prefixes[i % num_prefixes] + suffix for i, suffix in enumerate(suffixes)]
 
 
 def build_prompts(
@@ -124,6 +136,7 @@ def build_prompts(
     *,
     seed: int = 0,
     prefix_len: int = 0,
+    num_prefixes: int = 1,
     prompt_format: str = "token-ids",
 ) -> list[BenchPrompt]:
     """The prompts of one benchmark run.
@@ -136,6 +149,7 @@ def build_prompts(
         output_len: output tokens per request.
         seed: makes the set reproducible.
         prefix_len: shared tokens (``shared-prefix`` only).
+        num_prefixes: distinct shared prefixes (``shared-prefix`` only).
         prompt_format: ``token-ids`` or ``text`` (decoded ids).
 
     Raises:
@@ -150,7 +164,9 @@ def build_prompts(
     builders: dict[str, Callable[..., list[list[int]]]] = {
         "random": random_ids,
         "long-doc": long_doc_ids,
-        "shared-prefix": lambda *a: shared_prefix_ids(*a, prefix_len=prefix_len),
+        "shared-prefix": lambda *a: shared_prefix_ids(
+            *a, prefix_len=prefix_len, num_prefixes=num_prefixes
+        ),
     }
     ids = builders[dataset](tokenizer, num_prompts, input_len, seed)
     if prompt_format == "text":

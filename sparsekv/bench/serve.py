@@ -223,6 +223,9 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-len", type=int, default=None, help="prompt tokens (default 4000)")
     parser.add_argument("--output-len", type=int, default=None, help="output tokens (default 500)")
     parser.add_argument("--prefix-len", type=int, default=0, help="shared-prefix: shared tokens")
+    parser.add_argument(
+        "--num-prefixes", type=int, default=1, help="shared-prefix: distinct prefixes, in turn"
+    )
     parser.add_argument("--prompt-format", choices=PROMPT_FORMATS, default="token-ids")
     parser.add_argument("--tokenizer", default=None, help="for the prompts (default: --model)")
     parser.add_argument("--seed", type=int, default=0)
@@ -306,6 +309,7 @@ def main(argv: list[str] | None = None, *, tokenizer: Any = None, **_: Any) -> i
         output_len,
         seed=args.seed,
         prefix_len=args.prefix_len,
+        num_prefixes=args.num_prefixes,
         prompt_format=args.prompt_format,
     )
     settings = ClientSettings(

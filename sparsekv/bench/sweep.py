@@ -226,6 +226,7 @@ def build_pools(args: argparse.Namespace, sizes: list[int], tokenizer) -> list[l
         args.output_len,
         seed=args.seed,
         prefix_len=args.prefix_len,
+        num_prefixes=args.num_prefixes,
         prompt_format=args.prompt_format,
     )
     starts = [sum(sizes[:i]) for i in range(len(sizes))]

@@ -179,6 +179,18 @@ def test_shared_prefix_prompts_share_exactly_the_prefix():
         build_prompts(ToyTokenizer(), "shared-prefix", 3, 20, 4, prefix_len=20)
 
 
+def test_shared_prefix_groups_take_their_prefixes_in_turn():
+    prompts = build_prompts(
+        ToyTokenizer(), "shared-prefix", 7, 20, 4, seed=1, prefix_len=8, num_prefixes=3
+    )
+    heads = [tuple(p.prompt[:8]) for p in prompts]
+    assert len(set(heads)) == 3
+    assert heads[:3] == heads[3:6] and heads[6] == heads[0]
+    assert len({tuple(p.prompt[8:]) for p in prompts}) == 7
+    with pytest.raises(ValueError, match="num_prefixes"):
+        build_prompts(ToyTokenizer(), "shared-prefix", 3, 20, 4, prefix_len=8, num_prefixes=0)
+
+
 def test_sweep_against_an_external_server_and_a_server_that_fails_to_start(tmp_path, fake_server):
     from sparsekv.bench import sweep
 
