@@ -132,8 +132,35 @@ def level_sizes(args: argparse.Namespace, levels: list[int]) -> list[int]:
     return [2] * len(levels) if args.quick else [2 * c for c in levels]
 
 
-def row_of(name: str, concurrency: int, summary: metrics.Summary) -> dict[str, Any]:
-    """The report row of one level (latencies in ms)."""
+HIT_TOKENS_METRIC = "sparsekv_prefix_cache_hit_tokens_total"
+
+
+def prefix_hit_tokens(url: str) -> float | None:
+    """Prompt tokens the server's prefix cache has served so far, summed over its replicas
+    (``/metrics``), or ``None`` where the server does not export the counter (another
+    engine) or does not answer."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=30).text
+        samples = [
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == HIT_TOKENS_METRIC
+        ]
+    except (httpx.HTTPError, ValueError):
+        return None
+    return sum(samples) if samples else None
+
+
+def row_of(
+    name: str, concurrency: int, summary: metrics.Summary, hit_tokens: float | None = None
+) -> dict[str, Any]:
+    """The report row of one level (latencies in ms). ``hit_tokens``: prompt tokens served by
+    the prefix cache during the level, reported as a fraction of the prompt tokens sent."""
+    prompt_tokens = summary.total_input_tokens
+    hit_rate = hit_tokens / prompt_tokens if hit_tokens is not None and prompt_tokens else None
     return {
         "config": name,
         "concurrency": concurrency,
@@ -152,6 +179,7 @@ def row_of(name: str, concurrency: int, summary: metrics.Summary) -> dict[str, A
         "itl_p99_ms": summary.itl.p99,
         "e2el_p50_ms": summary.e2el.p50,
         "kv_ratio": summary.mean_kv_compression_ratio,
+        "prefix_hit_rate": hit_rate,
     }
 
 
@@ -172,10 +200,13 @@ def sweep_target(
     results = []
     for concurrency, prompts in zip(levels, pools):
         settings.max_concurrency = concurrency
+        hits_before = prefix_hit_tokens(url)
         summary, timelines = serve.measure(
             prompts, settings, slos, f"{target.name} c={concurrency}", args.no_progress
         )
-        row = row_of(target.name, concurrency, summary)
+        hits_after = prefix_hit_tokens(url)
+        hits = None if None in (hits_before, hits_after) else hits_after - hits_before
+        row = row_of(target.name, concurrency, summary, hits)
         print(
             f"[{target.name} c={concurrency}] {summary.output_throughput:.1f} output tok/s, "
             f"TTFT P50 {summary.ttft.p50:.0f} ms, {summary.num_failed} failed"

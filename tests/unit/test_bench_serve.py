@@ -17,7 +17,7 @@ import time
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from sparsekv.bench import serve
 from sparsekv.bench.datasets import build_prompts
@@ -47,6 +47,14 @@ def _chunk(choices, usage=None) -> str:
 def fake_app() -> FastAPI:
     app = FastAPI()
     app.state.bodies = []
+    app.state.hits = [0, 0]  # prefix-cache hit tokens of two replicas
+
+    @app.get("/metrics")
+    async def prometheus():
+        lines = ["# TYPE sparsekv_prefix_cache_hit_tokens counter"]
+        for replica, hits in enumerate(app.state.hits):
+            lines.append(f'sparsekv_prefix_cache_hit_tokens_total{{replica="{replica}"}} {hits}')
+        return PlainTextResponse("\n".join(lines) + "\n")
 
     @app.get("/v1/models")
     async def models():
@@ -59,6 +67,8 @@ def fake_app() -> FastAPI:
         if body["model"] == "broken":
             return JSONResponse({"error": {"message": "boom"}}, status_code=500)
         count = body["max_tokens"]
+        app.state.hits[0] += 2  # half of a 10-token prompt, split over the two replicas
+        app.state.hits[1] += 3
 
         async def events():
             await asyncio.sleep(FIRST_S)
@@ -208,6 +218,7 @@ def test_sweep_against_an_external_server_and_a_server_that_fails_to_start(tmp_p
         ("fake", 10, 2),
     ]
     assert all(r["failed"] == 0 and r["output_tok_per_s"] > 0 for r in rows)
+    assert [r["prefix_hit_rate"] for r in rows] == [0.5, 0.5, 0.5]  # from /metrics, summed
     assert "exited" in document["provenance"]["errors"]["bad"]
     assert out.with_suffix(".png").exists() and out.with_name("sweep_ttft.png").exists()
     assert "TTFT P50" in out.with_suffix(".md").read_text()
