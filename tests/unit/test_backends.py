@@ -153,6 +153,45 @@ def test_prefill_chunk_equals_reference(backend, num_queries, window, softcap):
     torch.testing.assert_close(lse, want_lse, **TOL)
 
 
+# (group, head_dim, block_size, cached slots, chunk length, window, soft-cap)
+CHUNK_CASES = [
+    (2, 64, 16, 37, 20, None, None),  # page-unaligned cache
+    (1, 64, 16, 0, 9, None, None),  # the first chunk: nothing cached
+    (3, 96, 32, 64, 17, 24, None),  # a window reaching back into the pages
+    (4, 128, 16, 16, 1, None, 5.0),  # one query, soft-cap
+    (7, 64, 32, 50, 6, 8, 20.0),  # a window inside the chunk
+]
+
+
+@each_backend
+@pytest.mark.parametrize(
+    ("group", "head_dim", "block_size", "cached", "length", "window", "softcap"), CHUNK_CASES
+)
+def test_prefill_chunk_from_pages_equals_reference(
+    backend, group, head_dim, block_size, cached, length, window, softcap
+):
+    """A chunk attending to its earlier keys in the pages plus itself equals the reference
+    over the gathered keys ``cached ++ chunk`` (out and LSE)."""
+    pool, tables, _, _ = make_pool([max(cached, 1)], 1, block_size, head_dim, seed=cached)
+    g = torch.Generator().manual_seed(length)
+    query = torch.randn(group, length, head_dim, generator=g)
+    key, value = torch.randn(2, 1, length, head_dim, generator=g)
+    cached_k, cached_v = torch_ref.gather_kv(pool, tables[0], cached)
+    want = torch_ref.attention_with_lse(
+        query,
+        torch.cat([cached_k, key], 1),
+        torch.cat([cached_v, value], 1),
+        0.125,
+        window,
+        softcap,
+    )
+    got = backend.prefill_attention_paged(
+        query, key, value, pool, tables[0], cached, 0.125, window, softcap
+    )
+    torch.testing.assert_close(got[0], want[0], **TOL)
+    torch.testing.assert_close(got[1], want[1], **TOL)
+
+
 def _dense_window_scores(keys, queries, scale, softcap=None):
     group = queries.shape[0] // keys.shape[0]
     logits = queries @ keys.repeat_interleave(group, 0).transpose(1, 2) * scale
