@@ -1,7 +1,8 @@
 """Triton prefill attention with LSE and window scores against the PyTorch references
 (interpreted on CPU tensors; on a GPU with ``SPARSEKV_TEST_DEVICE=cuda``, where PyTorch's
 flash kernel is checked too): whole prompts and chunks (queries are the last keys), GQA,
-sliding window, soft-cap; window scores over paged keys (one or several layers' tables) and
+sliding window, soft-cap; chunks whose earlier keys are read from pages in place; window
+scores over paged keys (one or several layers' tables) and
 dense keys, with the LSE given or computed.
 """
 
