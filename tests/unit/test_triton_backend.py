@@ -85,6 +85,28 @@ def test_quantized_decode_equals_reference(fmt):
     assert_close(TRITON.paged_decode_quantized(query, codes, scales, params), want)
 
 
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (12, 4.0)])
+def test_chunk_from_pages_equals_reference(window, softcap):
+    """The chunk kernel reads float pages in place; it refuses codes (quantized pools gather
+    their dequantized slots instead)."""
+    _, pool, tables, _, _ = paged_case(seed=7)
+    gen = torch.Generator().manual_seed(8)
+    query = torch.randn(4, 9, 64, generator=gen)
+    key, value = torch.randn(2, 2, 9, 64, generator=gen)
+    want = REFERENCE.prefill_attention_paged(
+        query, key, value, pool, tables[0], 37, 0.1, window, softcap
+    )
+    got = TRITON.prefill_attention_paged(
+        *on_device(query, key, value, pool, tables[0]), 37, 0.1, window, softcap
+    )
+    assert_close(got, want)
+    codes = pool.to(torch.int8)
+    with pytest.raises(ValueError, match="kv_pool"):
+        backend_module.prefill_paged.chunk_attention_paged(
+            *on_device(query, key, value, codes, tables[0]), 37, 0.1
+        )
+
+
 def test_prefill_and_window_scores_equal_reference():
     gen = torch.Generator().manual_seed(2)
     query = torch.randn(4, 9, 64, generator=gen)

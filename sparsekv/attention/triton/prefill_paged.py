@@ -105,13 +105,16 @@ def _chunk_kernel(
     tile = chunk_start - chunk_start % BLOCK_N
     while tile < end:
         local = tile + tl.arange(0, BLOCK_N)
-        valid = local < num_queries
-        kv_mask = valid[:, None] & dim_mask[None, :]
-        k = tl.load(k_head + local[:, None] * stride_kn + dims[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_head + local[:, None] * stride_vn + dims[None, :], mask=kv_mask, other=0.0)
+        in_chunk = local < num_queries
+        chunk_mask = in_chunk[:, None] & dim_mask[None, :]
+        chunk_ptrs = local[:, None] * stride_kn + dims[None, :]
+        chunk_k = tl.load(k_head + chunk_ptrs, mask=chunk_mask, other=0.0)
+        chunk_v = tl.load(
+            v_head + local[:, None] * stride_vn + dims[None, :], mask=chunk_mask, other=0.0
+        )
         m_i, l_i, acc = _online_softmax_tile(
-            q, k, v, local + num_cached, valid, position, m_i, l_i, acc, sm_scale, window, cap,
-            HAS_WINDOW, HAS_SOFTCAP, DOT_DTYPE, DOT_PRECISION,
+            q, chunk_k, chunk_v, local + num_cached, in_chunk, position, m_i, l_i, acc,
+            sm_scale, window, cap, HAS_WINDOW, HAS_SOFTCAP, DOT_DTYPE, DOT_PRECISION,
         )  # fmt: skip
         tile += BLOCK_N
 
@@ -153,7 +156,8 @@ def chunk_attention_paged(
         out ``[num_heads, m, head_dim]`` in the query dtype, lse ``[num_heads, m]`` fp32.
 
     Raises:
-        ValueError: mismatched shapes, a table too short for ``num_cached``, or devices.
+        ValueError: mismatched shapes, a pool of codes, a table too short for
+            ``num_cached``, or devices.
     """
     num_heads, num_queries, head_dim = query.shape
     num_kv_heads, block_size = kv_pool.shape[2], kv_pool.shape[3]
@@ -167,6 +171,8 @@ def chunk_attention_paged(
             f"query {tuple(query.shape)}, key/value {tuple(key.shape)} / {tuple(value.shape)} "
             f"and pool {tuple(kv_pool.shape)} do not form a chunk attention"
         )
+    if kv_pool.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"kv_pool must hold fp32, bf16 or fp16 pages, got {kv_pool.dtype}")
     if num_cached < 0 or block_table.numel() * block_size < num_cached:
         raise ValueError(
             f"block_table: {block_table.numel()} pages hold fewer than num_cached={num_cached}"
