@@ -213,14 +213,20 @@ def random_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[
 
 
 def plan(args: argparse.Namespace) -> list[tuple[str, dict, list[int]]]:
-    """(model name, shape, concurrencies) in run order: the Llama-3-8B sweep first (its
-    concurrency 32 and 64 early, the figures the check is for), then SmolLM2."""
+    """(model name, shape, concurrencies) in run order: the Llama-3-8B sweep first (by
+    default its concurrency 32 and 64 early, the figures the check is for), then SmolLM2."""
     if args.smoke:
         return [("smoke-llama", SMOKE_MODEL, [1, 2])]
-    return [
-        ("llama-3-8b-random", LLAMA3_8B, [1, 32, 64, 8]),
-        ("smollm2-135m-random", SMOLLM2_135M, [1]),
-    ]
+    models = {
+        "llama": ("llama-3-8b-random", LLAMA3_8B, args.concurrency),
+        "smollm2": ("smollm2-135m-random", SMOLLM2_135M, args.smollm2_concurrency),
+    }
+    return [models[name] for name in args.models]
+
+
+def int_list(text: str) -> list[int]:
+    """``"1,32,64"`` -> ``[1, 32, 64]`` (argparse type)."""
+    return [int(part) for part in text.split(",") if part]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -241,8 +247,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--deadline-s", type=float, default=240.0, help="start no run after this")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--models", type=lambda t: t.split(","), default=["llama", "smollm2"],
+        help="comma-separated, in run order: llama (Llama-3-8B shape), smollm2",
+    )  # fmt: skip
+    parser.add_argument(
+        "--concurrency", type=int_list, default=[1, 32, 64, 8], help="Llama-3-8B sweep"
+    )
+    parser.add_argument("--smollm2-concurrency", type=int_list, default=[1])
     parser.add_argument("--write-tokenizer", type=Path, help="write the tokenizer file and exit")
     args = parser.parse_args(argv)
+    if not set(args.models) <= {"llama", "smollm2"}:
+        parser.error(f"--models: choose from llama, smollm2, got {args.models}")
     if args.write_tokenizer is not None:
         write_tokenizer(args.write_tokenizer)
         return 0
