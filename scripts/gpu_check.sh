@@ -9,7 +9,11 @@
 #                       AttentionBackend seam is present
 #   3. decode_bench.*   decode attention alone: batch 64 x 4096 slots, Llama-3-8B heads, bf16;
 #                       CUDA-event time against bytes read / measured copy bandwidth
-#   4. engine checks    TODO hooks (graph-captured vs eager decode, the model sweep)
+#   4. graphs.*         graph-captured vs eager engine decode (scripts/gpu_check_graphs.py, when
+#                       present)
+#   5. engine_bench.*   random-weight Llama-3-8B shape (concurrency 1, 8, 32, 64) and SmolLM2
+#                       shape: full cache vs SnapKV at 4000 in / 256 out, output tok/s and TTFT
+#                       P50 (scripts/gpu_bench_engine.py, one JSON entry per run as it ends)
 #
 # Needs: a CUDA GPU, python with torch and triton, and the wheels of
 # scripts/gpu_check_requirements.txt in $WHEELS (default: .gpu_wheels beside scripts/) unless
@@ -58,11 +62,22 @@ timeout 180 "$PY" scripts/gpu_bench_decode.py --out "$OUT/decode_bench.json" \
   > "$OUT/decode_bench.txt" 2>&1
 log "decode bench (rc=$?): $(tail -1 "$OUT/decode_bench.txt")"
 
-# 4. Engine-level checks: TODO once the device-clean engine and CUDA-graph decode exist.
-#    - graph vs eager: a random-weight 2-layer Llama on cuda, bf16, `--enforce-eager` vs
-#      captured decode buckets, same greedy tokens (tests written with the graph runner);
-#    - sweep: random-weight Llama-3-8B shape (public config, a small tokenizer file carried
-#      with the tree, `--tokenizer`) and SmolLM2 shape, full cache vs snapkv at 4000 in / 256
-#      out, concurrency 1, 8, 32, 64: output tok/s and TTFT P50 (`sparsekv bench` sweep).
-log "engine checks: TODO (graph vs eager, model sweep) - not implemented yet"
+# 4. Graph-captured vs eager decode of the engine.
+if [ -f scripts/gpu_check_graphs.py ]; then
+  timeout 120 "$PY" scripts/gpu_check_graphs.py --out "$OUT/graphs.json" > "$OUT/graphs.txt" 2>&1
+  log "graphs vs eager (rc=$?): $(tail -1 "$OUT/graphs.txt")"
+else
+  log "graphs vs eager: scripts/gpu_check_graphs.py not present, skipped"
+fi
+
+# 5. Engine sweep with random-weight models. It starts no run past --deadline-s, so that the
+# whole check stays under 8 minutes; each run is in engine_bench.json as soon as it ends.
+LEFT=$((450 - $(date +%s) + START))
+if [ "$LEFT" -gt 60 ]; then
+  timeout "$LEFT" "$PY" scripts/gpu_bench_engine.py --out "$OUT/engine_bench.json" \
+    --deadline-s $((LEFT - 60)) > "$OUT/engine_bench.txt" 2>&1
+  log "engine bench (rc=$?): $(tail -1 "$OUT/engine_bench.txt")"
+else
+  log "engine bench: skipped, ${LEFT}s left"
+fi
 log "done in $(($(date +%s) - START)) s"

@@ -34,6 +34,7 @@ MODULES = (
     "decode_splits",
     "decode",
     "prefill",
+    "prefill_paged",
     "window_scores",
     "kv_write",
 )

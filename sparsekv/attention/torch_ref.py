@@ -131,7 +131,8 @@ def paged_decode_attention(
     Returns:
         out: ``[batch, num_heads, head_dim]``; lse: ``[batch, num_heads]`` fp32;
         mass: ``[batch, num_kv_heads, max_blocks * block_size]`` fp32 over held slots (zero past
-        each request's held count), or ``None``.
+        each request's held count), or ``None``. A row that sees no slot (a padding row:
+        ``seq_lens == first_slots``) gets a zero output, lse ``-inf`` and zero mass.
     """
     batch, num_heads, head_dim = query.shape
     num_kv_heads, block_size = kv_pool.shape[2], kv_pool.shape[3]
@@ -161,6 +162,7 @@ def paged_decode_attention(
     scores.masked_fill_(~visible[:, None, None, :], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [b, kvh, g]
     probs = torch.exp(scores - lse[..., None])
+    probs.masked_fill_(~visible.any(dim=-1)[:, None, None, None], 0.0)  # padding rows: not NaN
     out = torch.matmul(probs, values).reshape(batch, num_heads, head_dim).to(query.dtype)
     mass = probs.sum(dim=2) if return_attn_mass else None
     return out, lse.reshape(batch, num_heads), mass

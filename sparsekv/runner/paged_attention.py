@@ -181,6 +181,18 @@ class PagedAttention:
         state = request.kv.layers[layer]
         storage = self.storages[layer]
         held = step.num_held
+        if self._chunk_from_pages(request, step, state, storage):
+            # A chunk after earlier ones that keeps every slot: the earlier keys are read from
+            # the pages in place, no gathered copy.
+            new_k, new_v = (t.transpose(0, 1).to(storage.dtype) for t in (k, v))
+            out, _ = storage.chunk_attention(
+                step.block_table, held, q.transpose(0, 1), new_k, new_v, scale, window,
+                self.logit_softcap,
+            )  # fmt: skip
+            if state.budget is not None:
+                state.remember_queries(q, request.window)
+            storage.write_slots(state, step.block_table, held, new_k, new_v)
+            return out.transpose(0, 1)
         cached_k, cached_v = storage.gather(state, step.block_table, held)
         keys = torch.cat([cached_k, k.transpose(0, 1).to(storage.dtype)], dim=1)
         values = torch.cat([cached_v, v.transpose(0, 1).to(storage.dtype)], dim=1)
@@ -200,6 +212,18 @@ class PagedAttention:
             target = step.compact_table if step.compact_table is not None else step.block_table
             self._compress(request, layer, state, target, keys, values, lse, scale)
         return out.transpose(0, 1)
+
+    @staticmethod
+    def _chunk_from_pages(request: RequestSlice, step, state: LayerKV, storage) -> bool:
+        """True when a general-path chunk needs no dense copy of its keys: earlier slots are
+        held, the layer neither compresses nor accumulates attention mass this step, and the
+        pages hold full precision."""
+        return (
+            step.num_held > 0
+            and step.compress_to is None
+            and not (request.needs_attention_mass and state.budget is not None)
+            and storage.reads_chunks_in_place()
+        )
 
     def finish(self) -> None:
         """Log the step's decode queries for the recent-query windows, then run the step's

@@ -85,20 +85,60 @@ def test_paged_decode_empty_batch(backend):
 
 
 @each_backend
-@pytest.mark.parametrize("fmt", ["int8", "fp8"])
-def test_quantized_decode_equals_dequantized_reference(backend, fmt):
-    pool, tables, lens, _ = make_pool([1, 17, 50], 2, 16, 64, seed=9)
+def test_paged_decode_padding_rows_are_zero(backend):
+    """Rows that see no slot (``seq_lens == first_slots``: batch padding) give a zero output,
+    LSE ``-inf`` and no mass, beside real rows that are unaffected."""
+    pool, tables, lens, first = make_pool([20, 33, 16, 1], 2, 16, 64, first_blocks=[1, 0, 1, 0])
+    query = torch.randn(4, 4, 64)
+    params = DecodeParams(tables, lens, 0.125, first, return_attn_mass=True)
+    out, lse, mass = backend.paged_decode(query, pool, params)
+    real = torch.tensor([True, True, False, True])
+    assert torch.equal(out[2], torch.zeros(4, 64)) and torch.isneginf(lse[2]).all()
+    assert not mass[2].any()
+    want = torch_ref.paged_decode_attention(
+        query[real], pool, tables[real], lens[real], 0.125, first[real], None, None, True
+    )
+    for a, b in zip((out[real], lse[real], mass[real]), want):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+# (format, group, block_size, lengths, first blocks, window, soft-cap, mass)
+QUANT_CASES = [
+    ("int8", 1, 16, [1, 17, 50], [0, 0, 0], None, None, False),
+    ("fp8", 4, 16, [1, 17, 50], [0, 0, 0], None, None, True),
+    ("int8", 3, 32, [70, 33, 64], [1, 0, 2], 40, 20.0, True),
+    ("fp8", 7, 32, [70, 9, 64], [1, 0, 2], None, 30.0, False),
+    ("int8", 2, 16, [48, 5], [3, 0], 12, None, True),  # the first row is padding
+]
+
+
+@each_backend
+@pytest.mark.parametrize(
+    ("fmt", "group", "block_size", "lengths", "first_blocks", "window", "softcap", "mass"),
+    QUANT_CASES,
+)
+def test_quantized_decode_equals_dequantized_reference(
+    backend, fmt, group, block_size, lengths, first_blocks, window, softcap, mass
+):
+    """int8 / fp8 pages read in place equal the reference over the dequantized pool; the
+    native and Triton backends must take the pages themselves (no fallback)."""
+    pool, tables, lens, first = make_pool(
+        lengths, 2, block_size, 64, seed=9, first_blocks=first_blocks
+    )
     to_codes = quant.quantize_int8 if fmt == "int8" else quant.quantize_fp8
     codes, scales = to_codes(pool)
-    query = torch.randn(3, 4, 64)
-    params = DecodeParams(tables, lens, 0.125)
+    query = torch.randn(len(lengths), 2 * group, 64)
+    params = DecodeParams(tables, lens, 0.125, first, window, softcap, mass)
     want = torch_ref.paged_decode_attention(
-        query, reference.dequantize_pool(codes, scales), tables, lens, 0.125
+        query, reference.dequantize_pool(codes, scales), *params.kernel_args()
     )
-    if backend.supports_quantized_decode(query, codes, scales) or isinstance(backend, TorchBackend):
-        got = backend.paged_decode_quantized(query, codes, scales, params)
-        torch.testing.assert_close(got[0], want[0], **TOL)
-        torch.testing.assert_close(got[1], want[1], **TOL)
+    assert backend.supports_quantized_decode(query, codes, scales) == (backend.name != "torch")
+    got = backend.paged_decode_quantized(query, codes, scales, params)
+    for a, b in zip(got, want):
+        if b is None:
+            assert a is None
+        else:
+            torch.testing.assert_close(a, b, **TOL)
 
 
 @each_backend
@@ -111,6 +151,45 @@ def test_prefill_chunk_equals_reference(backend, num_queries, window, softcap):
     want_out, want_lse = torch_ref.attention_with_lse(query, key, value, 0.125, window, softcap)
     torch.testing.assert_close(out, want_out, **TOL)
     torch.testing.assert_close(lse, want_lse, **TOL)
+
+
+# (group, head_dim, block_size, cached slots, chunk length, window, soft-cap)
+CHUNK_CASES = [
+    (2, 64, 16, 37, 20, None, None),  # page-unaligned cache
+    (1, 64, 16, 0, 9, None, None),  # the first chunk: nothing cached
+    (3, 96, 32, 64, 17, 24, None),  # a window reaching back into the pages
+    (4, 128, 16, 16, 1, None, 5.0),  # one query, soft-cap
+    (7, 64, 32, 50, 6, 8, 20.0),  # a window inside the chunk
+]
+
+
+@each_backend
+@pytest.mark.parametrize(
+    ("group", "head_dim", "block_size", "cached", "length", "window", "softcap"), CHUNK_CASES
+)
+def test_prefill_chunk_from_pages_equals_reference(
+    backend, group, head_dim, block_size, cached, length, window, softcap
+):
+    """A chunk attending to its earlier keys in the pages plus itself equals the reference
+    over the gathered keys ``cached ++ chunk`` (out and LSE)."""
+    pool, tables, _, _ = make_pool([max(cached, 1)], 1, block_size, head_dim, seed=cached)
+    g = torch.Generator().manual_seed(length)
+    query = torch.randn(group, length, head_dim, generator=g)
+    key, value = torch.randn(2, 1, length, head_dim, generator=g)
+    cached_k, cached_v = torch_ref.gather_kv(pool, tables[0], cached)
+    want = torch_ref.attention_with_lse(
+        query,
+        torch.cat([cached_k, key], 1),
+        torch.cat([cached_v, value], 1),
+        0.125,
+        window,
+        softcap,
+    )
+    got = backend.prefill_attention_paged(
+        query, key, value, pool, tables[0], cached, 0.125, window, softcap
+    )
+    torch.testing.assert_close(got[0], want[0], **TOL)
+    torch.testing.assert_close(got[1], want[1], **TOL)
 
 
 def _dense_window_scores(keys, queries, scale, softcap=None):

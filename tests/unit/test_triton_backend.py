@@ -18,7 +18,13 @@ from sparsekv.attention import torch_ref
 from sparsekv.attention.backends import DecodeParams, backend_class
 from sparsekv.attention.backends.torch_backend import TorchBackend
 from sparsekv.compression.base import Compressor
-from sparsekv.config import CacheConfig, CompressionConfig, EngineConfig, ModelConfig
+from sparsekv.config import (
+    CacheConfig,
+    CompressionConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
 from sparsekv.kv_cache import quant
 from sparsekv.sampling_params import SamplingParams
 from tests import triton_kernels
@@ -79,6 +85,28 @@ def test_quantized_decode_equals_reference(fmt):
     assert_close(TRITON.paged_decode_quantized(query, codes, scales, params), want)
 
 
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (12, 4.0)])
+def test_chunk_from_pages_equals_reference(window, softcap):
+    """The chunk kernel reads float pages in place; it refuses codes (quantized pools gather
+    their dequantized slots instead)."""
+    _, pool, tables, _, _ = paged_case(seed=7)
+    gen = torch.Generator().manual_seed(8)
+    query = torch.randn(4, 9, 64, generator=gen)
+    key, value = torch.randn(2, 2, 9, 64, generator=gen)
+    want = REFERENCE.prefill_attention_paged(
+        query, key, value, pool, tables[0], 37, 0.1, window, softcap
+    )
+    got = TRITON.prefill_attention_paged(
+        *on_device(query, key, value, pool, tables[0]), 37, 0.1, window, softcap
+    )
+    assert_close(got, want)
+    codes = pool.to(torch.int8)
+    with pytest.raises(ValueError, match="kv_pool"):
+        backend_module.prefill_paged.chunk_attention_paged(
+            *on_device(query, key, value, codes, tables[0]), 37, 0.1
+        )
+
+
 def test_prefill_and_window_scores_equal_reference():
     gen = torch.Generator().manual_seed(2)
     query = torch.randn(4, 9, 64, generator=gen)
@@ -127,9 +155,12 @@ def test_page_writes_equal_reference():
     assert torch.equal(results[0], results[1])
 
 
-def _greedy_run(checkpoint, backend: str, prompt: list[int]) -> tuple[list[int], list]:
-    """Greedy tokens of a SnapKV run (prefill compression, then one decode-time compaction)
-    and every kept-slot selection, in order."""
+def _greedy_run(
+    checkpoint, backend: str, prompt: list[int], chunk: int = 4096
+) -> tuple[list[int], list]:
+    """Greedy tokens of a SnapKV run (prefill compression, then one decode-time compaction;
+    prompts longer than ``chunk`` tokens prefill in chunks) and every kept-slot selection, in
+    order."""
     from sparsekv.engine.engine_setup import build_engine_parts
     from sparsekv.engine.llm_engine import LLMEngine
 
@@ -137,6 +168,7 @@ def _greedy_run(checkpoint, backend: str, prompt: list[int]) -> tuple[list[int],
         model=ModelConfig(dtype="float32", device="cpu", attention_backend=backend),
         cache=CacheConfig(kv_cache_memory=0.01, num_pages=64, enable_prefix_caching=False),
         compression=CompressionConfig(method="snapkv", budget=24, window=4, full_layers=0),
+        scheduler=SchedulerConfig(max_num_batched_tokens=chunk),
     )
     engine = LLMEngine(config, build_engine_parts(config, checkpoint))
     kept = []
@@ -156,15 +188,17 @@ def _greedy_run(checkpoint, backend: str, prompt: list[int]) -> tuple[list[int],
     return list(output.outputs[0].token_ids), kept
 
 
-def test_engine_with_triton_backend_equals_cpu_backend(smollm2_tokenizer, monkeypatch):
+@pytest.mark.parametrize("chunk", [4096, 16], ids=["one-shot", "chunked"])
+def test_engine_with_triton_backend_equals_cpu_backend(smollm2_tokenizer, monkeypatch, chunk):
     config = tiny_llama_config(num_layers=2)
     checkpoint, _ = tiny_checkpoint(config, smollm2_tokenizer, seed=3)
     prompt = torch.randint(0, 49152, (40,), generator=torch.Generator().manual_seed(9)).tolist()
-    cpu_tokens, cpu_kept = _greedy_run(checkpoint, "cpu", prompt)
+    cpu_tokens, cpu_kept = _greedy_run(checkpoint, "cpu", prompt, chunk)
     launches = {}
     for module, name in (
         (backend_module.decode, "paged_decode_attention"),
         (backend_module.prefill, "attention_with_lse"),
+        (backend_module.prefill_paged, "chunk_attention_paged"),
         (backend_module.kv_write, "write_kv"),
     ):
         kernel = getattr(module, name)
@@ -174,10 +208,13 @@ def test_engine_with_triton_backend_equals_cpu_backend(smollm2_tokenizer, monkey
             return _kernel(*args, **kwargs)
 
         monkeypatch.setattr(module, name, counted)
-    triton_tokens, triton_kept = _greedy_run(checkpoint, "triton", prompt)
+    triton_tokens, triton_kept = _greedy_run(checkpoint, "triton", prompt, chunk)
     # The Triton kernels ran every layer of every step (20 tokens: 1 prefill + 19 decodes).
     assert launches["attention_with_lse"] >= 2 and launches["paged_decode_attention"] >= 2 * 19
     assert launches["write_kv"] >= 2 * 19
+    # Chunks of 16: the second chunk of each layer reads the first from the pages; the last
+    # one compresses, so it attends over a dense copy that the compressor scores.
+    assert launches.get("chunk_attention_paged", 0) == (2 if chunk == 16 else 0)
     assert triton_tokens == cpu_tokens and len(cpu_tokens) == 20
     # Prefill compresses each layer; the decode-time compaction ranks both layers at once.
     assert len(cpu_kept) == 3

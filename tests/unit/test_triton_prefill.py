@@ -1,7 +1,8 @@
 """Triton prefill attention with LSE and window scores against the PyTorch references
 (interpreted on CPU tensors; on a GPU with ``SPARSEKV_TEST_DEVICE=cuda``, where PyTorch's
 flash kernel is checked too): whole prompts and chunks (queries are the last keys), GQA,
-sliding window, soft-cap; window scores over paged keys (one or several layers' tables) and
+sliding window, soft-cap; chunks whose earlier keys are read from pages in place; window
+scores over paged keys (one or several layers' tables) and
 dense keys, with the LSE given or computed.
 """
 
@@ -158,4 +159,59 @@ def test_window_scores_reject_a_window_past_the_slots():
             torch.tensor([0], device=DEVICE),
             8,
             0.1,
+        )
+
+
+# (num_heads, num_kv_heads, cached slots, chunk length, head_dim, block_size, window, soft-cap)
+CHUNK_CASES = [
+    (4, 2, 37, 20, 64, 16, None, None),
+    (2, 1, 40, 18, 64, 32, 9, None),  # the window starts inside the pages
+    (3, 3, 0, 7, 32, 16, None, 2.0),
+]
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "cached", "length", "head_dim", "block_size", "window", "softcap"),
+    CHUNK_CASES,
+)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_chunk_from_pages_matches_reference(
+    heads, kv_heads, cached, length, head_dim, block_size, window, softcap, dtype
+):
+    """Earlier keys read from shuffled pages, the chunk's own dense: the reference over the
+    gathered ``cached ++ chunk`` keys."""
+    gen = torch.Generator().manual_seed(11)
+    num_blocks = -(-cached // block_size)
+    pool = torch.randn(num_blocks + 3, 2, kv_heads, block_size, head_dim, generator=gen)
+    table = torch.randperm(num_blocks + 3, generator=gen)[: max(num_blocks, 1)]
+    query, key, value = random_qkv(heads, kv_heads, length, length, head_dim, dtype, seed=12)
+    pool = pool.to(dtype)
+    cached_k, cached_v = torch_ref.gather_kv(pool.float(), table[:num_blocks], cached)
+    expected_out, expected_lse = torch_ref.attention_with_lse(
+        query.float(),
+        torch.cat([cached_k, key.float()], 1),
+        torch.cat([cached_v, value.float()], 1),
+        0.1,
+        window,
+        softcap,
+    )
+    out, lse = kernels.prefill_paged.chunk_attention_paged(
+        *(t.to(DEVICE) for t in (query, key, value, pool, table)), cached, 0.1, window, softcap
+    )
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    torch.testing.assert_close(out.cpu().float(), expected_out, **tolerance(dtype))
+    torch.testing.assert_close(lse.cpu(), expected_lse, **tolerance(dtype))
+
+
+def test_chunk_from_pages_rejects_a_short_table_and_bad_shapes():
+    pool = torch.zeros(4, 2, 1, 16, 32, device=DEVICE)
+    query, key, value = random_qkv(2, 1, 3, 3, 32, torch.float32)
+    query, key, value = query.to(DEVICE), key.to(DEVICE), value.to(DEVICE)
+    with pytest.raises(ValueError, match="block_table"):
+        kernels.prefill_paged.chunk_attention_paged(
+            query, key, value, pool, torch.tensor([0], device=DEVICE), 17, 0.1
+        )
+    with pytest.raises(ValueError, match="chunk attention"):
+        kernels.prefill_paged.chunk_attention_paged(
+            query, key[:, :2], value[:, :2], pool, torch.tensor([0], device=DEVICE), 4, 0.1
         )

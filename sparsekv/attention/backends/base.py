@@ -26,6 +26,8 @@ from typing import ClassVar
 
 import torch
 
+from sparsekv.attention.paging import gather_kv
+
 # (out, lse, mass) of a paged decode: see ``AttentionBackend.paged_decode``.
 DecodeResult = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
@@ -210,6 +212,43 @@ class AttentionBackend(abc.ABC):
             out ``[num_heads, num_queries, head_dim]`` in the query dtype, lse ``[num_heads,
             num_queries]`` fp32.
         """
+
+    def prefill_attention_paged(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_pool: torch.Tensor,
+        block_table: torch.Tensor,
+        num_cached: int,
+        scale: float,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`prefill_attention` of a chunk whose earlier keys are in the pages: the keys
+        are the ``num_cached`` held slots of ``block_table`` followed by the chunk's own.
+
+        This default gathers the held slots into a copy and calls :meth:`prefill_attention`;
+        a backend with a kernel that reads the pages in place overrides it.
+
+        Args:
+            query: ``[num_heads, m, head_dim]`` the chunk's queries.
+            key, value: ``[num_kv_heads, m, head_dim]`` the chunk's own keys and values.
+            kv_pool: ``[num_pages, 2, num_kv_heads, block_size, head_dim]`` float pages.
+            block_table: ``[>= ceil(num_cached / block_size)]`` int64 page ids, held slot 0
+                first.
+            num_cached: held slots before the chunk.
+            scale, sliding_window, logit_softcap: as :meth:`prefill_attention`.
+
+        Returns:
+            out ``[num_heads, m, head_dim]`` in the query dtype, lse ``[num_heads, m]`` fp32.
+        """
+        block_size = kv_pool.shape[3]
+        pages = block_table[: -(-num_cached // block_size)]
+        cached_k, cached_v = gather_kv(kv_pool, pages, num_cached)
+        keys = torch.cat([cached_k, key.to(kv_pool.dtype)], dim=1)
+        values = torch.cat([cached_v, value.to(kv_pool.dtype)], dim=1)
+        return self.prefill_attention(query, keys, values, scale, sliding_window, logit_softcap)
 
     # ------------------------------------------------------------------ scoring
     @abc.abstractmethod

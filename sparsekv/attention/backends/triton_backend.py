@@ -3,9 +3,10 @@
 
 Operations with a Triton kernel: paged decode over plain and int8 / fp8 pages (with LSE and
 attention mass), prefill / chunk attention with LSE (PyTorch's flash kernel on CUDA where it
-applies), window scores over dense keys and over pages, KV write, kept-slot write and slot
-moves. Operations without one are inherited, unchanged, from the reference backend
-(``TorchBackend``), which runs on any device:
+applies), chunk attention reading the earlier keys from the pages in place, window scores
+over dense keys and over pages, KV write, kept-slot write and slot moves. Operations without
+one are inherited, unchanged, from the reference backend (``TorchBackend``), which runs on
+any device:
 
 - ``paged_decode_int4`` (KIVI int4 pages are dequantized page by page, then decoded);
 - ``kept_indices`` (``torch.topk``-style selection, already a device op).
@@ -21,7 +22,7 @@ import torch
 
 from sparsekv.attention.backends.base import DecodeParams, DecodeResult
 from sparsekv.attention.backends.torch_backend import TorchBackend
-from sparsekv.attention.triton import decode, kv_write, prefill, window_scores
+from sparsekv.attention.triton import decode, kv_write, prefill, prefill_paged, window_scores
 from sparsekv.attention.triton.common import interpreted
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -87,6 +88,22 @@ class TritonBackend(TorchBackend):
         return prefill.attention_with_lse(
             query, key.to(query.dtype), value.to(query.dtype), scale, sliding_window, logit_softcap
         )
+
+    def prefill_attention_paged(
+        self, query, key, value, kv_pool, block_table, num_cached, scale, sliding_window=None,
+        logit_softcap=None,
+    ):  # fmt: skip
+        """The chunk kernel reading the earlier keys from the pages in place (float pages on
+        a device the kernels take; the gathering default otherwise)."""
+        if kv_pool.dtype not in FLOAT_DTYPES or not _runs_here(query, key, kv_pool):
+            return super().prefill_attention_paged(
+                query, key, value, kv_pool, block_table, num_cached, scale, sliding_window,
+                logit_softcap,
+            )  # fmt: skip
+        return prefill_paged.chunk_attention_paged(
+            query, key, value, kv_pool, block_table, num_cached, scale, sliding_window,
+            logit_softcap,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ scoring
     def window_scores(self, keys, window_queries, window_lse, scale, logit_softcap=None):

@@ -160,6 +160,39 @@ class KVStorage:
         pages = self.local(table[: cdiv(num_held, self.block_size)])
         return gather_kv(self.tensors[0], pages, num_held)
 
+    def reads_chunks_in_place(self) -> bool:
+        """True when :meth:`chunk_attention` runs: full-precision pages, which hold exactly
+        what a gather would return (quantized formats gather their dequantized slots)."""
+        return self.kv_cache_dtype == "auto"
+
+    def chunk_attention(
+        self,
+        table: list[int],
+        num_held: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scale: float,
+        sliding_window: int | None,
+        logit_softcap: float | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A prefill chunk's attention over the layer's ``num_held`` held slots, read from the
+        pages by the backend (``AttentionBackend.prefill_attention_paged``), and itself.
+
+        Args:
+            table: the layer's block table (global page ids).
+            query: ``[num_heads, m, head_dim]``; key, value: ``[num_kv_heads, m, head_dim]``.
+            others: as ``AttentionBackend.prefill_attention``.
+
+        Returns:
+            out ``[num_heads, m, head_dim]``, lse ``[num_heads, m]`` fp32.
+        """
+        pages = self.local(table[: cdiv(num_held, self.block_size)])
+        return self.backend.prefill_attention_paged(
+            query, key, value, self.tensors[0], pages, num_held, scale, sliding_window,
+            logit_softcap,
+        )  # fmt: skip
+
     def decode_attention(
         self, query: torch.Tensor, params: DecodeParams, states: list[LayerKV]
     ) -> DecodeResult:
