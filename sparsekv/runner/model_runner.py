@@ -20,8 +20,8 @@ from sparsekv.models.fused import ops as fused
 from sparsekv.outputs import Logprob
 from sparsekv.runner.metadata import BlockTableCache, RequestSlice, build_metadata
 from sparsekv.runner.paged_attention import PagedAttention
-from sparsekv.runner.static_decode import StaticDecodeRunner
 from sparsekv.runner.prompt_logprobs import prompt_logprob_rows, prompt_logprobs
+from sparsekv.runner.static_decode import StaticDecodeRunner
 from sparsekv.sampling.sampler import Sampler, SamplingBatch
 
 

@@ -287,4 +287,3 @@ class StaticDecodeRunner:
         queries = {layer: self.query_log[layer, :num_rows] for layer in budgeted}
         step.record_decode_step(slices, queries, compacting)
         step.finish()
-

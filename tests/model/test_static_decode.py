@@ -44,7 +44,7 @@ def checkpoints():
     }
 
 
-def _run(checkpoint, policy, static: bool, monkeypatch, max_num_seqs: int = 4):
+def _run(checkpoint, policy, static: bool, monkeypatch, max_num_seqs: int = 4, params=None):
     """Greedy generation of ``PROMPTS`` (added one step apart, so the batch grows through the
     buckets): per request (tokens, logits ``[n, vocab]``), every kept-slot selection, and the
     static runner's tensor addresses after each static step."""
@@ -75,7 +75,7 @@ def _run(checkpoint, policy, static: bool, monkeypatch, max_num_seqs: int = 4):
         return chosen
 
     monkeypatch.setattr(SnapKVCompressor, "select", recording)
-    params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+    params = params or SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
     requests, outputs = {}, {}
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(f"r{i}", prompt, params, collect_logits=True)
@@ -124,3 +124,19 @@ def test_capture_needs_cuda(checkpoints):
     engine = make_engine(checkpoints["llama3"], prefix_caching=False)
     with pytest.raises(ValueError, match="capture"):
         engine.parts.runner.use_static_decode(4, 64, capture=True)
+
+
+def test_seeded_sampling_on_the_static_path_repeats_the_eager_draws(checkpoints, monkeypatch):
+    """Seeded sampling draws from per-request generators on the engine device: the static path
+    samples exactly the eager path's tokens, and a second run repeats them."""
+    params = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True)
+    engine = make_engine(checkpoints["llama3"], prefix_caching=False)
+    engine.add_request("x", PROMPTS[0], params)
+    generator = engine._groups["x"].samples[0].request.generator
+    assert generator.device == engine.parts.runner.device
+    want, _, _ = _run(checkpoints["llama3"], NONE, False, monkeypatch, params=params)
+    got, _, _ = _run(checkpoints["llama3"], NONE, True, monkeypatch, params=params)
+    again, _, _ = _run(checkpoints["llama3"], NONE, True, monkeypatch, params=params)
+    assert {r: t for r, (t, _) in got.items()} == {r: t for r, (t, _) in want.items()}
+    assert {r: t for r, (t, _) in again.items()} == {r: t for r, (t, _) in want.items()}
+    assert len({tuple(t) for t, _ in want.values()}) == 3
