@@ -116,7 +116,8 @@ class KVCacheManager:
 
     @property
     def num_total_pages(self) -> int:
-        return self.pool.num_pages
+        """Pages requests can hold: the pool less its scratch pages."""
+        return self.pool.num_pages - len(self._scratch or ())
 
     def storage(self, layer: int) -> KVStorage:
         """The page storage a layer's block table indexes."""

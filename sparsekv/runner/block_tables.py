@@ -73,8 +73,8 @@ class BlockTableCache:
 
     The arrays are reused: the tensors of a step's metadata are valid until the next
     ``build_metadata`` with this cache (the runner builds and runs one step at a time). A
-    non-blocking copy reads the host mirror after the call returns; the runner reads the
-    step's sampled tokens on the host (a stream sync) before the next step rewrites it.
+    non-blocking copy reads the host mirror after the call returns: the next step waits for
+    the event recorded after it (``HostFence``) before it rewrites the mirror.
 
     Args:
         device: where the tensors live.
@@ -162,10 +162,12 @@ class _CachedGroup:
         self.tensors: list[LayerTensors] | None = None
         self._device_tables: torch.Tensor | None = None
         self._device_counts: torch.Tensor | None = None
+        self.fence = HostFence()
 
     def update(self, page_lists: list[list[int]]) -> list[int]:
         """Rewrite the rows whose list changed (a new array when the longest one outgrew the
         width, or without ``mirror`` changed it); returns the rewritten rows."""
+        self.fence.wait()
         if page_lists == self.copies:
             return []
         longest = max(map(len, page_lists))
@@ -197,7 +199,28 @@ class _CachedGroup:
             target = self._device_tables[start:stop]
             target.copy_(host_tables[start:stop], non_blocking=True)
         self._device_counts.copy_(torch.from_numpy(self.counts), non_blocking=True)
+        self.fence.record(self._device_counts.device)
         return len(rows)
+
+
+class HostFence:
+    """Guards a host mirror that non-blocking copies read: ``record`` after enqueuing the
+    copies, ``wait`` before writing the mirror again (a no-op unless a CUDA copy is pending)."""
+
+    def __init__(self) -> None:
+        self._event: torch.cuda.Event | None = None
+
+    def record(self, device: torch.device) -> None:
+        """Mark the copies enqueued so far on ``device``'s current stream."""
+        if device.type == "cuda":
+            self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(device))
+
+    def wait(self) -> None:
+        """Block until the recorded copies have read the mirror."""
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
 
 
 def _layer_views(tables: torch.Tensor, counts: torch.Tensor, shape) -> list[LayerTensors]:

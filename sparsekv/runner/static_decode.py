@@ -32,7 +32,7 @@ from sparsekv.attention.backends.base import AttentionBackend
 from sparsekv.kv_cache.manager import KVCacheManager
 from sparsekv.kv_cache.spec import cdiv
 from sparsekv.models.fused import ops as fused
-from sparsekv.runner.block_tables import row_runs, slot_counts
+from sparsekv.runner.block_tables import HostFence, row_runs, slot_counts
 from sparsekv.runner.metadata import AttentionMetadata, DecodeBatch, RequestSlice
 from sparsekv.runner.paged_attention import PagedAttention
 
@@ -101,6 +101,7 @@ class StaticDecodeRunner:
         self._host_counts = torch.zeros(3, num_layers, most, dtype=torch.int64, pin_memory=pin)
         # The page list each host table row holds (None: a padding row of scratch pages).
         self._rows: list[list[list[int] | None]] = [[None] * most for _ in range(num_layers)]
+        self._fence = HostFence()  # the last step's copies out of the host mirror
         self.tokens = torch.zeros(2, most, dtype=torch.int64, device=device)
         self.tables = self._host_tables.to(device, copy=True)
         self.counts = torch.zeros(3, num_layers, most, dtype=torch.int64, device=device)
@@ -220,6 +221,7 @@ class StaticDecodeRunner:
         """Write the step's inputs into the host mirror and copy them to the device: tokens
         and slot counts whole, block-table rows only where the page list changed."""
         num_rows, num_layers = len(slices), self.kv.num_layers
+        self._fence.wait()
         tokens = self._host_tokens.numpy()
         tokens[0, :num_rows], tokens[1, :num_rows] = input_ids, positions
         tokens[:, num_rows:bucket] = 0
@@ -255,6 +257,7 @@ class StaticDecodeRunner:
                 source = self._host_tables[layer, start:stop]
                 self.tables[layer, start:stop].copy_(source, non_blocking=True)
                 self.rows_copied += stop - start
+        self._fence.record(self.device)
 
     def _side_effects(self, slices: list[RequestSlice], bucket: int) -> None:
         """What the forward would have done in Python: log the budgeted layers' queries

@@ -17,7 +17,8 @@ from sparsekv.compression.snapkv import SnapKVCompressor
 from sparsekv.config import CompressionConfig
 from sparsekv.runner.static_decode import StaticDecodeRunner, batch_buckets
 from sparsekv.sampling_params import SamplingParams
-from tests.model.family_models import checkpoint_of, make_engine, random_hf_model, tiny_config
+from tests.model.family_models import checkpoint_of, random_hf_model, tiny_config
+from tests.model.family_models import make_engine as make_tiny_engine
 
 SNAPKV = CompressionConfig(method="snapkv", budget=24, window=4, full_layers=0)
 NONE = CompressionConfig(method="none")
@@ -44,15 +45,18 @@ def checkpoints():
     }
 
 
-def _run(checkpoint, policy, static: bool, monkeypatch, max_num_seqs: int = 4, params=None):
-    """Greedy generation of ``PROMPTS`` (added one step apart, so the batch grows through the
+def _run(checkpoint, policy, static: bool, monkeypatch, params=None, engine=None, prompts=None):
+    """Greedy generation of ``prompts`` (added one step apart, so the batch grows through the
     buckets): per request (tokens, logits ``[n, vocab]``), every kept-slot selection, and the
     static runner's tensor addresses after each static step."""
-    engine = make_engine(checkpoint, compression=policy, prefix_caching=False, max_num_seqs=4)
+    if engine is None:
+        engine = make_tiny_engine(
+            checkpoint, compression=policy, prefix_caching=False, max_num_seqs=4
+        )
     runner = engine.parts.runner
     addresses = []
     if static:
-        runner.use_static_decode(max_num_seqs, engine.parts.max_model_len, capture=False)
+        runner.use_static_decode(4, engine.parts.max_model_len, capture=False)
         static_runner = runner.static_decode
         run = StaticDecodeRunner.run
 
@@ -77,7 +81,7 @@ def _run(checkpoint, policy, static: bool, monkeypatch, max_num_seqs: int = 4, p
     monkeypatch.setattr(SnapKVCompressor, "select", recording)
     params = params or SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
     requests, outputs = {}, {}
-    for i, prompt in enumerate(PROMPTS):
+    for i, prompt in enumerate(prompts or PROMPTS):
         engine.add_request(f"r{i}", prompt, params, collect_logits=True)
         requests[f"r{i}"] = engine._groups[f"r{i}"].samples[0].request
         engine.step()
@@ -121,7 +125,7 @@ def test_batch_buckets():
 
 
 def test_capture_needs_cuda(checkpoints):
-    engine = make_engine(checkpoints["llama3"], prefix_caching=False)
+    engine = make_tiny_engine(checkpoints["llama3"], prefix_caching=False)
     with pytest.raises(ValueError, match="capture"):
         engine.parts.runner.use_static_decode(4, 64, capture=True)
 
@@ -130,7 +134,7 @@ def test_seeded_sampling_on_the_static_path_repeats_the_eager_draws(checkpoints,
     """Seeded sampling draws from per-request generators on the engine device: the static path
     samples exactly the eager path's tokens, and a second run repeats them."""
     params = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True)
-    engine = make_engine(checkpoints["llama3"], prefix_caching=False)
+    engine = make_tiny_engine(checkpoints["llama3"], prefix_caching=False)
     engine.add_request("x", PROMPTS[0], params)
     generator = engine._groups["x"].samples[0].request.generator
     assert generator.device == engine.parts.runner.device
@@ -140,3 +144,25 @@ def test_seeded_sampling_on_the_static_path_repeats_the_eager_draws(checkpoints,
     assert {r: t for r, (t, _) in got.items()} == {r: t for r, (t, _) in want.items()}
     assert {r: t for r, (t, _) in again.items()} == {r: t for r, (t, _) in want.items()}
     assert len({tuple(t) for t, _ in want.values()}) == 3
+
+
+@pytest.mark.slow
+def test_static_decode_equals_eager_on_smollm2(smollm2_checkpoint, make_engine, monkeypatch):
+    """The real SmolLM2-135M (30 layers, GQA 3:1), fp32, SnapKV with decode-time evictions."""
+    policy = CompressionConfig(method="snapkv", budget=32, window=8, full_layers=2)
+    params = SamplingParams(max_tokens=18, temperature=0.0, ignore_eos=True)
+    prompts = [[100 + (13 * i) % 9000 for i in range(n)] for n in (60, 41, 52)]
+    results = []
+    for static in (False, True):
+        engine = make_engine(smollm2_checkpoint, compression=policy, prefix_caching=False)
+        results.append(_run(None, policy, static, monkeypatch, params, engine, prompts))
+    (want, want_kept, _), (got, got_kept, addresses) = results
+    assert len(addresses) >= 15 and set(addresses) == {addresses[0]}
+    for request_id, (tokens, logits) in want.items():
+        assert got[request_id][0] == tokens
+        # 30 layers of GEMMs over a padded bucket (4 rows for 3) round differently: ~1e-4
+        # on logits of magnitude ~10.
+        torch.testing.assert_close(got[request_id][1], logits, rtol=2e-5, atol=1e-4)
+    assert len(want_kept) > 3 * 28 and len(got_kept) == len(want_kept)
+    for a, b in zip(got_kept, want_kept):
+        assert torch.equal(a, b)
