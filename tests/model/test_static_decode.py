@@ -1,6 +1,6 @@
 """The static-buffer (graph-ready) decode path equals the eager path.
 
-Engines over the same random-weight model run the same requests, one eagerly, one with the
+Engines over the same random-weight model (Llama 3, Gemma 2, Gemma 3) run the same requests, one eagerly, one with the
 static decode path (``ModelRunner.use_static_decode`` without capture: what a CUDA graph would
 replay, run eagerly on CPU). The static path runs with ``Tensor.item``, ``Tensor.tolist`` and
 ``nonzero`` patched to raise (no host sync in the forward, the logging of its side effects or
@@ -19,6 +19,9 @@ from sparsekv.runner.static_decode import StaticDecodeRunner, batch_buckets
 from sparsekv.sampling_params import SamplingParams
 from tests.model.family_models import checkpoint_of, random_hf_model, tiny_config
 from tests.model.family_models import make_engine as make_tiny_engine
+from tests.model.test_gemma3 import checkpoint_of as gemma3_checkpoint
+from tests.model.test_gemma3 import random_hf_model as random_gemma3
+from tests.model.test_gemma3 import tiny_config as gemma3_config
 
 SNAPKV = CompressionConfig(method="snapkv", budget=24, window=4, full_layers=0)
 NONE = CompressionConfig(method="none")
@@ -42,6 +45,7 @@ def checkpoints():
     return {
         "llama3": checkpoint_of(random_hf_model(llama, seed=3)),
         "gemma2": checkpoint_of(random_hf_model(tiny_config("gemma2"), seed=5)),
+        "gemma3": gemma3_checkpoint(random_gemma3(gemma3_config(), seed=7)),
     }
 
 
@@ -97,7 +101,7 @@ def _run(checkpoint, policy, static: bool, monkeypatch, params=None, engine=None
     return outputs, kept, addresses
 
 
-@pytest.mark.parametrize("family", ["llama3", "gemma2"])
+@pytest.mark.parametrize("family", ["llama3", "gemma2", "gemma3"])
 @pytest.mark.parametrize("policy", [NONE, SNAPKV], ids=["full", "snapkv"])
 def test_static_decode_equals_eager(checkpoints, family, policy, monkeypatch):
     checkpoint = checkpoints[family]
