@@ -53,18 +53,18 @@ if [ -f sparsekv/attention/backends/base.py ]; then
   TESTS="$TESTS tests/unit/test_triton_backend.py"
 fi
 # shellcheck disable=SC2086  # TESTS is a list of paths
-timeout 300 "$PY" -m pytest -q -p no:cacheprovider --timeout=120 -k "not engine" $TESTS \
+timeout 240 "$PY" -m pytest -q -p no:cacheprovider --timeout=120 -k "not engine" $TESTS \
   --junitxml="$OUT/conformance.xml" > "$OUT/conformance.txt" 2>&1
 log "conformance (rc=$?): $(tail -1 "$OUT/conformance.txt")"
 
 # 3. Decode attention microbenchmark.
-timeout 180 "$PY" scripts/gpu_bench_decode.py --out "$OUT/decode_bench.json" \
+timeout 90 "$PY" scripts/gpu_bench_decode.py --out "$OUT/decode_bench.json" \
   > "$OUT/decode_bench.txt" 2>&1
 log "decode bench (rc=$?): $(tail -1 "$OUT/decode_bench.txt")"
 
 # 4. Graph-captured vs eager decode of the engine.
 if [ -f scripts/gpu_check_graphs.py ]; then
-  timeout 120 "$PY" scripts/gpu_check_graphs.py --out "$OUT/graphs.json" > "$OUT/graphs.txt" 2>&1
+  timeout 150 "$PY" scripts/gpu_check_graphs.py --out "$OUT/graphs.json" > "$OUT/graphs.txt" 2>&1
   log "graphs vs eager (rc=$?): $(tail -1 "$OUT/graphs.txt")"
 else
   log "graphs vs eager: scripts/gpu_check_graphs.py not present, skipped"

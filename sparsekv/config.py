@@ -51,8 +51,9 @@ class ModelConfig:
         attention_backend: attention kernels: ``auto`` (the native C++ kernels on CPU where
             they build, else the PyTorch reference; Triton on CUDA where it imports),
             ``cpu`` (native C++), ``torch`` (reference) or ``triton``.
-        enforce_eager: never capture CUDA graphs for decode steps (the engine captures none
-            yet, so every step runs eagerly either way).
+        enforce_eager: never capture CUDA graphs for decode steps (on CUDA the engine
+            otherwise replays one graph per batch bucket for decode-only steps; CPU steps
+            always run eagerly).
         max_model_len: context length in tokens (prompt + output).
         seed: seed for requests that give none (sampling stays reproducible per request).
         tokenizer: a tokenizer folder or file (``tokenizer.json``, a GGUF) to use instead of

@@ -37,8 +37,13 @@ def kept_indices_prefer_recent(scores: torch.Tensor, k: int) -> torch.Tensor:
     at_cutoff = scores == cutoff
     # Of the slots at the cutoff, the oldest are dropped until num_drop are.
     quota = num_drop - below.sum(dim=-1, keepdim=True)
-    dropped = below | (at_cutoff & (at_cutoff.cumsum(dim=-1) <= quota))
-    return (~dropped).nonzero()[:, 1].view(rows, k)
+    kept = ~(below | (at_cutoff & (at_cutoff.cumsum(dim=-1) <= quota)))
+    # Kept slot j goes to column (kept slots up to j) - 1, dropped ones to a spare column k:
+    # a fixed-shape scatter where ``nonzero`` would sync with the host for its size.
+    column = torch.where(kept, kept.cumsum(dim=-1) - 1, k)
+    slots = torch.arange(m, device=scores.device).expand(rows, m)
+    out = torch.empty(rows, k + 1, dtype=torch.int64, device=scores.device)
+    return out.scatter_(1, column, slots)[:, :k].contiguous()
 
 
 def top_indices_prefer_recent(scores: torch.Tensor, k: int) -> torch.Tensor:

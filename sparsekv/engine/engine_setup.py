@@ -250,6 +250,10 @@ def build_engine_parts(config: EngineConfig, checkpoint=None) -> EngineParts:
         backend=backend,
     )
     tokenizer = checkpoint.tokenizer
+    runner = ModelRunner(model, kv, torch.device(device), backend)
+    if device.startswith("cuda") and not config.model.enforce_eager:
+        # Decode-only steps replay one CUDA graph per batch bucket (docs/gpu.md).
+        runner.use_static_decode(config.scheduler.max_num_seqs, max_model_len, capture=True)
     return EngineParts(
         model_name=config.model.served_model_name or checkpoint.name,
         tokenizer=tokenizer,
@@ -257,7 +261,7 @@ def build_engine_parts(config: EngineConfig, checkpoint=None) -> EngineParts:
         model=model,
         kv=kv,
         scheduler=Scheduler(config.scheduler, kv),
-        runner=ModelRunner(model, kv, torch.device(device), backend),
+        runner=runner,
         max_model_len=max_model_len,
         eos_token_ids=_eos_ids(hf_config, tokenizer, getattr(checkpoint, "eos_token_ids", ())),
         vocab_size=hf_config.vocab_size,

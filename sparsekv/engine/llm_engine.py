@@ -185,7 +185,9 @@ class LLMEngine:
 
         generator = None
         if params.seed is not None:
-            generator = torch.Generator().manual_seed(params.seed + index)
+            # On the engine's device: a seeded row draws its uniforms where the logits are.
+            device = self.parts.runner.device
+            generator = torch.Generator(device=device).manual_seed(params.seed + index)
         kv_generator = torch.Generator().manual_seed(
             (params.seed if params.seed is not None else self.config.model.seed) + index
         )

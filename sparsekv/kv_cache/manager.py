@@ -102,6 +102,7 @@ class KVCacheManager:
         self._policies: dict[str, KVPolicy] = {}
         self.prefix_cache = PrefixCache(self.pool, block_size) if enable_prefix_caching else None
         self.prefix_cache_uncompressed = prefix_cache_uncompressed
+        self._scratch: list[int] | None = None
 
     # ----------------------------------------------------------------- registration
     @property
@@ -115,7 +116,8 @@ class KVCacheManager:
 
     @property
     def num_total_pages(self) -> int:
-        return self.pool.num_pages
+        """Pages requests can hold: the pool less its scratch pages."""
+        return self.pool.num_pages - len(self._scratch or ())
 
     def storage(self, layer: int) -> KVStorage:
         """The page storage a layer's block table indexes."""
@@ -125,6 +127,17 @@ class KVCacheManager:
     def page_bytes(self) -> int:
         """Bytes of one page of the main kind (codes and scales)."""
         return self.storages[0].page_bytes
+
+    def scratch_pages(self) -> list[int]:
+        """One page per kind that no request ever holds, taken from the pool on the first
+        call: the padding rows of a static-shape decode batch write their K/V there.
+
+        Returns:
+            Per page kind, the global id of its scratch page.
+        """
+        if self._scratch is None:
+            self._scratch = [self.pool.allocate(1, kind)[0] for kind in range(self.pool.num_kinds)]
+        return self._scratch
 
     def fits(self, needed: list[int], watermark: int = 0) -> bool:
         """Whether every kind has ``needed[k] + watermark`` free or reclaimable pages."""
@@ -409,7 +422,9 @@ class KVCacheManager:
         Raises:
             AssertionError: an invariant is broken.
         """
-        self.pool.check_invariants(sharing.table_holders(self._requests.values()))
+        holders = sharing.table_holders(self._requests.values())
+        holders.update(self._scratch or [])
+        self.pool.check_invariants(holders)
         if self.prefix_cache is not None:
             self.prefix_cache.check_invariants()
 

@@ -220,8 +220,8 @@ class DecoderForCausalLM(nn.Module):
         hidden = self.embed_tokens(input_ids)
         if self.variant.embedding_scale:
             # HF rounds the scale to the model dtype first (sqrt(640) becomes 25.25 in bf16).
-            scale = torch.tensor(self.variant.hidden_size**0.5, dtype=hidden.dtype)
-            hidden = hidden * scale.to(hidden.device)
+            # A fill on the device (no host tensor to copy: capturable in a CUDA graph).
+            hidden = hidden * hidden.new_full((), self.variant.hidden_size**0.5)
         tables = {key: rope.cos_sin(positions, hidden.dtype) for key, rope in self.rotary.items()}
         residual = None
         for layer in self.layers:

@@ -188,7 +188,7 @@ def _decode_batches(
     held = np.fromiter(map(_num_held, steps), dtype=np.int64, count=len(steps))
     first = np.fromiter(map(_first_slot, steps), dtype=np.int64, count=len(steps))
     shape = (len(layers), len(slices))
-    if tables_cache is not None and device.type == "cpu":
+    if tables_cache is not None and tables_cache.device == device:
         tensors = tables_cache.tensors(page_lists, held, first, shape, block_size)
     else:
         tables = padded_tables(page_lists)  # [L * B, max_blocks]

@@ -2,7 +2,9 @@
 
 The runner flattens the step's tokens into one ragged batch (absolute positions: a token's
 position is its index in the request, whatever was evicted), builds the attention metadata,
-runs the model once, computes logits only for rows that sample, and samples them.
+runs the model once, computes logits only for rows that sample, and samples them. With a
+static decode path (``use_static_decode``; on CUDA the engine's default, captured as CUDA
+graphs) the decode-only steps it takes run there instead of through the metadata build.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from sparsekv.outputs import Logprob
 from sparsekv.runner.metadata import BlockTableCache, RequestSlice, build_metadata
 from sparsekv.runner.paged_attention import PagedAttention
 from sparsekv.runner.prompt_logprobs import prompt_logprob_rows, prompt_logprobs
+from sparsekv.runner.static_decode import StaticDecodeRunner
 from sparsekv.sampling.sampler import Sampler, SamplingBatch
 
 
@@ -67,7 +70,30 @@ class ModelRunner:
         self.logit_softcap = getattr(model, "attn_logit_softcap", None)
         frequencies = getattr(model, "rope_frequencies", None)
         self.rope_frequencies = frequencies() if frequencies is not None else None
-        self._block_tables = BlockTableCache()  # the decode path's tables between steps
+        # The decode path's tables between steps (persistent device tensors off CPU).
+        self._block_tables = BlockTableCache(device)
+        self.static_decode: StaticDecodeRunner | None = None
+
+    def use_static_decode(self, max_num_seqs: int, max_model_len: int, capture: bool) -> None:
+        """Run the decode-only steps it takes on a ``StaticDecodeRunner`` from now on.
+
+        Args:
+            max_num_seqs: the largest batch bucket.
+            max_model_len: longest request in tokens (the static table width).
+            capture: capture each bucket as a CUDA graph (CUDA only); off: the static
+                tensors, run eagerly.
+        """
+        self.static_decode = StaticDecodeRunner(
+            self.model,
+            self.kv,
+            self.device,
+            self.backend,
+            max_num_seqs,
+            max_model_len,
+            capture=capture,
+            logit_softcap=self.logit_softcap,
+            rope_frequencies=self.rope_frequencies,
+        )
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
@@ -100,31 +126,18 @@ class ModelRunner:
                 )
             )
             start += item.num_new_tokens
-        metadata = build_metadata(
-            slices, len(self.layer_specs), self.kv.block_size, self.device, self._block_tables
-        )
-        storages = [self.kv.storage(layer) for layer in range(len(self.layer_specs))]
-        ctx = PagedAttention(
-            storages,
-            metadata,
-            self.layer_specs,
-            self.backend,
-            self.logit_softcap,
-            self.rope_frequencies,
-        )
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        with fused.native_scope():  # the fused ops' checks once per step, not per call
-            hidden = self.model(ids, pos, ctx)
-            ctx.finish()
-        self._prompt_logprobs(out, slices, hidden, result)
         sampling = [(s, item) for s, item in zip(slices, out.scheduled) if item.samples]
-        if not sampling:
-            return result
-        rows = torch.tensor(
-            [s.start + s.num_new - 1 for s, _ in sampling], dtype=torch.long, device=self.device
-        )
-        logits = self.model.compute_logits(hidden[rows])
+        static = self.static_decode
+        if static is not None and len(sampling) == len(slices) and static.takes(slices):
+            logits = static.run(slices, input_ids, positions)  # every row samples
+        else:
+            hidden = self._forward(slices, input_ids, positions)
+            self._prompt_logprobs(out, slices, hidden, result)
+            if not sampling:
+                return result
+            rows = [s.start + s.num_new - 1 for s, _ in sampling]
+            rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
+            logits = self.model.compute_logits(hidden[rows_t])
         requests = [item.request for _, item in sampling]
         batch = SamplingBatch.from_requests(
             params=[r.sampling_params for r in requests],
@@ -144,6 +157,29 @@ class ModelRunner:
                 num_top = request.sampling_params.logprobs
                 result.logprobs[request.request_id] = _logprob_record(sampled, i, num_top)
         return result
+
+    def _forward(
+        self, slices: list[RequestSlice], input_ids: list[int], positions: list[int]
+    ) -> torch.Tensor:
+        """The eager forward of a step: ``[num_tokens, hidden]`` final hidden states."""
+        metadata = build_metadata(
+            slices, len(self.layer_specs), self.kv.block_size, self.device, self._block_tables
+        )
+        storages = [self.kv.storage(layer) for layer in range(len(self.layer_specs))]
+        ctx = PagedAttention(
+            storages,
+            metadata,
+            self.layer_specs,
+            self.backend,
+            self.logit_softcap,
+            self.rope_frequencies,
+        )
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        with fused.native_scope():  # the fused ops' checks once per step, not per call
+            hidden = self.model(ids, pos, ctx)
+            ctx.finish()
+        return hidden
 
     def _prompt_logprobs(self, out: SchedulerOutput, slices, hidden, result) -> None:
         """Records for the prompt tokens this step's prefill rows predict (where asked)."""

@@ -51,6 +51,14 @@ class PagedAttention:
         logit_softcap: optional attention logit soft-cap of the model.
         rope_frequencies: optional per-layer RoPE frequencies ``[rotary_dim // 2]`` (the
             model's ``rope_frequencies()``), handed to compressors in their ``LayerView``.
+        query_buffer: a static context's ``[layers, max_batch, num_heads, head_dim]``
+            buffer: the decode path copies every layer's queries into it (a tensor write a
+            captured graph repeats) instead of keeping Python references, and takes no
+            request-dependent branch; the owner logs them after the forward
+            (``record_decode_step``). ``None`` for the eager context of a step.
+
+    Attributes:
+        decode_scales: layer -> softmax scale its decode path was called with.
     """
 
     def __init__(
@@ -61,8 +69,11 @@ class PagedAttention:
         backend: AttentionBackend,
         logit_softcap: float | None = None,
         rope_frequencies: list[torch.Tensor] | None = None,
+        query_buffer: torch.Tensor | None = None,
     ) -> None:
         self.storages = storages
+        self.query_buffer = query_buffer
+        self.decode_scales: dict[int, float] = {}
         self.backend = backend
         self._pending: list[tuple[RequestSlice, int, float]] = []
         # Decode-path queries of budgeted layers, logged per request at ``finish``.
@@ -141,7 +152,10 @@ class PagedAttention:
             return_attn_mass=batch.need_mass,
         )
         result, _, mass = storage.decode_attention(queries, params, states)
-        if batch.budgeted:
+        self.decode_scales[layer] = scale
+        if self.query_buffer is not None:
+            self.query_buffer[layer, : queries.shape[0]].copy_(queries)
+        elif batch.budgeted:
             self._step_queries.append((batch.slices, layer, queries))
         if batch.need_mass:
             for i, (request, state) in enumerate(zip(batch.slices, states)):
@@ -150,6 +164,19 @@ class PagedAttention:
                     _accumulate(state, mass[i, :, :held])
         self._pending.extend((request, layer, scale) for request in batch.compacting)
         return result
+
+    def record_decode_step(
+        self,
+        slices: list[RequestSlice],
+        queries: dict[int, torch.Tensor],
+        compacting: list[tuple[RequestSlice, int, float]],
+    ) -> None:
+        """Adopt a decode step whose forward ran in a static context: ``finish`` then logs
+        ``queries`` (layer -> ``[len(slices), num_heads, head_dim]``, read before ``finish``
+        returns) for the budgeted layers' windows and runs the ``compacting`` (request, layer,
+        scale) compactions, as after an eager forward of the same step."""
+        self._step_queries.extend((slices, layer, q) for layer, q in queries.items())
+        self._pending.extend(compacting)
 
     def _log_decode_queries(self) -> None:
         """Hand each decode request its rows of the step's queries: the layers that shared a

@@ -90,3 +90,36 @@ def test_cached_counts_follow_the_held_slots():
         got = build_metadata(slices, 2, 16, CPU, cache)
         _assert_same(got, build_metadata(slices, 2, 16, CPU))
         assert got.decode[0].seq_lens.tolist() == [held + 1, held + 1]
+
+
+def test_device_mirror_copies_only_changed_rows_into_persistent_tensors():
+    """With a host mirror (the accelerator route, exercised on CPU) the tensors stay at their
+    addresses while the widest table fits their power-of-two width, only rows whose list
+    changed are copied, and the values are the fresh build's (zero padded to the width)."""
+    tables = [[[3, 4, 5], [6, 7]], [[8], [9, 10]], [[20, 21], [22]]]
+    cache = BlockTableCache(CPU, mirror=True)
+    steps = [
+        (lambda: None, 6),  # first build: every row
+        (lambda: None, 0),
+        (lambda: tables[0][1].append(13), 1),
+        (lambda: (tables[1][0].append(30), tables[2][0].append(31)), 2),
+        (lambda: tables[1][1].__setitem__(0, 42), 1),
+        (lambda: tables[2][1].extend(range(50, 58)), 6),  # past 8 pages: wider, all rows
+        (lambda: tables[0][0].append(60), 1),
+    ]
+    pointers = []
+    for edit, rows in steps:
+        edit()
+        before = cache.rows_copied
+        got = build_metadata(_slices(tables), 2, 16, CPU, cache)
+        assert cache.rows_copied - before == rows
+        fresh = build_metadata(_slices(tables), 2, 16, CPU)
+        for a, b in zip(got.decode, fresh.decode):
+            width = b.block_tables.shape[1]
+            assert a.block_tables.shape[1] in (8, 16)
+            assert torch.equal(a.block_tables[:, :width], b.block_tables)
+            assert not a.block_tables[:, width:].any()
+            for name in ("slot_mapping", "seq_lens", "first_slots"):
+                assert torch.equal(getattr(a, name), getattr(b, name)), name
+        pointers.append(got.decode[0].block_tables.data_ptr())
+    assert len(set(pointers[:5])) == 1 and pointers[5] == pointers[6] != pointers[0]

@@ -9,6 +9,7 @@ import torch
 
 from sparsekv.attention.backends import AttentionBackend, DecodeParams, DecodeResult, create_backend
 from sparsekv.attention.paging import gather_kv, write_leading_slots
+from sparsekv.kv_cache import swap_copies
 from sparsekv.kv_cache.request_kv import LayerKV
 from sparsekv.kv_cache.spec import cdiv
 
@@ -215,17 +216,18 @@ class KVStorage:
 
     # ------------------------------------------------------------------ swap
     def read_pages(self, pages: list[int]) -> tuple[torch.Tensor, ...]:
-        """Host copies of the pages' codes and scales (bit-exact)."""
+        """Host copies of the pages' codes and scales (bit-exact; on CUDA pinned, copied on a
+        side stream: ``swap_copies``)."""
         index = self.local(pages)
-        return tuple(t.index_select(0, index).to("cpu", copy=True) for t in self.tensors)
+        return swap_copies.to_host([t.index_select(0, index) for t in self.tensors])
 
     def write_pages(self, pages: list[int], copy: tuple[torch.Tensor, ...]) -> None:
         """Restore ``read_pages`` copies into ``pages``."""
         if not pages:
             return
         index = self.local(pages)
-        for tensor, saved in zip(self.tensors, copy):
-            tensor.index_copy_(0, index, saved.to(self.device))
+        for tensor, saved in zip(self.tensors, swap_copies.to_device(copy, self.device)):
+            tensor.index_copy_(0, index, saved)
 
 
 def materialize(dequantize_pages, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
