@@ -370,7 +370,11 @@ class SpeculativeConfig:
                 f"ngram_prompt_lookup_min must be >= 1, got {self.ngram_prompt_lookup_min}"
             )
         high = self.ngram_prompt_lookup_max
-        if not isinstance(high, int) or isinstance(high, bool) or high < self.ngram_prompt_lookup_min:
+        if (
+            not isinstance(high, int)
+            or isinstance(high, bool)
+            or high < self.ngram_prompt_lookup_min
+        ):
             raise ValueError(
                 f"ngram_prompt_lookup_max must be an integer >= ngram_prompt_lookup_min "
                 f"({self.ngram_prompt_lookup_min}), got {high!r}"

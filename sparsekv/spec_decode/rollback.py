@@ -93,9 +93,7 @@ def _window(old: torch.Tensor | None, kept: torch.Tensor, window: int) -> torch.
     return rows[:, -window:].contiguous()
 
 
-def _kept_mass(
-    old: torch.Tensor | None, rows: list[torch.Tensor], num_slots: int
-) -> torch.Tensor:
+def _kept_mass(old: torch.Tensor | None, rows: list[torch.Tensor], num_slots: int) -> torch.Tensor:
     """``old`` (``[num_kv_heads, <= num_slots]``) plus each kept row's mass, over
     ``num_slots`` slots (fp32)."""
     num_kv_heads = rows[0].shape[0]
