@@ -397,7 +397,8 @@ class SpeculativeConfig:
         try:
             merged.validate()
         except ValueError as exc:
-            raise ValueError(f"speculative.{exc}") from None
+            message = str(exc).removeprefix("speculative_")
+            raise ValueError(f"speculative.{message}") from None
         return merged
 
 

@@ -123,7 +123,7 @@ def test_speculative_request_settings_are_validated(checkpoint):
     prompt = repetitive_prompts([20])[0]
     with pytest.raises(ValueError, match="speculative.draft"):
         plain.add_request("a", prompt, SamplingParams(speculative={"draft": 1}))
-    with pytest.raises(ValueError, match="speculative_method"):
+    with pytest.raises(ValueError, match="speculative.method must be one of ngram"):
         plain.add_request("b", prompt, SamplingParams(speculative={"method": "eagle"}))
     with pytest.raises(ValueError, match="speculative must be an object"):
         plain.add_request("c", prompt, SamplingParams(speculative=3))
