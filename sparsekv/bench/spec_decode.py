@@ -17,6 +17,7 @@ import time
 
 from sparsekv.bench import common
 from sparsekv.cli_args import add_engine_args, engine_config_from_args
+from sparsekv.engine.prompts import render_chat
 from sparsekv.sampling_params import SamplingParams
 
 _CODE = [
@@ -78,8 +79,8 @@ def code_edit_prompts(tokenizer, num_prompts: int) -> list[list[int]]:
     for i in range(num_prompts):
         code, task = _CODE[i % len(_CODE)], _TASKS[(i // len(_CODE)) % len(_TASKS)]
         messages = [{"role": "user", "content": task.format(code=code)}]
-        prompts.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-    return [list(p["input_ids"]) if isinstance(p, dict) else list(p) for p in prompts]
+        prompts.append(render_chat(tokenizer, messages))
+    return prompts
 
 
 def main(argv: list[str] | None = None, *, checkpoint=None) -> int:
