@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import shlex
+import sys
 import time
 
 from sparsekv.bench import common
@@ -86,6 +88,8 @@ def code_edit_prompts(tokenizer, num_prompts: int) -> list[list[int]]:
 def main(argv: list[str] | None = None, *, checkpoint=None) -> int:
     """Parse flags, run the benchmark, print a table and write the report."""
     args = build_parser().parse_args(argv)
+    given = list(sys.argv[1:] if argv is None else argv)
+    args.command = "sparsekv bench spec-decode " + shlex.join(given)
     document = run_spec_decode(args, checkpoint=checkpoint)
     print(common.format_table(document["rows"], SUMMARY_COLUMNS))
     print(f"wrote {args.output}")
@@ -127,6 +131,8 @@ def run_spec_decode(args: argparse.Namespace, checkpoint=None) -> dict:
         "rows": rows,
         "provenance": common.bench_provenance(config, vars(args), load_start),
     }
+    if getattr(args, "command", None):
+        document["provenance"]["command"] = args.command
     common.write_json(args.output, document)
     markdown = args.output.rsplit(".", 1)[0] + ".md"
     common.write_markdown(markdown, "Speculative decoding", rows, document["provenance"])
