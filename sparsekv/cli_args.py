@@ -1,8 +1,8 @@
 """CLI flags generated from the config dataclasses, so flag names, defaults and help never drift.
 
-Each field of ``ModelConfig``, ``CacheConfig``, ``CompressionConfig``, ``SchedulerConfig`` and
-``ParallelConfig`` becomes one flag in a help section named after its dataclass; the help line
-is the first sentence of the field's entry under ``Attributes:`` in the dataclass docstring,
+Each field of ``ModelConfig``, ``CacheConfig``, ``CompressionConfig``, ``SchedulerConfig``,
+``ParallelConfig`` and ``SpeculativeConfig`` becomes one flag in a help section named after its
+dataclass; the help line is the first sentence of the field's entry under ``Attributes:`` in the dataclass docstring,
 followed by the field's default. Parsed values land in ``args.<section>__<field>`` and
 :func:`engine_config_from_args` turns them back into an ``EngineConfig``.
 """
@@ -19,12 +19,14 @@ import typing
 from sparsekv.config import (
     ATTENTION_BACKENDS,
     COMPRESSION_METHODS,
+    SPECULATIVE_METHODS,
     WEIGHT_DTYPES,
     CacheConfig,
     CompressionConfig,
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from sparsekv.kv_cache.quant import KV_CACHE_DTYPES
 from sparsekv.parallel_config import ROUTING_POLICIES, ParallelConfig
@@ -35,6 +37,7 @@ SECTIONS = {
     "compression": CompressionConfig,
     "scheduler": SchedulerConfig,
     "parallel": ParallelConfig,
+    "speculative": SpeculativeConfig,
 }
 SECTION_TITLES = {
     "model": "model (weights and precision)",
@@ -42,6 +45,7 @@ SECTION_TITLES = {
     "compression": "compression (default per-layer KV compression policy)",
     "scheduler": "scheduler (continuous batching and preemption)",
     "parallel": "parallel (replicas on Ray Serve and request routing)",
+    "speculative": "speculative decoding (draft tokens verified in one target step)",
 }
 
 # Flag names that are not the field name in kebab case.
@@ -49,6 +53,7 @@ FLAG_NAMES = {
     ("compression", "method"): "kv-compression",
     ("compression", "budget"): "kv-budget",
     ("compression", "compression_ratio"): "kv-compression-ratio",
+    ("speculative", "method"): "speculative-method",
 }
 CHOICES = {
     ("compression", "method"): COMPRESSION_METHODS,
@@ -62,6 +67,7 @@ CHOICES = {
     ("model", "weight_dtype"): WEIGHT_DTYPES,
     ("cache", "kv_cache_dtype"): KV_CACHE_DTYPES,
     ("parallel", "routing_policy"): ROUTING_POLICIES,
+    ("speculative", "method"): SPECULATIVE_METHODS,
 }
 METAVARS = {
     ("model", "model"): "NAME|PATH",
@@ -85,6 +91,7 @@ NONE_DEFAULTS = {
     ("compression", "layer_budgets"): "unset",
     ("parallel", "threads_per_rank"): "the cores divided by the replicas",
     ("parallel", "ray_address"): "a local cluster",
+    ("speculative", "method"): "off",
 }
 SKIPPED = {("model", "seed"), ("compression", "context_tokens")}
 

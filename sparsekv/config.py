@@ -326,6 +326,83 @@ class SchedulerConfig:
             raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding: cheap draft tokens verified by one step of the target model.
+
+    A request with drafts scores its last token and ``k`` drafts as one short chunk against its
+    own KV cache, keeps the longest accepted prefix plus one token of the target's, and rolls the
+    rest back (docs/speculative.md). Greedy output is unchanged; sampled output keeps the
+    target's distribution (rejection sampling).
+
+    Attributes:
+        method: how drafts are proposed: ``ngram`` (prompt lookup: the tokens that followed the
+            latest earlier occurrence of the sequence's last n tokens); unset is off.
+        num_speculative_tokens: draft tokens proposed per request and step (K).
+        ngram_prompt_lookup_min: shortest suffix n-gram the ``ngram`` drafter matches.
+        ngram_prompt_lookup_max: longest suffix n-gram the ``ngram`` drafter matches (tried
+            first).
+    """
+
+    method: str | None = None
+    num_speculative_tokens: int = 4
+    ngram_prompt_lookup_min: int = 1
+    ngram_prompt_lookup_max: int = 4
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None and self.num_speculative_tokens > 0
+
+    def validate(self) -> None:
+        if self.method is not None and self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                f"got {self.method!r}"
+            )
+        for name in ("num_speculative_tokens", "ngram_prompt_lookup_min"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if self.ngram_prompt_lookup_min < 1:
+            raise ValueError(
+                f"ngram_prompt_lookup_min must be >= 1, got {self.ngram_prompt_lookup_min}"
+            )
+        high = self.ngram_prompt_lookup_max
+        if (
+            not isinstance(high, int)
+            or isinstance(high, bool)
+            or high < self.ngram_prompt_lookup_min
+        ):
+            raise ValueError(
+                f"ngram_prompt_lookup_max must be an integer >= ngram_prompt_lookup_min "
+                f"({self.ngram_prompt_lookup_min}), got {high!r}"
+            )
+
+    def merged(self, overrides: dict) -> SpeculativeConfig:
+        """A copy with a request's ``speculative`` fields applied (``method: null`` or
+        ``num_speculative_tokens: 0`` opts the request out).
+
+        Raises:
+            ValueError: an unknown field or an invalid merged setting.
+        """
+        names = {f.name for f in dataclasses.fields(self)}
+        for key in overrides:
+            if key not in names:
+                raise ValueError(
+                    f"speculative.{key}: unknown field; fields: {', '.join(sorted(names))}"
+                )
+        merged = dataclasses.replace(self, **overrides)
+        try:
+            merged.validate()
+        except ValueError as exc:
+            message = str(exc).removeprefix("speculative_")
+            raise ValueError(f"speculative.{message}") from None
+        return merged
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs; ``validate()`` checks every part once."""
@@ -335,6 +412,7 @@ class EngineConfig:
     compression: CompressionConfig = field(default_factory=CompressionConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def validate(self) -> None:
         self.model.validate()
@@ -342,3 +420,9 @@ class EngineConfig:
         self.compression.validate()
         self.scheduler.validate()
         self.parallel.validate()
+        self.speculative.validate()
+        if self.speculative.enabled and self.cache.kv_cache_dtype == "int4":
+            raise ValueError(
+                "speculative_method: int4 pages keep their partial last page at full precision "
+                "and cannot roll drafts back; use kv_cache_dtype auto, int8 or fp8"
+            )

@@ -13,6 +13,7 @@ from sparsekv.config import (
     CompressionConfig,
     EngineConfig,
     ModelConfig,
+    SpeculativeConfig,
 )
 from sparsekv.engine.llm_engine import LLMEngine
 from sparsekv.engine.prompts import Prompt, chat_context_tokens, encode_prompt
@@ -32,6 +33,8 @@ class LLM:
             ``{"compression_ratio": 0.75}`` = keep 25% of each budgeted layer).
         kv_cache_memory: GiB for the page pool; ``None`` sizes it from the device (2 GiB
             on CPU, the free memory under ``gpu_memory_utilization`` on CUDA).
+        speculative: speculative decoding: a ``SpeculativeConfig`` or a dict of its fields
+            (``{"method": "ngram", "num_speculative_tokens": 4}``); ``None``: off.
         engine_config: a full ``EngineConfig`` (overrides the keyword settings).
         **kwargs: other ``ModelConfig``/``CacheConfig``/``SchedulerConfig`` fields by name.
 
@@ -46,13 +49,17 @@ class LLM:
         kv_compression: CompressionConfig | dict | None = None,
         kv_cache_memory: float | None = None,
         engine_config: EngineConfig | None = None,
+        speculative: SpeculativeConfig | dict | None = None,
         **kwargs,
     ) -> None:
         if engine_config is None:
+            if isinstance(speculative, dict):
+                speculative = SpeculativeConfig().merged(speculative)
             engine_config = EngineConfig(
                 model=ModelConfig(model=model, dtype=dtype),
                 cache=CacheConfig(kv_cache_memory=kv_cache_memory),
                 compression=_default_policy(kv_compression),
+                speculative=speculative or SpeculativeConfig(),
             )
             _apply_kwargs(engine_config, kwargs)
         self.engine = LLMEngine(engine_config)

@@ -45,6 +45,11 @@ class SamplingParams:
             runs at the end of the prompt). A request asking for them gets no prefix-cache hit.
         include_stop_str_in_output: keep the matched stop string in the text.
         skip_special_tokens: leave special tokens out of the text.
+        speculative: per-request speculative decoding settings over the engine's, field by
+            field (``SpeculativeConfig``: ``method``, ``num_speculative_tokens``,
+            ``ngram_prompt_lookup_min``, ``ngram_prompt_lookup_max``); ``{"method": None}``
+            or ``{"num_speculative_tokens": 0}`` opts out, ``{"method": "ngram"}`` opts in
+            on an engine started without speculation. ``None``: the engine's settings.
     """
 
     n: int = 1
@@ -65,6 +70,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    speculative: dict | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -122,6 +128,8 @@ class SamplingParams:
             )
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.speculative is not None and not isinstance(self.speculative, dict):
+            raise ValueError(f"speculative must be an object, got {self.speculative!r}")
 
     def _validate_distribution(self) -> None:
         for name in ("temperature", "top_p", "min_p"):

@@ -122,6 +122,7 @@ def make_engine(smollm2_tokenizer):
         EngineConfig,
         ModelConfig,
         SchedulerConfig,
+        SpeculativeConfig,
     )
     from sparsekv.engine.engine_setup import build_engine_parts
     from sparsekv.engine.llm_engine import LLMEngine
@@ -137,6 +138,7 @@ def make_engine(smollm2_tokenizer):
         full_precision_layers=None,
         dtype="float32",
         weight_dtype="auto",
+        speculative=None,
         **sched,
     ):
         sched.setdefault("watermark_pages", 0)
@@ -154,6 +156,7 @@ def make_engine(smollm2_tokenizer):
             cache=cache,
             compression=compression or CompressionConfig(method="none"),
             scheduler=SchedulerConfig(**sched),
+            speculative=speculative or SpeculativeConfig(),
         )
         engine = LLMEngine(config, build_engine_parts(config, checkpoint))
         return _REGISTRY.add(engine, transient=True)

@@ -323,7 +323,7 @@ class AsyncEngine:
             num_pages_used=int(usage["pages_used"]),
             num_pages_total=int(usage["pages_total"]),
             compression_ratio=float(usage["compression_ratio"]),
-            stats=copy.copy(engine.stats),
+            stats=copy.deepcopy(engine.stats),  # nested counters too
         )
 
 

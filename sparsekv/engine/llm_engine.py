@@ -14,7 +14,7 @@ from array import array
 
 import torch
 
-from sparsekv.config import CompressionConfig, EngineConfig
+from sparsekv.config import CompressionConfig, EngineConfig, SpeculativeConfig
 from sparsekv.engine import output_processor as op
 from sparsekv.engine.detokenizer import IncrementalDetokenizer
 from sparsekv.engine.engine_setup import EngineParts, build_engine_parts
@@ -73,6 +73,24 @@ class LLMEngine:
             policy = base.merged(dict(compression))
         return policy if policy.enabled else None
 
+    def resolve_speculative(self, overrides: dict | None) -> SpeculativeConfig | None:
+        """Merge a request's ``speculative`` fields over the engine's settings.
+
+        Returns:
+            The request's settings, or ``None`` when it decodes one token per step.
+
+        Raises:
+            ValueError: an unknown field, an invalid merged setting, or speculation over int4
+                pages.
+        """
+        base = self.config.speculative
+        spec = base if overrides is None else base.merged(dict(overrides))
+        if not spec.enabled:
+            return None
+        if self.kv.kv_cache_dtype == "int4":
+            raise ValueError("speculative: int4 pages cannot roll draft tokens back")
+        return spec
+
     def add_request(
         self,
         request_id: str,
@@ -106,6 +124,7 @@ class LLMEngine:
             )
         params.validate(max_model_len=self.max_model_len, num_prompt_tokens=len(prompt_token_ids))
         policy = self.resolve_compression(compression)
+        speculative = self.resolve_speculative(params.speculative)
         num_prompt = len(prompt_token_ids)
         context_len = _context_len(policy, num_prompt)
         budgets = self._budgets(policy, num_prompt if context_len is None else context_len)
@@ -120,6 +139,9 @@ class LLMEngine:
             # Compressed once at the end of the context; the question and output stay whole.
             kv_policy = KVPolicy(decode_eviction=False, bounded_chunks=False, context_only=True)
             compressed_len, later_tokens = context_len, params.max_tokens + num_prompt - context_len
+        if speculative is not None:
+            # A verification step holds the slots of its draft tokens until it commits.
+            later_tokens += speculative.num_speculative_tokens
         peaks = self.kv.peak_pages(budgets, compressed_len, later_tokens, kv_policy)
         for peak, size in zip(peaks, self.kv.pool.kind_sizes):
             if peak > size:
@@ -134,6 +156,7 @@ class LLMEngine:
                 sample_id, prompt_token_ids, params, policy, index, forced_token_ids
             )
             request.collect_logits = collect_logits
+            request.speculative = speculative
             if context_len is not None:
                 request.context_len = context_len
                 # Prompt logprobs need every context row computed: no shared context.
@@ -230,13 +253,17 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         self.stats.num_preemptions += len(scheduled.preempted_ids)
         self.stats.count_prefix_lookups(scheduled.prefix_hits)
+        self.stats.spec_decode.draft_seconds += scheduled.draft_seconds
         if scheduled.is_empty:
             return []
+        start = time.perf_counter()
         try:
             result = self.runner.execute(scheduled)
         except Exception as exc:  # noqa: BLE001 - a failing step must not kill the engine
             logger.exception("engine step failed")
             return self._fail_step(scheduled, exc)
+        if result.verified:
+            self.stats.spec_decode.count_step(result.verified, time.perf_counter() - start)
         self.scheduler.update(scheduled)
         now = time.monotonic()
         touched: dict[str, op.RequestGroup] = {}
@@ -256,15 +283,7 @@ class LLMEngine:
                 self._finish(state, "length")
                 touched[group.request_id] = group
                 continue
-            token = result.token_ids[request.request_id]
-            if request.forced_token_ids is not None:
-                forced = request.forced_token_ids
-                token = forced[min(request.num_output_tokens, len(forced) - 1)]
-            if request.request_id in result.logits:
-                request.logits.append(result.logits[request.request_id])
-            logprob = result.logprobs.get(request.request_id)
-            reason = op.append_token(state, token, logprob, self.max_model_len)
-            self.stats.num_generation_tokens += 1
+            reason = self._append_tokens(state, result)
             if reason is not None:
                 if reason == "length" or request.stop_reason is None:
                     op.flush(state)
@@ -273,6 +292,29 @@ class LLMEngine:
             group.last_token_time = now
             touched[group.request_id] = group
         return self._emit(touched)
+
+    def _append_tokens(self, state: op.SampleState, result) -> str | None:
+        """Append the step's token (or a verifying request's accepted tokens, up to the first
+        that finishes it); returns the finish reason or ``None``."""
+        request = state.request
+        verified = result.verified.get(request.request_id)
+        if verified is not None:
+            logprobs = verified.logprobs or [None] * len(verified.token_ids)
+            for token, logprob in zip(verified.token_ids, logprobs):
+                reason = op.append_token(state, token, logprob, self.max_model_len)
+                self.stats.num_generation_tokens += 1
+                if reason is not None:
+                    return reason
+            return None
+        token = result.token_ids[request.request_id]
+        if request.forced_token_ids is not None:
+            forced = request.forced_token_ids
+            token = forced[min(request.num_output_tokens, len(forced) - 1)]
+        if request.request_id in result.logits:
+            request.logits.append(result.logits[request.request_id])
+        logprob = result.logprobs.get(request.request_id)
+        self.stats.num_generation_tokens += 1
+        return op.append_token(state, token, logprob, self.max_model_len)
 
     def _finish(self, state: op.SampleState, reason: str) -> None:
         request = state.request

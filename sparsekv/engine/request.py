@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from sparsekv.config import CompressionConfig
+from sparsekv.config import CompressionConfig, SpeculativeConfig
 from sparsekv.sampling_params import SamplingParams
 
 
@@ -46,6 +46,8 @@ class Request:
             uncompressed. ``None``: the whole prompt is compressed at its end.
         context_key: key of the compressed context shared between requests with the same
             context tokens and policy (``None``: not shared).
+        speculative: the request's resolved speculative decoding settings (``None``: it
+            decodes one token per step).
     """
 
     request_id: str
@@ -69,6 +71,7 @@ class Request:
     sample_index: int = 0
     context_len: int | None = None
     context_key: bytes | None = None
+    speculative: SpeculativeConfig | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

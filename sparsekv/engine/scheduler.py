@@ -11,12 +11,14 @@ cache's pages count as free until attached, so they are evicted before anyone is
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from sparsekv.config import SchedulerConfig
 from sparsekv.engine.request import Request, RequestStatus
 from sparsekv.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from sparsekv.kv_cache.manager import KVCacheManager, StepPlan
+from sparsekv.spec_decode import drafting
 
 MAX_PREEMPTIONS_IN_A_ROW = 3
 
@@ -75,13 +77,17 @@ class Scheduler:
             if num_new <= 0:
                 index += 1
                 continue
-            plan = self._make_room(request, num_new, scheduled, out)
+            drafts, plan = self._draft(request, token_budget, out)
+            if drafts:
+                num_new += len(drafts)
+            else:
+                plan = self._make_room(request, num_new, scheduled, out)
             if plan is None:
                 if request.status != RequestStatus.RUNNING:
                     continue  # it preempted itself; ``running`` shifted under ``index``
                 index += 1
                 continue
-            out.scheduled.append(self._allocate(request, num_new, plan))
+            out.scheduled.append(self._allocate(request, num_new, plan, drafts))
             scheduled.add(request.request_id)
             token_budget -= num_new
             index += 1
@@ -96,11 +102,38 @@ class Scheduler:
         completes_prompt = request.num_computed_tokens + num_new == request.compression_end
         return completes_prompt, in_prefill
 
-    def _allocate(self, request: Request, num_new: int, plan: StepPlan) -> ScheduledRequest:
+    def _allocate(
+        self, request: Request, num_new: int, plan: StepPlan, drafts: list[int] | None = None
+    ) -> ScheduledRequest:
+        drafts = drafts or []
         completes_prompt, in_prefill = self._step_flags(request, num_new)
         layers = self.kv.allocate(request.request_id, num_new, completes_prompt, in_prefill, plan)
-        samples = request.num_computed_tokens + num_new == request.num_tokens
-        return ScheduledRequest(request, num_new, layers, samples)
+        samples = request.num_computed_tokens + num_new - len(drafts) == request.num_tokens
+        return ScheduledRequest(request, num_new, layers, samples, drafts)
+
+    def _draft(
+        self, request: Request, token_budget: int, out: SchedulerOutput
+    ) -> tuple[list[int], StepPlan | None]:
+        """Draft tokens for a decoding request and the plan of its verification step, or
+        ``([], None)``: drafts are dropped when the step would compact a layer (a compaction
+        must never see tokens that may be rejected) or needs pages the pool lacks (nobody is
+        preempted for a speculation)."""
+        if request.speculative is None:
+            return [], None
+        start = time.perf_counter()
+        drafts = drafting.propose(request, token_budget)
+        out.draft_seconds += time.perf_counter() - start
+        if not drafts:
+            return [], None
+        num_new = 1 + len(drafts)
+        plan = self.kv.plan_step(request.request_id, num_new, *self._step_flags(request, num_new))
+        if any(layer.compress_to is not None for layer in plan.layers):
+            return [], None
+        # Room for one page per layer of every running request: a draft never takes the
+        # page another request's step needs.
+        if not self.kv.fits(plan.num_pages, self.kv.num_layers * len(self.running)):
+            return [], None
+        return drafts, plan
 
     def _make_room(
         self, request: Request, num_new: int, scheduled: set[str], out: SchedulerOutput

@@ -40,6 +40,9 @@ class RequestSlice:
         compressor: the request's compressor, or ``None``.
         window: observation window of its policy.
         generator: random source for the ``random`` compressor.
+        draft_mass: a verifying H2O request only: per layer, the attention mass of each of
+            the step's rows (``[num_kv_heads, num_held + row + 1]``), so that the rows of
+            rejected draft tokens can be taken back out (``spec_decode.rollback``).
     """
 
     request_id: str
@@ -50,6 +53,7 @@ class RequestSlice:
     compressor: Compressor | None
     window: int
     generator: torch.Generator | None = None
+    draft_mass: dict[int, list[torch.Tensor]] | None = None
 
     @property
     def needs_attention_mass(self) -> bool:

@@ -23,6 +23,7 @@ from sparsekv.runner.paged_attention import PagedAttention
 from sparsekv.runner.prompt_logprobs import prompt_logprob_rows, prompt_logprobs
 from sparsekv.runner.static_decode import StaticDecodeRunner
 from sparsekv.sampling.sampler import Sampler, SamplingBatch
+from sparsekv.spec_decode import rollback, verify
 
 
 @dataclass
@@ -41,6 +42,22 @@ class RunnerOutput:
     logprobs: dict[str, Logprob] = field(default_factory=dict)
     logits: dict[str, torch.Tensor] = field(default_factory=dict)
     prompt_logprobs: dict[str, tuple[int, list[Logprob]]] = field(default_factory=dict)
+    verified: dict[str, VerifiedTokens] = field(default_factory=dict)
+
+
+@dataclass
+class VerifiedTokens:
+    """What a request that carried draft tokens emits (instead of a ``token_ids`` entry).
+
+    Attributes:
+        token_ids: the accepted drafts, then the target's own token (1 .. k + 1 ids).
+        num_drafts: draft tokens the request carried (k).
+        logprobs: one record per emitted token, or ``None`` when not requested.
+    """
+
+    token_ids: list[int]
+    num_drafts: int
+    logprobs: list[Logprob] | None = None
 
 
 class ModelRunner:
@@ -106,25 +123,31 @@ class ModelRunner:
         if out.is_empty:
             return result
         input_ids, positions, slices = [], [], []
+        side_states = {}
         start = 0
         for item in out.scheduled:
             request = item.request
             first = request.num_computed_tokens
-            input_ids.extend(request.token_slice(first, first + item.num_new_tokens))
+            num_known = item.num_new_tokens - len(item.draft_token_ids)
+            input_ids.extend(request.token_slice(first, first + num_known))
+            input_ids.extend(item.draft_token_ids)
             positions.extend(range(first, first + item.num_new_tokens))
             policy = request.compression
-            slices.append(
-                RequestSlice(
-                    request_id=request.request_id,
-                    start=start,
-                    num_new=item.num_new_tokens,
-                    layers=item.layers,
-                    kv=self.kv.get(request.request_id),
-                    compressor=request.compressor,
-                    window=policy.window if policy is not None else 1,
-                    generator=request.kv_generator,
-                )
+            request_slice = RequestSlice(
+                request_id=request.request_id,
+                start=start,
+                num_new=item.num_new_tokens,
+                layers=item.layers,
+                kv=self.kv.get(request.request_id),
+                compressor=request.compressor,
+                window=policy.window if policy is not None else 1,
+                generator=request.kv_generator,
             )
+            if item.draft_token_ids:
+                side_states[request.request_id] = rollback.side_state(request_slice.kv)
+                if request_slice.needs_attention_mass:
+                    request_slice.draft_mass = {}
+            slices.append(request_slice)
             start += item.num_new_tokens
         sampling = [(s, item) for s, item in zip(slices, out.scheduled) if item.samples]
         static = self.static_decode
@@ -135,6 +158,12 @@ class ModelRunner:
             self._prompt_logprobs(out, slices, hidden, result)
             if not sampling:
                 return result
+            verifying = [(s, item) for s, item in sampling if item.draft_token_ids]
+            if verifying:
+                sampling = [(s, item) for s, item in sampling if not item.draft_token_ids]
+                self._verify(verifying, hidden, side_states, result)
+                if not sampling:
+                    return result
             rows = [s.start + s.num_new - 1 for s, _ in sampling]
             rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
             logits = self.model.compute_logits(hidden[rows_t])
@@ -180,6 +209,35 @@ class ModelRunner:
             hidden = self.model(ids, pos, ctx)
             ctx.finish()
         return hidden
+
+    def _verify(self, verifying, hidden, side_states, result: RunnerOutput) -> None:
+        """Verify each drafting request's ``k + 1`` rows, then roll its rejected positions
+        back (``spec_decode``): the step's ``num_new_tokens`` and every layer's ``num_new``
+        become the kept positions before the scheduler commits the step."""
+        rows = torch.tensor(
+            [row for s, _ in verifying for row in range(s.start, s.start + s.num_new)],
+            dtype=torch.long,
+            device=self.device,
+        )
+        logits = self.model.compute_logits(hidden[rows])
+        offset = 0
+        for s, item in verifying:
+            request, drafts = item.request, item.draft_token_ids
+            emitted, record = verify.verify_request(
+                logits[offset : offset + s.num_new], request, drafts
+            )
+            offset += s.num_new
+            records = None
+            if record is not None:
+                num_top = request.sampling_params.logprobs
+                records = [_logprob_record(record, i, num_top) for i in range(len(emitted))]
+            result.verified[request.request_id] = VerifiedTokens(emitted, len(drafts), records)
+            num_kept = len(emitted)
+            rollback.roll_back(
+                s.kv, item.layers, side_states[request.request_id], num_kept, s.window,
+                s.draft_mass,
+            )  # fmt: skip
+            item.num_new_tokens = num_kept
 
     def _prompt_logprobs(self, out: SchedulerOutput, slices, hidden, result) -> None:
         """Records for the prompt tokens this step's prefill rows predict (where asked)."""

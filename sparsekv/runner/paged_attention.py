@@ -232,6 +232,10 @@ class PagedAttention:
         if request.needs_attention_mass and state.budget is not None:
             mass = prefill_attention_mass(keys, queries, lse, scale, self.logit_softcap)
             _accumulate(state, mass)
+            if request.draft_mass is not None:
+                request.draft_mass[layer] = _row_masses(
+                    keys, queries, lse, scale, self.logit_softcap
+                )
         if step.compress_to is None or step.keep_uncompressed:
             storage.write_slots(state, step.block_table, held, keys[:, held:], values[:, held:])
         if step.compress_to is not None:
@@ -376,3 +380,25 @@ def _accumulate(state: LayerKV, mass: torch.Tensor) -> None:
     grown = mass.float().clone()
     grown[:, : acc.shape[1]] += acc
     state.accumulated = grown
+
+
+def _row_masses(
+    keys: torch.Tensor,
+    queries: torch.Tensor,
+    lse: torch.Tensor | None,
+    scale: float,
+    logit_softcap: float | None,
+) -> list[torch.Tensor]:
+    """Each chunk row's own attention mass (row ``j`` of ``n`` sees the first
+    ``len - n + j + 1`` slots): ``n`` tensors ``[num_kv_heads, len - n + j + 1]``."""
+    num_rows, num_slots = queries.shape[1], keys.shape[1]
+    return [
+        prefill_attention_mass(
+            keys[:, : num_slots - num_rows + j + 1],
+            queries[:, j : j + 1],
+            None if lse is None else lse[:, j : j + 1],
+            scale,
+            logit_softcap,
+        )
+        for j in range(num_rows)
+    ]

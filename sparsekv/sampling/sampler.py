@@ -79,7 +79,7 @@ class Sampler:
             token_ids[batch.random_rows] = _sample(processed[batch.random_rows], batch)
         output = SamplerOutput(token_ids=token_ids)
         if batch.num_logprobs is not None:
-            _add_logprobs(output, logits, batch.num_logprobs)
+            add_logprobs(output, logits, batch.num_logprobs)
         return output
 
 
@@ -95,11 +95,36 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(dim=-1).indices
 
 
-def _sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """``[R, V]`` penalized logits of the sampled rows -> ``[R]`` int64 tokens."""
+def target_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The distribution each row of an all-sampled batch draws its token from.
+
+    The sampler's own steps (penalties, ``min_tokens``, temperature, top-k, top-p, min-p)
+    without the draw: speculative decoding's rejection sampling accepts a draft token with
+    its probability under this distribution (docs/speculative.md).
+
+    Args:
+        logits: ``[B, V]`` model logits (upcast to fp32).
+        batch: a batch whose every row samples (no greedy row).
+
+    Returns:
+        ``[B, V]`` fp32 probabilities (each row sums to 1 up to rounding; zeros where
+        truncated).
+    """
+    assert len(batch.random_rows) == batch.num_rows, "every row must sample"
+    processed = apply_min_tokens(apply_penalties(logits.float(), batch), batch)
+    return _probs(processed, batch)
+
+
+def _probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """``[R, V]`` penalized logits of the sampled rows -> ``[R, V]`` fp32 probabilities."""
     logits = logits / batch.temperature[:, None]
     logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
-    probs = apply_min_p(logits.softmax(dim=-1), batch.min_p)
+    return apply_min_p(logits.softmax(dim=-1), batch.min_p)
+
+
+def _sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """``[R, V]`` penalized logits of the sampled rows -> ``[R]`` int64 tokens."""
+    probs = _probs(logits, batch)
     log_uniform = _log_uniform_draw(probs.shape, batch.generators, probs.device)
     # q = -log(U) ~ Exp(1), so argmax(probs / q) = argmin(probs / log(U)).
     return (probs / log_uniform).argmin(dim=-1)
@@ -133,8 +158,9 @@ def _log_uniform_draw(
     return uniform.log_()
 
 
-def _add_logprobs(output: SamplerOutput, logits: torch.Tensor, num_top: int) -> None:
-    """Fills the sampled token's and the top-``num_top`` raw log-probabilities."""
+def add_logprobs(output: SamplerOutput, logits: torch.Tensor, num_top: int) -> None:
+    """Fills ``output``'s logprobs: each row's token's and the top-``num_top`` raw
+    log-probabilities (``logits``: ``[B, V]``, rows of ``output.token_ids``)."""
     logprobs = logits.float().log_softmax(dim=-1)
     output.logprobs = logprobs.gather(1, output.token_ids[:, None]).squeeze(1)
     if num_top > 0:

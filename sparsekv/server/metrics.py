@@ -58,7 +58,59 @@ _COUNTERS = (
         "Prompt tokens served from the prefix cache.",
         "num_prefix_cache_hit_tokens",
     ),
+    (
+        "spec_decode_num_drafts",
+        "Speculative decoding: (request, step) pairs that carried draft tokens.",
+        "spec_decode.num_drafts",
+    ),
+    (
+        "spec_decode_draft_tokens",
+        "Speculative decoding: draft tokens proposed and verified.",
+        "spec_decode.num_draft_tokens",
+    ),
+    (
+        "spec_decode_accepted_tokens",
+        "Speculative decoding: draft tokens accepted.",
+        "spec_decode.num_accepted_tokens",
+    ),
+    (
+        "spec_decode_verify_steps",
+        "Speculative decoding: engine steps that verified draft tokens.",
+        "spec_decode.num_verify_steps",
+    ),
+    (
+        "spec_decode_draft_seconds",
+        "Speculative decoding: seconds spent proposing draft tokens.",
+        "spec_decode.draft_seconds",
+    ),
+    (
+        "spec_decode_verify_seconds",
+        "Speculative decoding: seconds of the steps that verified draft tokens.",
+        "spec_decode.verify_seconds",
+    ),
 )
+# (name, help, EngineStats attribute path): gauges derived from the counters
+_STAT_GAUGES = (
+    (
+        "spec_decode_acceptance_rate",
+        "Speculative decoding: accepted over proposed draft tokens since start.",
+        "spec_decode.acceptance_rate",
+    ),
+    (
+        "spec_decode_mean_accepted_length",
+        "Speculative decoding: tokens emitted per verifying request and step since start "
+        "(1 + accepted drafts per draft).",
+        "spec_decode.mean_accepted_length",
+    ),
+)
+
+
+def _stat(stats, path: str) -> float:
+    """``stats``' attribute at the dotted ``path`` (0 where a stats object lacks it)."""
+    value = stats
+    for name in path.split("."):
+        value = getattr(value, name, 0)
+    return float(value)
 
 
 class _EngineCollector:
@@ -83,8 +135,12 @@ class _EngineCollector:
             family = CounterMetricFamily(PREFIX + name, doc, labels=labels)
             for label, snapshot in snapshots.items():
                 # A counter a stats object lacks reads 0.
-                value = float(getattr(snapshot.stats, attr, 0))
-                family.add_metric([label] if labels else [], value)
+                family.add_metric([label] if labels else [], _stat(snapshot.stats, attr))
+            yield family
+        for name, doc, attr in _STAT_GAUGES:
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+            for label, snapshot in snapshots.items():
+                family.add_metric([label] if labels else [], _stat(snapshot.stats, attr))
             yield family
         yield GaugeMetricFamily(
             PREFIX + "prefix_caching_enabled",

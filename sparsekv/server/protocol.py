@@ -33,6 +33,24 @@ Seed = Annotated[int, Field(ge=-(2**62), le=2**62)]
 Size = Annotated[int, Field(lt=2**31)]
 
 
+class SpeculativeBody(BaseModel):
+    """The ``speculative`` object: the request's speculative decoding settings over the
+    server's (``method: null`` or ``num_speculative_tokens: 0`` opts out; ``method: "ngram"``
+    opts in on a server started without speculation)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    method: str | None = None
+    num_speculative_tokens: Size | None = None
+    ngram_prompt_lookup_min: Size | None = None
+    ngram_prompt_lookup_max: Size | None = None
+
+    def overrides(self) -> dict[str, Any]:
+        """The fields the client gave; an explicit ``method: null`` is kept (opt-out)."""
+        given = self.model_dump(exclude_unset=True)
+        return {k: v for k, v in given.items() if v is not None or k == "method"}
+
+
 class KVCompressionBody(BaseModel):
     """The ``kv_compression`` object: fields override the server's default policy one by one."""
 
@@ -94,6 +112,7 @@ class SamplingBody(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     kv_compression: KVCompressionBody | None = None
+    speculative: SpeculativeBody | None = None
 
     @property
     def include_usage(self) -> bool:

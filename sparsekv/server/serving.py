@@ -199,6 +199,7 @@ def sampling_params(
         prompt_logprobs=prompt_logprobs,
         include_stop_str_in_output=body.include_stop_str_in_output,
         skip_special_tokens=body.skip_special_tokens,
+        speculative=body.speculative.overrides() if body.speculative is not None else None,
     )
 
 

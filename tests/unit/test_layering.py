@@ -5,7 +5,7 @@ Tiers, top to bottom; a module imports its own tier or lower ones, never a highe
 5 app       ``cli``, ``cli_args``, ``server``, ``bench``, ``evaluation`` (and the package root)
 4 engine    ``engine``, ``llm``
 3 step      ``engine.scheduler`` (+ its request and output types), ``kv_cache``, ``runner``,
-            ``sampling``
+            ``sampling``, ``spec_decode``
 2 models    ``models``, ``loader``, ``compression``
 1 attention ``attention`` (the backend interface and implementations, the PyTorch reference)
 0 kernels   ``attention.cpu``, ``attention.triton``, ``models.fused`` (compiled / Triton ops)
@@ -45,6 +45,7 @@ TIERS = {  # longest matching prefix wins
     "sparsekv.kv_cache": 3,
     "sparsekv.runner": 3,
     "sparsekv.sampling": 3,
+    "sparsekv.spec_decode": 3,
     "sparsekv.models": 2,
     "sparsekv.loader": 2,
     "sparsekv.compression": 2,

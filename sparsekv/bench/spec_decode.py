@@ -1,0 +1,173 @@
+"""``sparsekv bench spec-decode``: speculative decoding against plain decoding, offline.
+
+A built-in set of code-editing chat prompts (repeat a function, rename a variable, add type
+hints: the answer copies most of the prompt, so prompt lookup hits) runs at each batch size of
+``--batch-sizes`` twice on one engine: once with every request opted out of speculation
+(``speculative: {"method": null}``), once with the engine's drafter (``--speculative-method``,
+``ngram`` by default). Greedy decoding, fixed ``--output-len``, EOS ignored. Reported per run:
+output tokens/s, TPOT P50 (each request's ``(last - first token) / (tokens - 1)``), the drafts'
+mean accepted length and acceptance rate, and whether the two runs' tokens agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shlex
+import sys
+import time
+
+from sparsekv.bench import common
+from sparsekv.cli_args import add_engine_args, engine_config_from_args
+from sparsekv.engine.prompts import render_chat
+from sparsekv.sampling_params import SamplingParams
+
+_CODE = [
+    "def mean(values):\n    total = 0\n    for value in values:\n        total += value\n"
+    "    return total / len(values)\n\n\ndef variance(values):\n    m = mean(values)\n"
+    "    total = 0\n    for value in values:\n        total += (value - m) ** 2\n"
+    "    return total / len(values)\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
+    "        self.items.append(item)\n\n    def pop(self):\n        return self.items.pop()\n\n"
+    "    def is_empty(self):\n        return len(self.items) == 0\n",
+    "def fizzbuzz(n):\n    result = []\n    for i in range(1, n + 1):\n        if i % 15 == 0:\n"
+    "            result.append('FizzBuzz')\n        elif i % 3 == 0:\n"
+    "            result.append('Fizz')\n        elif i % 5 == 0:\n"
+    "            result.append('Buzz')\n        else:\n            result.append(str(i))\n"
+    "    return result\n",
+    "def read_config(path):\n    config = {}\n    with open(path) as handle:\n"
+    "        for line in handle:\n            line = line.strip()\n"
+    "            if not line or line.startswith('#'):\n                continue\n"
+    "            key, value = line.split('=', 1)\n            config[key.strip()] = value.strip()\n"
+    "    return config\n",
+]
+_TASKS = [
+    "Repeat this Python code exactly:\n\n{code}",
+    "Rename the variable `total` to `acc` (or, if there is none, the first function's first "
+    "parameter to `data`) and print the whole code:\n\n{code}",
+    "Add a one-line docstring to every function and print the whole code:\n\n{code}",
+    "Add type hints to this code and print the whole code:\n\n{code}",
+]
+
+SUMMARY_COLUMNS = (
+    "system",
+    "batch_size",
+    "output_tokens",
+    "wall_s",
+    "output_tok_s",
+    "tpot_p50_ms",
+    "mean_accepted_length",
+    "acceptance_rate",
+    "speedup",
+    "same_tokens",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sparsekv bench spec-decode", description=__doc__)
+    parser.add_argument(
+        "--batch-sizes", default="1,4,16", help="comma-separated batch sizes (default: 1,4,16)"
+    )
+    parser.add_argument("--output-len", type=int, default=128, help="generated tokens each")
+    parser.add_argument("--no-warmup", action="store_true", help="skip the warm-up request")
+    common.add_common_args(parser, "reports/spec_decode.json")
+    add_engine_args(parser)
+    return parser
+
+
+def code_edit_prompts(tokenizer, num_prompts: int) -> list[list[int]]:
+    """``num_prompts`` chat-templated prompts cycling over the built-in code-editing tasks."""
+    prompts = []
+    for i in range(num_prompts):
+        code, task = _CODE[i % len(_CODE)], _TASKS[(i // len(_CODE)) % len(_TASKS)]
+        messages = [{"role": "user", "content": task.format(code=code)}]
+        prompts.append(render_chat(tokenizer, messages))
+    return prompts
+
+
+def main(argv: list[str] | None = None, *, checkpoint=None) -> int:
+    """Parse flags, run the benchmark, print a table and write the report."""
+    args = build_parser().parse_args(argv)
+    given = list(sys.argv[1:] if argv is None else argv)
+    args.command = "sparsekv bench spec-decode " + shlex.join(given)
+    document = run_spec_decode(args, checkpoint=checkpoint)
+    print(common.format_table(document["rows"], SUMMARY_COLUMNS))
+    print(f"wrote {args.output}")
+    return 0
+
+
+def run_spec_decode(args: argparse.Namespace, checkpoint=None) -> dict:
+    """Run plain and speculative decoding at each batch size; write ``args.output`` (JSON and
+    Markdown).
+
+    Returns:
+        The report: ``rows`` (one per system and batch size) and ``provenance``.
+
+    Raises:
+        ValueError: a batch size below 1.
+    """
+    load_start = common.load_average()
+    common.apply_threads(args.threads)
+    config = engine_config_from_args(args)
+    if config.speculative.method is None:
+        config.speculative = dataclasses.replace(config.speculative, method="ngram")
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    if any(b < 1 for b in batch_sizes):
+        raise ValueError(f"batch_sizes: every size must be >= 1, got {args.batch_sizes!r}")
+    checkpoint = common.load_checkpoint(config, checkpoint)
+    engine = common.build_engine(config, checkpoint)
+    if not args.no_warmup:
+        common.warm_up(engine, engine.vocab_size)
+    rows = []
+    for batch_size in batch_sizes:
+        prompts = code_edit_prompts(engine.tokenizer, batch_size)
+        plain = _run(engine, prompts, args.output_len, {"method": None}, "plain")
+        spec = _run(engine, prompts, args.output_len, None, config.speculative.method)
+        spec["speedup"] = spec["output_tok_s"] / plain["output_tok_s"]
+        same = sum(a == b for a, b in zip(plain.pop("tokens"), spec.pop("tokens")))
+        spec["same_tokens"] = f"{same}/{batch_size}"
+        rows += [plain, spec]
+    document = {
+        "rows": rows,
+        "provenance": common.bench_provenance(config, vars(args), load_start),
+    }
+    if getattr(args, "command", None):
+        document["provenance"]["command"] = args.command
+    common.write_json(args.output, document)
+    markdown = args.output.rsplit(".", 1)[0] + ".md"
+    common.write_markdown(markdown, "Speculative decoding", rows, document["provenance"])
+    return document
+
+
+def _run(engine, prompts, output_len: int, speculative: dict | None, system: str) -> dict:
+    """One batch of greedy requests; its throughput, TPOT and the drafts' statistics."""
+    params = SamplingParams(
+        max_tokens=output_len, temperature=0.0, ignore_eos=True, speculative=speculative
+    )
+    requests = [common.BenchRequest(f"{system}-{i}", p, params) for i, p in enumerate(prompts)]
+    before = dataclasses.replace(engine.stats.spec_decode)
+    start = time.perf_counter()
+    outputs, trace = common.run_requests(engine, requests)
+    wall = time.perf_counter() - start
+    after = engine.stats.spec_decode
+    num_drafts = after.num_drafts - before.num_drafts
+    num_draft_tokens = after.num_draft_tokens - before.num_draft_tokens
+    accepted = after.num_accepted_tokens - before.num_accepted_tokens
+    tpots = []
+    for output in outputs.values():
+        n = len(output.outputs[0].token_ids)
+        if n > 1:
+            tpots.append((output.metrics["last_token"] - output.metrics["first_token"]) / (n - 1))
+    num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs.values())
+    return {
+        "system": system,
+        "batch_size": len(prompts),
+        "output_tokens": num_tokens,
+        "wall_s": wall,
+        "output_tok_s": num_tokens / wall,
+        "tpot_p50_ms": 1000 * common.percentile(tpots, 50),
+        "mean_accepted_length": 1 + accepted / num_drafts if num_drafts else None,
+        "acceptance_rate": accepted / num_draft_tokens if num_draft_tokens else None,
+        "num_steps": trace.num_steps,
+        "tokens": [outputs[r.request_id].outputs[0].token_ids for r in requests],
+    }
