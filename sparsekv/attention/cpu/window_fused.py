@@ -2,12 +2,14 @@
 
 SnapKV-family scoring needs, per window row, the softmax denominator over the slots the row
 sees and then the summed probabilities per slot. This kernel does both in one pass over the
-keys: each logit is computed once into a cache-resident buffer (on AMX tiles, ``avx512_amx``, or
-with AVX512-BF16 dot products, ``avx512_bf16``: AMD Zen 4, Intel Cooper Lake) and takes one
-exponential, against two (plus a value product) for an attention call followed by the
+keys: each logit is computed once into a cache-resident buffer (on AMX tiles, ``avx512_amx``;
+with AVX512-BF16 dot products, ``avx512_bf16``: AMD Zen 4, Intel Cooper Lake; with fp32 FMAs on
+AVX2, ``avx2``: AMD Zen 1-3, Intel Haswell and later; or portable C++, ``generic``) and takes
+one exponential, against two (plus a value product) for an attention call followed by the
 window-score kernel. It reads keys either dense or in pages, several layers at once.
-``SPARSEKV_KERNEL_ISA`` picks a variant as for the other kernels; naming another one
-(``avx512``, ``avx2``, ...) turns the fused kernel off (callers take the unfused route).
+``SPARSEKV_KERNEL_ISA`` picks a variant as for the other kernels; naming a variant of the
+decode kernels only (``avx512``, ``avx2_w16``) turns the fused kernel off (callers take the
+unfused route). The kernels do not soft-cap logits: soft-capped models take the reference.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from sparsekv.attention.cpu import build
 from sparsekv.attention.cpu.ops import BF16_ISA, ISA_ENV, PREFILL_ISA, _extension
 
-VARIANTS = (PREFILL_ISA, BF16_ISA)  # fastest first
+VARIANTS = (PREFILL_ISA, BF16_ISA, "avx2", "generic")  # fastest first
 
 
 def window_fused_isas() -> tuple[str, ...]:
