@@ -1,5 +1,6 @@
-"""The fused window-score row: ``window_scores_fused_paged``, the AMX kernel decode-time
-compaction runs (``runner/compaction.py``), over one request's stacked layers.
+"""The fused window-score row: ``window_scores_fused_paged``, the kernel (AMX, AVX512-BF16, AVX2
+or portable, whichever this CPU runs fastest) decode-time compaction runs (``runner/compaction.py``),
+over one request's stacked layers.
 
 One call reads every stacked layer's keys from the pages and returns each window row's
 log-sum-exp and the summed window attention per slot (``attention/cpu/window_fused.py``). Its
