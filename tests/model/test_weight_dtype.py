@@ -10,7 +10,8 @@ channel: measured 0.949 mean agreement (worst text 0.906), floor 0.90. Bad value
 
 On the built-in Gemma 3 270M (a Q4_K_M GGUF: Q5_0 / Q8_0 attention and gate/up projections,
 Q4_K / Q6_K output and down projections, a Q8_0 embedding) every linear stays packed and the
-same teacher-forced comparison holds with the same floor (measured: see GEMMA_AGREEMENT).
+same teacher-forced comparison holds with the same floor (measured 1.0: all 8 x 64 positions
+agree, on the same machine).
 """
 
 from __future__ import annotations
@@ -135,19 +136,20 @@ def _config(weight_dtype: str):
 @pytest.mark.slow
 @pytest.mark.parametrize("weight_dtype", ["gguf", "int8"])
 def test_teacher_forced_agreement(smollm2_gguf, references, weight_dtype):
-    agreement = _agreement(smollm2_gguf, references, weight_dtype)
-    assert agreement >= AGREEMENT_FLOOR[weight_dtype]
+    agreement, per_text = _agreement(smollm2_gguf, references, weight_dtype)
+    assert agreement >= AGREEMENT_FLOOR[weight_dtype], per_text
 
 
 @pytest.mark.slow
 def test_gemma_teacher_forced_agreement(gemma_gguf):
-    agreement = _agreement(gemma_gguf, _references(gemma_gguf), "gguf")
-    assert agreement >= AGREEMENT_FLOOR["gguf"]
+    agreement, per_text = _agreement(gemma_gguf, _references(gemma_gguf), "gguf")
+    assert agreement >= AGREEMENT_FLOOR["gguf"], per_text
 
 
-def _agreement(checkpoint, references, weight_dtype: str) -> float:
+def _agreement(checkpoint, references, weight_dtype: str) -> tuple[float, dict[str, float]]:
     """Mean teacher-forced greedy agreement of a ``weight_dtype`` engine with the dense
-    engine's references over the 8 texts (asserts every text ran all positions)."""
+    engine's references over the 8 texts, and each text's (asserts every text ran all
+    positions)."""
     prompts, refs = references
     engine = common.build_engine(_config(weight_dtype), checkpoint)
     requests = []
@@ -165,8 +167,7 @@ def _agreement(checkpoint, references, weight_dtype: str) -> float:
     common.run_requests(engine, requests, on_finish=compare)
     agreement = sum(r.agreement for r in results.values()) / len(results)
     assert len(results) == NUM_TEXTS and all(r.num_positions == FORCED for r in results.values())
-    print(weight_dtype, {k: round(r.agreement, 4) for k, r in results.items()}, agreement)
-    return agreement
+    return agreement, {k: r.agreement for k, r in results.items()}
 
 
 def test_bad_weight_dtype_names_the_parameter():
