@@ -97,6 +97,22 @@ def test_fused_row_skipped_for_another_variant(env, argv, reason, capsys, monkey
     assert f"{FUSED_NAME:<46} skipped: {reason}" in capsys.readouterr().out
 
 
+@amx
+def test_fused_row_runs_the_isa_it_names(capsys, monkeypatch):
+    from sparsekv.attention.cpu import window_fused
+
+    monkeypatch.delenv(ops.ISA_ENV, raising=False)
+    ran = []
+    real = window_fused.window_scores_fused_paged
+    monkeypatch.setattr(
+        window_fused, "window_scores_fused_paged", lambda *a: ran.append(a[-1]) or real(*a)
+    )
+    args = kernels.build_parser().parse_args(TINY + ["--isa", "generic"])
+    assert len(kernels.bench_window_fused(args, MACHINE)) == 1
+    assert set(ran) == {"generic"}
+    capsys.readouterr()
+
+
 def test_fused_slots_below_the_window_raise():
     args = kernels.build_parser().parse_args(TINY + ["--fused-slots", "16"])
     with pytest.raises(ValueError, match="--fused-slots 16 < --window 32"):

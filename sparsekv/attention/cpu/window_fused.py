@@ -111,6 +111,7 @@ def window_scores_fused_paged(
     num_slots: int,
     lse: torch.Tensor | None,
     scale: float,
+    isa: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`window_scores_fused` with the keys read from pages in place, for several
     layers' block tables at once (their heads stacked layer-major).
@@ -122,6 +123,8 @@ def window_scores_fused_paged(
         tables: ``[layers, >= ceil(num_slots / block_size)]`` contiguous int64 page ids.
         num_slots: held slots ``n`` of every layer.
         lse, scale: as :func:`window_scores_fused`.
+        isa: the variant to run (one of :func:`window_fused_isas`), or ``None`` for
+            :func:`window_fused_isa`'s.
 
     Returns:
         scores ``[layers * num_heads, num_slots]`` and lse ``[layers * num_heads, w]``, fp32.
@@ -137,6 +140,6 @@ def window_scores_fused_paged(
         int(num_slots),
         lse,
         float(scale),
-        window_fused_isa() or PREFILL_ISA,
+        isa or window_fused_isa() or PREFILL_ISA,
     )
     return scores, lse_out
