@@ -106,7 +106,12 @@ static inline void nibbles(const uint8_t* qs, vf out[4]) {
 // Bytes of one block of 32 values of each block format (of 256 values: the k-quants).
 template <int F>
 constexpr int64_t block_bytes() {
-  return F == kQ4_0 ? 18 : F == kQ4_1 ? 20 : F == kQ5_0 ? 22 : F == kQ4_K ? 144 : F == kQ6_K ? 210 : 34;
+  return F == kQ4_0   ? 18
+         : F == kQ4_1 ? 20
+         : F == kQ5_0 ? 22
+         : F == kQ4_K ? 144
+         : F == kQ6_K ? 210
+                      : 34;
 }
 constexpr int64_t kSuperBlock = 256;  // values of a k-quant super-block
 
