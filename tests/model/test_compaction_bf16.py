@@ -1,5 +1,5 @@
 """SmolLM2 in bf16 with decode-time eviction: compaction read from the pages
-(``runner.compaction``, AMX kernels) gives the same tokens and kept counts as the gathered
+(``runner.compaction``, the fused window kernels) gives the same tokens and kept counts as the gathered
 route."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from sparsekv.runner import compaction
 from sparsekv.sampling_params import SamplingParams
 from tests.conftest import run_to_completion
 
-# A fused window kernel (AMX or AVX512-BF16) reads the pages: deselected, and named
-# untested, on CPUs with neither.
+# A fused window kernel (AMX, AVX512-BF16, AVX2 or portable) reads the pages: deselected, and
+# named untested, only where the native kernels do not build or are off.
 pytestmark = pytest.mark.kernel_variant("window_fused")
 
 

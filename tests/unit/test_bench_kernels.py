@@ -85,8 +85,8 @@ def test_fused_row_skipped_in_a_run_where_unsupported(tmp_path, capsys, monkeypa
         ("avx512", [], "the fused window kernel does not run here"),
         (
             "",
-            ["--isa", "generic"],
-            "--isa generic (the kernel runs on avx512_amx or avx512_bf16 only)",
+            ["--isa", "avx2_w16"],
+            "--isa avx2_w16 (the kernel runs on avx512_amx or avx512_bf16 or avx2 or generic only)",
         ),
     ],
 )
@@ -95,6 +95,22 @@ def test_fused_row_skipped_for_another_variant(env, argv, reason, capsys, monkey
     args = kernels.build_parser().parse_args(TINY + argv)
     assert kernels.bench_window_fused(args, MACHINE) == []
     assert f"{FUSED_NAME:<46} skipped: {reason}" in capsys.readouterr().out
+
+
+@amx
+def test_fused_row_runs_the_isa_it_names(capsys, monkeypatch):
+    from sparsekv.attention.cpu import window_fused
+
+    monkeypatch.delenv(ops.ISA_ENV, raising=False)
+    ran = []
+    real = window_fused.window_scores_fused_paged
+    monkeypatch.setattr(
+        window_fused, "window_scores_fused_paged", lambda *a: ran.append(a[-1]) or real(*a)
+    )
+    args = kernels.build_parser().parse_args(TINY + ["--isa", "generic"])
+    assert len(kernels.bench_window_fused(args, MACHINE)) == 1
+    assert set(ran) == {"generic"}
+    capsys.readouterr()
 
 
 def test_fused_slots_below_the_window_raise():

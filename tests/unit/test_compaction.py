@@ -68,7 +68,7 @@ def _kept_kv(storage, request, budget):
         (1, 48, 32, 32, False),
     ],
 )
-@pytest.mark.kernel_variant("window_fused")  # a fused window kernel (AMX or AVX512-BF16)
+@pytest.mark.kernel_variant("window_fused")  # every fused window kernel variant this CPU runs
 def test_compaction_from_pages_equals_gathered_route(
     num_layers, num_slots, budget, window, copy_on_write
 ):
@@ -119,7 +119,7 @@ def test_move_slots_in_place_and_to_fresh_pages(backend):
     assert torch.equal(gather_kv(written, torch.tensor([33, 34, 35]), 37)[0], expected[0][0])
 
 
-@pytest.mark.kernel_variant("window_fused")  # a fused window kernel (AMX or AVX512-BF16)
+@pytest.mark.kernel_variant("window_fused")  # every fused window kernel variant this CPU runs
 def test_applies_only_to_window_scored_plain_bf16_pages():
     storage, request = _setup(2, 56, 40, 8, False, seed=1)
     assert compaction.applies(request, [0, 1], [storage, storage], NATIVE)

@@ -1,6 +1,7 @@
 """Packed-weight kernels (``sparsekv.models.quant``) against the dequantized reference.
 
-Every format (the GGUF blocks Q4_0 / Q4_1 / Q8_0, int8 per channel, bf16 rows), every row count
+Every format (the GGUF blocks Q4_0 / Q4_1 / Q8_0 / Q5_0 and super-blocks Q4_K / Q6_K, int8 per
+channel, bf16 rows), every row count
 1-64 (the GEMV at one row, the tiled GEMM above), odd output widths and row formats of odd
 width, on each kernel variant this CPU runs, both called directly and forced through
 ``SPARSEKV_KERNEL_ISA``. The dequantized values equal ``gguf.quants.dequantize`` bit for bit;
@@ -28,7 +29,17 @@ from sparsekv.models.quant.formats import (
 from sparsekv.models.quant.linear import QuantizedLinear
 
 VARIANTS = ("avx2", "generic")
-BLOCK_FORMATS = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q8_0": "Q8_0"}
+BLOCK_FORMATS = {
+    "q4_0": "Q4_0",
+    "q4_1": "Q4_1",
+    "q8_0": "Q8_0",
+    "q5_0": "Q5_0",
+    "q4_k": "Q4_K",
+    "q6_k": "Q6_K",
+}
+# Byte offsets of each block's fp16 scale, and of its offset / min where it has one.
+SCALE_AT = {"q4_0": 0, "q4_1": 0, "q8_0": 0, "q5_0": 0, "q4_k": 0, "q6_k": 208}
+OFFSET_AT = {"q4_1": 2, "q4_k": 2}
 ALL_FORMATS = (*BLOCK_FORMATS, "int8", "bf16")
 # |y - exact| <= RTOL * sum_j |x_j W_ij| (fp32 accumulation over in_features).
 RTOL = 1e-5
@@ -57,16 +68,24 @@ def random_weight(fmt: str, out_features: int, in_features: int, seed: int = 0) 
     if fmt == "bf16":
         return pack_bf16(torch.randn(out_features, in_features, generator=g))
     layout = FORMATS[fmt]
-    blocks = in_features // 32
+    blocks = in_features // layout.block_values
     data = torch.randint(
         0, 256, (out_features, blocks, layout.block_bytes), dtype=torch.uint8, generator=g
     )
     scales = (torch.rand(out_features, blocks, 1, generator=g) * 0.02 + 1e-4).half()
-    data[..., 0:2] = scales.view(torch.uint8)
-    if fmt == "q4_1":
+    data[..., SCALE_AT[fmt] : SCALE_AT[fmt] + 2] = scales.view(torch.uint8)
+    if fmt in OFFSET_AT:
         offsets = (torch.randn(out_features, blocks, 1, generator=g) * 0.05).half()
-        data[..., 2:4] = offsets.view(torch.uint8)
+        data[..., OFFSET_AT[fmt] : OFFSET_AT[fmt] + 2] = offsets.view(torch.uint8)
     return PackedTensor(fmt, in_features, data.reshape(out_features, -1).contiguous())
+
+
+def width(fmt: str, base: int) -> int:
+    """An in_features for ``fmt`` near ``base`` blocks of 32: ``base`` scaled to the format's
+    block (super-blocks of 256: 8x), or ``base + 3`` for the row formats (a vector tail)."""
+    if fmt in ("int8", "bf16"):
+        return base + 3
+    return base * FORMATS[fmt].block_values // 32
 
 
 def assert_close_to_exact(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -80,7 +99,7 @@ def assert_close_to_exact(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
 
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)
 def test_reference_dequantization_equals_gguf(fmt):
-    weight = random_weight(fmt, 7, 96)
+    weight = random_weight(fmt, 7, width(fmt, 96))
     qtype = getattr(gguf.GGMLQuantizationType, BLOCK_FORMATS[fmt])
     expected = torch.from_numpy(gguf_dequantize(weight.data.numpy(), qtype).copy())
     assert torch.equal(dequantize_reference(weight), expected)
@@ -88,16 +107,14 @@ def test_reference_dequantization_equals_gguf(fmt):
 
 @pytest.mark.parametrize("fmt", ALL_FORMATS)
 def test_native_dequantization_is_exact(isa, fmt):
-    weight = random_weight(fmt, 13, 160 if fmt in BLOCK_FORMATS else 77)
+    weight = random_weight(fmt, 13, width(fmt, 160) if fmt in BLOCK_FORMATS else 77)
     assert torch.equal(ops.dequantize(weight, isa), dequantize_reference(weight))
 
 
 @pytest.mark.parametrize("fmt", ALL_FORMATS)
 @pytest.mark.parametrize("shape", [(37, 96), (5, 320)])
 def test_matmul_every_row_count(isa, fmt, shape):
-    out_features, in_features = shape
-    if fmt in ("int8", "bf16"):
-        in_features += 3  # row formats take any width (a vector tail)
+    out_features, in_features = shape[0], width(fmt, shape[1])
     weight = random_weight(fmt, out_features, in_features, seed=out_features)
     dense = dequantize_reference(weight)
     x = torch.randn(64, in_features, generator=torch.Generator().manual_seed(1))

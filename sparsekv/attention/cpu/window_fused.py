@@ -2,12 +2,14 @@
 
 SnapKV-family scoring needs, per window row, the softmax denominator over the slots the row
 sees and then the summed probabilities per slot. This kernel does both in one pass over the
-keys: each logit is computed once into a cache-resident buffer (on AMX tiles, ``avx512_amx``, or
-with AVX512-BF16 dot products, ``avx512_bf16``: AMD Zen 4, Intel Cooper Lake) and takes one
-exponential, against two (plus a value product) for an attention call followed by the
+keys: each logit is computed once into a cache-resident buffer (on AMX tiles, ``avx512_amx``;
+with AVX512-BF16 dot products, ``avx512_bf16``: AMD Zen 4, Intel Cooper Lake; with fp32 FMAs on
+AVX2, ``avx2``: AMD Zen 1-3, Intel Haswell and later; or portable C++, ``generic``) and takes
+one exponential, against two (plus a value product) for an attention call followed by the
 window-score kernel. It reads keys either dense or in pages, several layers at once.
-``SPARSEKV_KERNEL_ISA`` picks a variant as for the other kernels; naming another one
-(``avx512``, ``avx2``, ...) turns the fused kernel off (callers take the unfused route).
+``SPARSEKV_KERNEL_ISA`` picks a variant as for the other kernels; naming a variant of the
+decode kernels only (``avx512``, ``avx2_w16``) turns the fused kernel off (callers take the
+unfused route). The kernels do not soft-cap logits: soft-capped models take the reference.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from sparsekv.attention.cpu import build
 from sparsekv.attention.cpu.ops import BF16_ISA, ISA_ENV, PREFILL_ISA, _extension
 
-VARIANTS = (PREFILL_ISA, BF16_ISA)  # fastest first
+VARIANTS = (PREFILL_ISA, BF16_ISA, "avx2", "generic")  # fastest first
 
 
 def window_fused_isas() -> tuple[str, ...]:
@@ -109,6 +111,7 @@ def window_scores_fused_paged(
     num_slots: int,
     lse: torch.Tensor | None,
     scale: float,
+    isa: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`window_scores_fused` with the keys read from pages in place, for several
     layers' block tables at once (their heads stacked layer-major).
@@ -120,6 +123,8 @@ def window_scores_fused_paged(
         tables: ``[layers, >= ceil(num_slots / block_size)]`` contiguous int64 page ids.
         num_slots: held slots ``n`` of every layer.
         lse, scale: as :func:`window_scores_fused`.
+        isa: the variant to run (one of :func:`window_fused_isas`), or ``None`` for
+            :func:`window_fused_isa`'s.
 
     Returns:
         scores ``[layers * num_heads, num_slots]`` and lse ``[layers * num_heads, w]``, fp32.
@@ -135,6 +140,6 @@ def window_scores_fused_paged(
         int(num_slots),
         lse,
         float(scale),
-        window_fused_isa() or PREFILL_ISA,
+        isa or window_fused_isa() or PREFILL_ISA,
     )
     return scores, lse_out

@@ -2,7 +2,7 @@
 
 The command (parser, report) is ``cli``; the machine probe, timer and printed row ``probe``;
 decode inputs ``pages``; one module of rows per kernel: ``decode``, ``window`` (paged window
-scores), ``window_fused`` (the fused AMX window scores of decode-time compaction), ``prefill``.
+scores), ``window_fused`` (the fused window scores of decode-time compaction), ``prefill``.
 """
 
 from sparsekv.bench.kernels.cli import build_parser, main, provenance, run

@@ -1,5 +1,6 @@
-"""The fused window-score row: ``window_scores_fused_paged``, the AMX kernel decode-time
-compaction runs (``runner/compaction.py``), over one request's stacked layers.
+"""The fused window-score row: ``window_scores_fused_paged``, the kernel (AMX, AVX512-BF16, AVX2
+or portable, whichever this CPU runs fastest) decode-time compaction runs (``runner/compaction.py``),
+over one request's stacked layers.
 
 One call reads every stacked layer's keys from the pages and returns each window row's
 log-sum-exp and the summed window attention per slot (``attention/cpu/window_fused.py``). Its
@@ -83,8 +84,14 @@ def bench_window_fused(args: argparse.Namespace, machine: dict) -> list[dict]:
         return []
     scale = args.head_dim**-0.5
 
+    if args.isa is not None and args.isa not in window_fused.window_fused_isas():
+        print(f"{name:<46} skipped: --isa {args.isa}: this CPU does not run that variant")
+        return []
+
     def call() -> None:
-        window_fused.window_scores_fused_paged(queries, pool, tables, args.fused_slots, None, scale)
+        window_fused.window_scores_fused_paged(
+            queries, pool, tables, args.fused_slots, None, scale, args.isa
+        )
 
     bound, kind, note = fused_bound(args, machine)
     result = row(name, timed(call, args.repeats), bound, note)

@@ -8,9 +8,19 @@ output feature. The GGUF formats keep llama.cpp's blocks of 32 values (``ggml-co
 - ``q4_0``: fp16 scale ``d``, 16 bytes of 4-bit codes; ``w = d * (q - 8)`` (18 bytes / 32).
 - ``q4_1``: fp16 ``d`` and offset ``m``, 16 bytes of codes; ``w = d * q + m`` (20 bytes / 32).
 - ``q8_0``: fp16 ``d``, 32 int8 codes; ``w = d * q`` (34 bytes / 32).
+- ``q5_0``: fp16 ``d``, a 32-bit word of fifth bits ``qh``, 16 bytes of nibbles; value ``j``'s
+  code is its nibble plus ``16 *`` bit ``j`` of ``qh``; ``w = d * (q - 16)`` (22 bytes / 32).
 
 Byte ``j`` of a 4-bit block holds value ``j`` in its low nibble and value ``j + 16`` in its high
-one. Two formats made at load time from a dense checkpoint:
+one. The k-quants (``block_q4_K`` / ``block_q6_K``) group 256 values in a super-block:
+
+- ``q4_k``: fp16 ``d`` and ``dmin``, 12 bytes of 6-bit scales ``sc`` and mins ``m`` of 8
+  sub-blocks of 32, 128 bytes of nibbles (bytes ``32c .. 32c + 31``: sub-block ``2c`` in the low
+  nibbles, ``2c + 1`` in the high ones); ``w = d * sc * q - dmin * m`` (144 bytes / 256).
+- ``q6_k``: 128 bytes of low nibbles ``ql``, 64 bytes of 2-bit highs ``qh``, 16 int8 scales of
+  sub-blocks of 16, fp16 ``d``; ``w = d * scale * (q - 32)`` (210 bytes / 256). Half ``h`` of
+  128 values: ``ql`` bytes ``64h + i`` hold values ``i`` (low nibble) and ``64 + i`` (high);
+  bits ``2t, 2t + 1`` of ``qh`` byte ``32h + i`` are the top bits of value ``32t + i``. Two formats made at load time from a dense checkpoint:
 
 - ``int8``: per output channel, symmetric: an fp32 scale ``s = max|w| / 127``, then the row's
   int8 codes ``round(w / s)``; ``w = s * q``.
@@ -29,7 +39,7 @@ class PackedFormat:
     """One packed layout.
 
     Attributes:
-        name: ``q4_0``, ``q4_1``, ``q8_0``, ``int8`` or ``bf16``.
+        name: ``q4_0``, ``q4_1``, ``q8_0``, ``q5_0``, ``q4_k``, ``q6_k``, ``int8`` or ``bf16``.
         code: the native kernels' format number (``csrc/quant.h``).
         block_values: values per block (``in_features`` must be a multiple); 1 for row formats.
         block_bytes: bytes per block.
@@ -55,11 +65,21 @@ FORMATS: dict[str, PackedFormat] = {
         PackedFormat("q8_0", 2, 32, 34),
         PackedFormat("int8", 3, 1, 1, row_header=4),
         PackedFormat("bf16", 4, 1, 2),
+        PackedFormat("q4_k", 5, 256, 144),
+        PackedFormat("q6_k", 6, 256, 210),
+        PackedFormat("q5_0", 7, 32, 22),
     )
 }
 
 # GGML type names (``gguf.GGMLQuantizationType``) whose blocks are kept packed.
-GGUF_FORMATS = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0"}
+GGUF_FORMATS = {
+    "Q4_0": "q4_0",
+    "Q4_1": "q4_1",
+    "Q8_0": "q8_0",
+    "Q5_0": "q5_0",
+    "Q4_K": "q4_k",
+    "Q6_K": "q6_k",
+}
 
 
 @dataclass(frozen=True)
@@ -136,15 +156,50 @@ def dequantize_reference(weight: PackedTensor) -> torch.Tensor:
         return data[:, 4:].view(torch.int8).float() * scale
     if weight.format == "bf16":
         return data.view(torch.bfloat16).float()
-    blocks = data.reshape(rows, k // 32, layout.block_bytes)
+    blocks = data.reshape(rows, k // layout.block_values, layout.block_bytes)
+    if weight.format in _SUPER_BLOCK_DEQUANTIZERS:
+        return _SUPER_BLOCK_DEQUANTIZERS[weight.format](blocks).reshape(rows, k)
     d = _halves(blocks, 0).unsqueeze(-1)
     if weight.format == "q8_0":
         return (d * blocks[..., 2:].view(torch.int8).float()).reshape(rows, k)
     codes = blocks[..., -16:]
     q = torch.cat([codes & 0xF, codes >> 4], dim=-1).float()  # [rows, blocks, 32]
+    if weight.format == "q5_0":
+        high = blocks[..., 2:6].contiguous().view(torch.int32)  # [rows, blocks, 1]
+        bits = (high >> torch.arange(32, dtype=torch.int32)) & 1
+        return (d * (q + 16.0 * bits.float() - 16.0)).reshape(rows, k)
     if weight.format == "q4_0":
         return (d * (q - 8.0)).reshape(rows, k)
     return (d * q + _halves(blocks, 2).unsqueeze(-1)).reshape(rows, k)
+
+
+def _q4_k_values(blocks: torch.Tensor) -> torch.Tensor:
+    """Q4_K super-blocks ``[..., 144]`` -> fp32 values ``[..., 256]``."""
+    d, dmin = _halves(blocks, 0).unsqueeze(-1), _halves(blocks, 2).unsqueeze(-1)
+    s = blocks[..., 4:16].long()
+    low, mid, top = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = torch.cat([low & 63, (top & 15) | ((low >> 6) << 4)], dim=-1).float()
+    mins = torch.cat([mid & 63, (top >> 4) | ((mid >> 6) << 4)], dim=-1).float()
+    qs = blocks[..., 16:].reshape(*blocks.shape[:-1], 4, 1, 32)
+    q = torch.cat([qs & 0xF, qs >> 4], dim=-2).reshape(*blocks.shape[:-1], 8, 32).float()
+    values = (d * sc).unsqueeze(-1) * q - (dmin * mins).unsqueeze(-1)
+    return values.flatten(-2)
+
+
+def _q6_k_values(blocks: torch.Tensor) -> torch.Tensor:
+    """Q6_K super-blocks ``[..., 210]`` -> fp32 values ``[..., 256]``."""
+    lead = blocks.shape[:-1]
+    ql = blocks[..., :128].reshape(*lead, 2, 1, 64)
+    ql = torch.cat([ql & 0xF, ql >> 4], dim=-2).reshape(*lead, 2, 128)
+    qh = blocks[..., 128:192].reshape(*lead, 2, 1, 32)
+    qh = torch.cat([(qh >> shift) & 3 for shift in (0, 2, 4, 6)], dim=-2).reshape(*lead, 2, 128)
+    q = ((ql | (qh << 4)).float() - 32.0).reshape(*lead, 16, 16)
+    scales = blocks[..., 192:208].contiguous().view(torch.int8).float()
+    d = _halves(blocks, 208).unsqueeze(-1)
+    return ((d * scales).unsqueeze(-1) * q).flatten(-2)
+
+
+_SUPER_BLOCK_DEQUANTIZERS = {"q4_k": _q4_k_values, "q6_k": _q6_k_values}
 
 
 def quantize_int8(weight: torch.Tensor) -> PackedTensor:

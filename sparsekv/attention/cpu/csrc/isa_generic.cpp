@@ -1,7 +1,9 @@
-// Portable kernels (4 fp32 lanes, baseline ISA of the compiler).
+// Portable kernels (4 fp32 lanes, baseline ISA of the compiler), and the portable fused
+// window-score kernel (16 lanes, the width its passes are written for; window_fused_fma.h).
 #include <stdint.h>
 
 #include "kernels.h"
+#include "window_fused.h"
 
 namespace sparsekv_cpu {
 namespace isa_generic {
@@ -21,4 +23,15 @@ const KernelTable kTableGeneric = {
     &isa_generic::decode_combine,
     &isa_generic::window_pages,
 };
+
+namespace isa_generic_w16 {
+#define SKV_W 16
+#include "vec_impl.h"
+#include "window_fused_passes.h"
+#include "window_fused_fma.h"
+#undef SKV_W
+}  // namespace isa_generic_w16
+
+const WindowFusedKernel kWindowFusedGeneric = {&isa_generic_w16::window_fused_scratch_fma,
+                                               &isa_generic_w16::window_fused_item_fma};
 }  // namespace sparsekv_cpu

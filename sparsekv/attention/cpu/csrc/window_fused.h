@@ -1,6 +1,7 @@
 // Plain-C++ interface of the fused window-score kernels between the torch binding and the AMX
-// unit (isa_avx512_amx.cpp, window_fused_amx.h) or the AVX512-BF16 unit (isa_avx512_bf16.cpp,
-// window_fused_bf16.h); plain structs and raw pointers only, for the reasons given in kernels.h.
+// unit (isa_avx512_amx.cpp, window_fused_amx.h), the AVX512-BF16 unit (isa_avx512_bf16.cpp,
+// window_fused_bf16.h) or the fp32-FMA units (isa_avx2_w16.cpp and isa_generic.cpp,
+// window_fused_fma.h); plain structs and raw pointers only, for the reasons given in kernels.h.
 //
 // What it computes, per KV head k with query heads h = k * group .. (k + 1) * group - 1 and
 // window rows i = 0 .. w - 1 (row i is position n - w + i and sees keys j <= n - w + i):
@@ -41,10 +42,13 @@ struct WindowFusedKernel {
   void (*item)(const WindowFusedArgs&, int64_t kvh, float* scratch);
 };
 
-// The kernels: AMX-BF16 tiles (window_fused_amx.h) and AVX512-BF16 dot products
-// (window_fused_bf16.h); both pointers null where a unit is not compiled. The caller checks
-// amx_status() or avx512_bf16_status() == "ok" before calling one.
+// The kernels: AMX-BF16 tiles (window_fused_amx.h), AVX512-BF16 dot products
+// (window_fused_bf16.h), fp32 FMAs on AVX2 and on the baseline ISA (window_fused_fma.h); both
+// pointers null where a unit is not compiled. The caller checks amx_status(),
+// avx512_bf16_status() == "ok" or find_table("avx2") before calling one.
 extern const WindowFusedKernel kWindowFusedAmx;
 extern const WindowFusedKernel kWindowFusedBf16;
+extern const WindowFusedKernel kWindowFusedAvx2;
+extern const WindowFusedKernel kWindowFusedGeneric;
 
 }  // namespace sparsekv_cpu

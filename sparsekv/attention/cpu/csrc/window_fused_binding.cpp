@@ -1,7 +1,8 @@
 // Torch operators of the fused window-score kernel (window_fused.h):
 //   window_scores_fused(queries, keys, lse?, scale, isa)                   dense keys
 //   window_scores_fused_paged(queries, pool, tables, num_slots, lse?, scale, isa)  in pages
-//   window_fused_isas()   the variants this CPU runs (avx512_amx, avx512_bf16), fastest first
+//   window_fused_isas()   the variants this CPU runs (avx512_amx, avx512_bf16, avx2, generic),
+//                         fastest first
 // Both return [scores [num_heads, n] fp32, lse [num_heads, w] fp32]. Registered as a fragment
 // of the sparsekv_cpu library (binding.cpp holds the rest).
 #include <ATen/Parallel.h>
@@ -21,28 +22,42 @@ namespace skv = sparsekv_cpu;
 
 namespace {
 
-// Variants, fastest first: AMX tiles, AVX512-BF16 dot products.
-std::string variant_status(const skv::WindowFusedKernel& kernel, bool amx) {
-  if (kernel.item == nullptr) return "not compiled (needs a newer GCC)";
-  return amx ? skv::amx_status() : skv::avx512_bf16_status();
+// Variants, fastest first: AMX tiles, AVX512-BF16 dot products, fp32 FMAs on AVX2, portable.
+struct Variant {
+  const char* name;
+  const skv::WindowFusedKernel* kernel;
+};
+const Variant kVariants[] = {{"avx512_amx", &skv::kWindowFusedAmx},
+                             {"avx512_bf16", &skv::kWindowFusedBf16},
+                             {"avx2", &skv::kWindowFusedAvx2},
+                             {"generic", &skv::kWindowFusedGeneric}};
+
+// "ok" when this CPU runs variant v, else why not.
+std::string variant_status(const Variant& v) {
+  if (v.kernel->item == nullptr) return "not compiled (needs a newer GCC)";
+  const std::string name = v.name;
+  if (name == "avx512_amx") return skv::amx_status();
+  if (name == "avx512_bf16") return skv::avx512_bf16_status();
+  if (name == "avx2") return skv::find_table("avx2") != nullptr ? "ok" : "no AVX2 / FMA";
+  return "ok";
 }
 
 std::string window_fused_isas() {  // comma-separated, fastest first
   std::string out;
-  if (variant_status(skv::kWindowFusedAmx, true) == "ok") out = "avx512_amx";
-  if (variant_status(skv::kWindowFusedBf16, false) == "ok")
-    out += std::string(out.empty() ? "" : ",") + "avx512_bf16";
+  for (const Variant& v : kVariants)
+    if (variant_status(v) == "ok") out += std::string(out.empty() ? "" : ",") + v.name;
   return out;
 }
 
 const skv::WindowFusedKernel& kernel_for(c10::string_view isa) {
-  const bool amx = isa == "avx512_amx";
-  TORCH_CHECK(amx || isa == "avx512_bf16", "no fused window kernel variant '", std::string(isa),
-              "'");
-  const skv::WindowFusedKernel& kernel = amx ? skv::kWindowFusedAmx : skv::kWindowFusedBf16;
-  const std::string status = variant_status(kernel, amx);
-  TORCH_CHECK(status == "ok", "the ", std::string(isa), " window kernel is unavailable: ", status);
-  return kernel;
+  for (const Variant& v : kVariants) {
+    if (isa != v.name) continue;
+    const std::string status = variant_status(v);
+    TORCH_CHECK(status == "ok", "the ", std::string(isa), " window kernel is unavailable: ",
+                status);
+    return *v.kernel;
+  }
+  TORCH_CHECK(false, "no fused window kernel variant '", std::string(isa), "'");
 }
 
 void check_queries(const at::Tensor& queries, const std::optional<at::Tensor>& lse) {

@@ -70,15 +70,22 @@ int64_t row_bytes_of(int64_t format, int64_t k) {
     case qk::kQ8_0: return k / qk::kBlock * 34;
     case qk::kInt8Row: return 4 + k;
     case qk::kBf16Row: return 2 * k;
+    case qk::kQ4_K: return k / 256 * 144;
+    case qk::kQ6_K: return k / 256 * 210;
+    case qk::kQ5_0: return k / qk::kBlock * 22;
     default: TORCH_CHECK(false, "unknown packed format code ", format);
   }
 }
 
 void check_weight(const at::Tensor& w, int64_t format, int64_t k) {
   TORCH_CHECK(format >= 0 && format < qk::kNumFormats, "unknown packed format code ", format);
-  const bool blocks = format == qk::kQ4_0 || format == qk::kQ4_1 || format == qk::kQ8_0;
+  const bool super = format == qk::kQ4_K || format == qk::kQ6_K;
+  const bool blocks = format == qk::kQ4_0 || format == qk::kQ4_1 || format == qk::kQ8_0 ||
+                      format == qk::kQ5_0;
   TORCH_CHECK(k >= 0 && (!blocks || k % qk::kBlock == 0),
               "in_features must be a multiple of 32 for a block format, got ", k);
+  TORCH_CHECK(k >= 0 && (!super || k % 256 == 0),
+              "in_features must be a multiple of 256 for a k-quant format, got ", k);
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 &&
                   w.is_contiguous(),
               "weight must be a contiguous CPU uint8 [out_features, row_bytes]");
@@ -116,7 +123,7 @@ void matmul_(const at::Tensor& x, const at::Tensor& w, int64_t format, int64_t k
                       x.const_data_ptr<float>(), m, k, x.stride(0), nullptr,
                       y.mutable_data_ptr<float>(), y.stride(0), col};
   std::vector<float> sums;
-  if (m == 1 && (format == qk::kQ4_0 || format == qk::kQ4_1)) {
+  if (m == 1 && (format == qk::kQ4_0 || format == qk::kQ4_1 || format == qk::kQ4_K)) {
     sums.resize(k / qk::kBlock);
     const float* xp = args.x;
     for (int64_t b = 0; b < k / qk::kBlock; ++b) {

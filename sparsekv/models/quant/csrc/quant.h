@@ -21,7 +21,14 @@ enum Format : int {
   kQ8_0 = 2,  // blocks of 32: fp16 d, 32 int8; w = d * q
   kInt8Row = 3,  // one fp32 scale s, then k int8; w = s * q (per output channel)
   kBf16Row = 4,  // k bf16 bit patterns
-  kNumFormats = 5,
+  // Super-blocks of 256 (kquant_impl.h): fp16 d, fp16 dmin, 12 bytes of 6-bit sub-block scales
+  // and mins, 128 bytes of nibbles; w = d * sc * q - dmin * m per sub-block of 32.
+  kQ4_K = 5,
+  // Super-blocks of 256: 128 bytes of low nibbles, 64 bytes of 2-bit highs, 16 int8 sub-block
+  // scales, fp16 d; w = d * scale * (q - 32) per sub-block of 16.
+  kQ6_K = 6,
+  kQ5_0 = 7,  // blocks of 32: fp16 d, 32-bit qh (fifth bits), 16 bytes of nibbles; w = d * (q - 16)
+  kNumFormats = 8,
 };
 
 // Nibbles of a 4-bit block: byte j holds element j (low nibble) and element j + 16 (high).
@@ -35,8 +42,8 @@ struct MatmulArgs {
   int format;
   const float* x;  // [m, k], row stride x_stride
   int64_t m, k, x_stride;
-  // [m, k / 32] sums of x over each block (the 4-bit formats' offsets factor out of the dot
-  // product: sum (d q + c) x = d sum q x + c sum x), or nullptr for the other formats.
+  // [m, k / 32] sums of x over each block of 32 (the Q4_0 / Q4_1 / Q4_K offsets factor out of
+  // the dot product: sum (d q + c) x = d sum q x + c sum x), or nullptr for the other formats.
   const float* x_block_sums;
   float* y;  // [m, y_stride]; this call writes columns col + [begin, end)
   int64_t y_stride, col;

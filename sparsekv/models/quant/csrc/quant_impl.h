@@ -101,11 +101,19 @@ static inline void nibbles(const uint8_t* qs, vf out[4]) {
 #endif
 }
 
-// Bytes of one block of 32 values of each block format.
+#include "kquant_impl.h"
+
+// Bytes of one block of 32 values of each block format (of 256 values: the k-quants).
 template <int F>
 constexpr int64_t block_bytes() {
-  return F == kQ4_0 ? 18 : F == kQ4_1 ? 20 : 34;
+  return F == kQ4_0   ? 18
+         : F == kQ4_1 ? 20
+         : F == kQ5_0 ? 22
+         : F == kQ4_K ? 144
+         : F == kQ6_K ? 210
+                      : 34;
 }
+constexpr int64_t kSuperBlock = 256;  // values of a k-quant super-block
 
 // sum_j W[row, j] x[j] over the whole row (fp32 accumulation).
 template <int F>
@@ -127,6 +135,51 @@ static float row_dot(const uint8_t* row, const float* x, const float* sums, int6
       offsets += (F == kQ4_1 ? half_to_float(blk + 2) : -8.0f * d) * sums[b];
     }
     return hsum(acc) + offsets;
+  } else if constexpr (F == kQ4_K) {
+    float offsets = 0.0f;  // sum over sub-blocks of dmin * mn[j] * sum(x)
+    for (int64_t b = 0; b < k / kSuperBlock; ++b) {
+      const uint8_t* blk = row + b * block_bytes<F>();
+      float scale[8], offset[8];
+      q4_k_scales(blk + 4, half_to_float(blk), half_to_float(blk + 2), scale, offset);
+      for (int j = 0; j < 8; ++j) {
+        vf q[4];
+        q4_k_codes(blk, j, q);
+        const float* xb = x + b * kSuperBlock + j * kBlock;
+        vf dot = q[0] * loadf(xb);
+        dot += q[1] * loadf(xb + 8);
+        dot += q[2] * loadf(xb + 16);
+        dot += q[3] * loadf(xb + 24);
+        acc += splat(scale[j]) * dot;
+        offsets += offset[j] * sums[b * 8 + j];
+      }
+    }
+    return hsum(acc) - offsets;
+  } else if constexpr (F == kQ6_K) {
+    for (int64_t b = 0; b < k / kSuperBlock; ++b) {
+      const uint8_t* blk = row + b * block_bytes<F>();
+      const float d = half_to_float(blk + 208);
+      for (int s = 0; s < 16; ++s) {
+        vf q[2];
+        q6_k_codes(blk, s, q);
+        const float* xb = x + b * kSuperBlock + s * 16;
+        const vf dot = q[0] * loadf(xb) + q[1] * loadf(xb + 8);
+        acc += splat(d * static_cast<float>(static_cast<int8_t>(blk[192 + s]))) * dot;
+      }
+    }
+    return hsum(acc);
+  } else if constexpr (F == kQ5_0) {
+    for (int64_t b = 0; b < k / kBlock; ++b) {
+      const uint8_t* blk = row + b * block_bytes<F>();
+      const float* xb = x + b * kBlock;
+      vf q[4];
+      q5_0_codes(blk, q);
+      vf dot = q[0] * loadf(xb);
+      dot += q[1] * loadf(xb + 8);
+      dot += q[2] * loadf(xb + 16);
+      dot += q[3] * loadf(xb + 24);
+      acc += splat(half_to_float(blk)) * dot;
+    }
+    return hsum(acc);
   } else if constexpr (F == kQ8_0) {
     for (int64_t b = 0; b < k / kBlock; ++b) {
       const uint8_t* blk = row + b * block_bytes<F>();
@@ -162,10 +215,41 @@ static float row_dot(const uint8_t* row, const float* x, const float* sums, int6
 }
 
 // out[0, len) <- W[row, j0 + i] dequantized; for the block formats j0 and len are multiples
-// of 32.
+// of 32 (of 256 for the k-quants).
 template <int F>
 static void dequant_range(const uint8_t* row, int64_t j0, int64_t len, float* out) {
-  if constexpr (F == kQ4_0 || F == kQ4_1) {
+  if constexpr (F == kQ4_K) {
+    for (int64_t b = j0 / kSuperBlock; b < (j0 + len) / kSuperBlock; ++b) {
+      const uint8_t* blk = row + b * block_bytes<F>();
+      float scale[8], offset[8];
+      q4_k_scales(blk + 4, half_to_float(blk), half_to_float(blk + 2), scale, offset);
+      for (int j = 0; j < 8; ++j, out += kBlock) {
+        vf q[4];
+        q4_k_codes(blk, j, q);
+        for (int i = 0; i < 4; ++i) storef(out + 8 * i, splat(scale[j]) * q[i] - splat(offset[j]));
+      }
+    }
+  } else if constexpr (F == kQ6_K) {
+    for (int64_t b = j0 / kSuperBlock; b < (j0 + len) / kSuperBlock; ++b) {
+      const uint8_t* blk = row + b * block_bytes<F>();
+      const float d = half_to_float(blk + 208);
+      for (int s = 0; s < 16; ++s, out += 16) {
+        vf q[2];
+        q6_k_codes(blk, s, q);
+        const vf scale = splat(d * static_cast<float>(static_cast<int8_t>(blk[192 + s])));
+        storef(out, scale * q[0]);
+        storef(out + 8, scale * q[1]);
+      }
+    }
+  } else if constexpr (F == kQ5_0) {
+    for (int64_t b = j0 / kBlock; b < (j0 + len) / kBlock; ++b, out += kBlock) {
+      const uint8_t* blk = row + b * block_bytes<F>();
+      const vf scale = splat(half_to_float(blk));
+      vf q[4];
+      q5_0_codes(blk, q);
+      for (int i = 0; i < 4; ++i) storef(out + 8 * i, scale * q[i]);
+    }
+  } else if constexpr (F == kQ4_0 || F == kQ4_1) {
     for (int64_t b = j0 / kBlock; b < (j0 + len) / kBlock; ++b, out += kBlock) {
       const uint8_t* blk = row + b * block_bytes<F>();
       const float d = half_to_float(blk);
@@ -265,6 +349,9 @@ static void dequant_rows(const uint8_t* w, int64_t row_bytes, int64_t k, float* 
     case kQ4_1: return fn<kQ4_1>(__VA_ARGS__);        \
     case kQ8_0: return fn<kQ8_0>(__VA_ARGS__);        \
     case kInt8Row: return fn<kInt8Row>(__VA_ARGS__);  \
+    case kQ4_K: return fn<kQ4_K>(__VA_ARGS__);        \
+    case kQ6_K: return fn<kQ6_K>(__VA_ARGS__);        \
+    case kQ5_0: return fn<kQ5_0>(__VA_ARGS__);        \
     default: return fn<kBf16Row>(__VA_ARGS__);        \
   }
 

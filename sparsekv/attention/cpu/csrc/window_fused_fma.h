@@ -1,0 +1,121 @@
+// Fused window scores and log-sum-exps with fp32 FMAs, for CPUs with neither AMX nor AVX512-BF16
+// (included after window_fused_passes.h by isa_avx2_w16.cpp, AVX2 + FMA, and by
+// isa_generic.cpp, the compiler's baseline ISA; interface in window_fused.h).
+//
+// The AMX kernel's three passes (window_fused_amx.h) with pass 1 on fp32 FMAs over 16-lane
+// vectors (two 8-lane registers each on AVX2): a block of 16 keys is widened to fp32 once into
+// a stage (an L1-resident 16 x head_dim buffer), the rows' queries once per item into fp32
+// columns qf[row block][element][16 rows]; then for 4 keys at a time and each row block, 4
+// accumulators (rows along the lanes) take the key's broadcast element times the rows' column
+// of that element, and are stored to the logits buffer L[keys][rows] as the AMX tile store
+// does. Keys and queries are both widened in the order load2 reads bf16 (even elements of a
+// 32-element chunk, then odd ones): the dot product is the same sum in another order. Logits
+// are exact bf16 products (16 significant bits fit fp32's 24) summed in fp32 in one fixed order
+// per (key, row), so the dense and paged calls give the same bits.
+
+constexpr int64_t kFmaPrefetchBlocks = 4;  // key blocks fetched ahead, as the AMX kernel does
+constexpr int64_t kFmaKeys = 4;            // keys per register block (4 x 16 lanes)
+
+static int64_t window_fused_scratch_fma(const WindowFusedArgs& a) {
+  return 32 + a.rows * a.head_dim + a.num_blocks * 16 * a.rows + 16 * a.head_dim + 4 * a.rows +
+         64;
+}
+
+// Position of element e of a row in the widened order (load2's: evens, then odds per chunk).
+static inline int64_t window_fused_fma_pos(int64_t e) {
+  const int64_t base = e - e % 32, r = e % 32;
+  return base + ((r & 1) ? 16 + (r >> 1) : (r >> 1));
+}
+
+// qf[(rb * head_dim + p) * 16 + c] = element at position p of row rb * 16 + c (0 for padding).
+static void window_fused_pack_queries_fma(const WindowFusedArgs& a, int64_t kvh, float* qf) {
+  const int64_t d = a.head_dim, used = a.group * a.w;
+  for (int64_t rb = 0; rb < a.rows / 16; ++rb)
+    for (int64_t c = 0; c < 16; ++c) {
+      const int64_t row = rb * 16 + c;
+      const uint16_t* q = nullptr;
+      if (row < used)
+        q = a.query + (kvh * a.group + row / a.w) * a.query_head_stride +
+            (row % a.w) * a.query_row_stride;
+      for (int64_t e = 0; e < d; ++e)
+        qf[(rb * d + window_fused_fma_pos(e)) * 16 + c] = q != nullptr ? to_float(q[e]) : 0.0f;
+    }
+}
+
+// The 16 key rows of block K (nk readable, the rest zero) widened to fp32 into kf[16][d].
+static inline void window_fused_widen_keys(const uint16_t* K, int64_t stride, int64_t nk,
+                                           int64_t d, float* kf) {
+  for (int64_t i = 0; i < 16; ++i)
+    for (int64_t ch = 0; ch < d; ch += 32) {
+      vf even = splat(0.0f), odd = splat(0.0f);
+      if (i < nk) load2(K + i * stride + ch, even, odd);
+      storeu(kf + i * d + ch, even);
+      storeu(kf + i * d + ch + 16, odd);
+    }
+}
+
+// L[(b * 16 + i) * R + rb * 16 + c] = widened key i . row rb * 16 + c, for i in i0 .. i0 + 3.
+static inline void window_fused_dot_fma(const float* kf, const float* qf, int64_t d, float* L,
+                                        int64_t R) {
+  vf acc[kFmaKeys];
+  for (int t = 0; t < kFmaKeys; ++t) acc[t] = splat(0.0f);
+  for (int64_t p = 0; p < d; ++p) {
+    const vf q = loadu(qf + p * 16);
+#pragma GCC unroll 4
+    for (int t = 0; t < kFmaKeys; ++t) acc[t] += splat(kf[t * d + p]) * q;
+  }
+  for (int t = 0; t < kFmaKeys; ++t) storeu(L + t * R, acc[t]);
+}
+
+// Logits of every key against every row into L[key][row] (keys past n: zero-key logits), and
+// the rows' maxima into mx unless it is null.
+static void window_fused_logits_fma(const WindowFusedArgs& a, int64_t kvh, const float* qf,
+                                    float* L, float* kf, const float* thr, float* mx) {
+  const int64_t d = a.head_dim, R = a.rows;
+  for (int64_t b = 0; b < a.num_blocks; ++b) {
+    const int64_t nk = a.n - b * 16 < 16 ? a.n - b * 16 : 16;
+    if (kvh * a.num_blocks + b + kFmaPrefetchBlocks < a.num_kv_heads * a.num_blocks) {
+      const char* ahead = reinterpret_cast<const char*>(
+          a.key_blocks[kvh * a.num_blocks + b + kFmaPrefetchBlocks]);
+      for (int64_t i = 0; i < 16; ++i)
+        for (int64_t o = 0; o < d * 2; o += 64)
+          __builtin_prefetch(ahead + i * a.key_row_stride * 2 + o, 0, 2);
+    }
+    window_fused_widen_keys(a.key_blocks[kvh * a.num_blocks + b], a.key_row_stride, nk, d, kf);
+    for (int64_t rb = 0; rb < R / 16; ++rb)
+      for (int64_t i = 0; i < 16; i += kFmaKeys)
+        window_fused_dot_fma(kf + i * d, qf + rb * d * 16, d, L + (b * 16 + i) * R + rb * 16, R);
+    if (mx != nullptr) window_fused_block_max(a, b, L, thr, mx);
+  }
+}
+
+// Scores and LSE of every query head of KV head kvh (WindowFusedKernel::item); the AMX item's
+// steps with the logits above.
+static void window_fused_item_fma(const WindowFusedArgs& a, int64_t kvh, float* scratch) {
+  const int64_t R = a.rows, d = a.head_dim;
+  float* base = scratch + (16 - (reinterpret_cast<uintptr_t>(scratch) / 4) % 16) % 16;
+  float* qf = base + 16;
+  float* L = qf + R * d;
+  float* kf = L + a.num_blocks * 16 * R;
+  float* thr = kf + 16 * d;
+  float* lse_row = thr + R;
+  float* inv_sum = lse_row + R;
+  float* mx = inv_sum + R;
+  const int64_t used = a.group * a.w;
+  for (int64_t r = 0; r < R; ++r) {
+    thr[r] = r < used ? (float)(a.n - a.w + r % a.w) : -1.0f;
+    lse_row[r] = 0.0f;
+    mx[r] = kNegInf;
+    if (r < used && a.lse_in != nullptr)
+      lse_row[r] = a.lse_in[(kvh * a.group + r / a.w) * a.w + r % a.w];
+  }
+  window_fused_pack_queries_fma(a, kvh, qf);
+  window_fused_logits_fma(a, kvh, qf, L, kf, thr, a.lse_in == nullptr ? mx : nullptr);
+  for (int64_t rb = 0; rb < R / 16; rb += 4) {
+    const int count = R / 16 - rb < 4 ? (int)(R / 16 - rb) : 4;
+    window_fused_softmax(a, rb, count, L, thr, mx, lse_row, inv_sum);
+  }
+  window_fused_columns(a, kvh, L, inv_sum);
+  for (int64_t r = 0; r < used; ++r)
+    a.lse_out[(kvh * a.group + r / a.w) * a.w + r % a.w] = lse_row[r];
+}
