@@ -78,6 +78,7 @@ class LLM:
 
         Raises:
             ValueError: invalid input; nothing is queued in that case.
+            RuntimeError: the engine cannot run any more (a tensor-parallel rank failed).
         """
         prompt_list = _as_prompt_list(prompts)
         params = _broadcast(
@@ -127,7 +128,14 @@ class LLM:
                     finished[output.request_id] = output
                     bar.update(1)
         bar.close()
+        fatal = self.engine.fatal_error
+        if fatal is not None:
+            raise RuntimeError(f"generate: the engine failed: {fatal}")
         return [finished[i] for i in ids]
+
+    def shutdown(self) -> None:
+        """Stop the engine's other processes (``LLMEngine.shutdown``)."""
+        self.engine.shutdown()
 
     def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None):
         """One chat conversation -> its ``RequestOutput``."""
