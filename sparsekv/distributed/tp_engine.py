@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 
 import torch
 import torch.distributed as dist
@@ -48,8 +49,13 @@ class RankContext:
 
     def compressor(self, policy):
         """The request's compressor as this rank runs it (``None`` for a full cache)."""
-        inner = get_compressor(policy) if policy is not None else None
-        if inner is None or (inner.name != "random" and not self.shard.replicated):
+        return self.wrap(get_compressor(policy) if policy is not None else None)
+
+    def wrap(self, inner):
+        """``inner`` as this rank runs it: itself where the rank's KV heads score alone."""
+        if inner is None or isinstance(inner, ShardedCompressor):
+            return inner
+        if inner.name != "random" and not self.shard.replicated:
             return inner
         return ShardedCompressor(inner, self.shard, self.replica_group)
 
@@ -78,7 +84,7 @@ class TensorParallelRunner(ModelRunner):
         self.replies = replies
         self.page_ops = PageOpLog(kv)
         self.fatal_error: str | None = None
-        self._known: set[str] = set()
+        self._known: dict = {}  # request id -> rank 0's RequestKV, for requests mirrored
 
     @property
     def worker_pids(self) -> list[int]:
@@ -96,9 +102,7 @@ class TensorParallelRunner(ModelRunner):
         if out.is_empty:
             return RunnerOutput()
         for item in out.scheduled:
-            request = item.request
-            if request.request_id not in self._known and request.compression is not None:
-                request.compressor = self.rank.compressor(request.compression)
+            item.request.compressor = self.rank.wrap(item.request.compressor)
         plan = build_step(out, self.kv, self._known, self.page_ops.take())
         try:
             self._send(plan)
@@ -122,8 +126,9 @@ class TensorParallelRunner(ModelRunner):
     def shutdown(self) -> None:
         """Stop the workers and leave the process group (idempotent)."""
         if self.workers:
+            message = pickle.dumps(StepBroadcast(kind="stop"))
             for plans in self.plans:
-                plans.put(StepBroadcast(kind="stop"))
+                plans.put(message)
             for process in self.workers:
                 process.join(timeout=10)
                 if process.is_alive():
@@ -136,8 +141,11 @@ class TensorParallelRunner(ModelRunner):
         dead = [p.pid for p in self.workers if not p.is_alive()]
         if dead:
             raise TensorParallelError(f"tensor-parallel worker(s) {dead} exited")
+        # Pickled now: the queue's feeder thread would pickle later, after this step's
+        # commit changed the lists the plan shares with the KV manager.
+        message = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
         for plans in self.plans:
-            plans.put(plan)
+            plans.put(message)
 
     def _fail(self, exc: Exception) -> None:
         self.fatal_error = f"tensor-parallel group failed: {type(exc).__name__}: {exc}"

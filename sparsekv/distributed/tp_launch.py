@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import pickle
 import queue
 import socket
 
@@ -222,7 +223,8 @@ def worker_main(config, rank, init_method, payload, plans, replies, parent_pid) 
         fault_at = int(os.environ.get(FAULT_AFTER_STEPS_ENV, "0")) if rank == 1 else 0
         steps = 0
         while True:
-            plan = _next(plans, parent_pid)
+            message = _next(plans, parent_pid)
+            plan = None if message is None else pickle.loads(message)
             if plan is None or plan.kind == "stop":
                 break
             out = mirror.apply(plan)

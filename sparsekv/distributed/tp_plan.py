@@ -138,17 +138,27 @@ def layer_counters(state: LayerKV) -> LayerCounters:
     )
 
 
-def build_step(out: SchedulerOutput, kv: KVCacheManager, known: set[str], ops) -> StepBroadcast:
-    """The broadcast of a scheduled step; ``known`` (request ids the workers mirror) is
-    updated."""
+def build_step(out: SchedulerOutput, kv: KVCacheManager, known: dict, ops) -> StepBroadcast:
+    """The broadcast of a scheduled step.
+
+    Args:
+        out: the scheduled step.
+        kv: rank 0's KV manager.
+        known: request id -> rank 0's ``RequestKV`` of each request the workers mirror
+            (updated: a request id reused by a new request is dropped and sent again).
+        ops: the page copies since the last message (``PageOpLog.take``).
+    """
     plan = StepBroadcast(page_ops=ops)
-    plan.dropped = [rid for rid in known if not kv.has(rid)]
-    known.difference_update(plan.dropped)
+    plan.dropped = [
+        rid for rid, state in known.items() if not kv.has(rid) or kv.get(rid) is not state
+    ]
+    for rid in plan.dropped:
+        del known[rid]
     for item in out.scheduled:
         request = item.request
         rid = request.request_id
         if rid not in known:
-            known.add(rid)
+            known[rid] = kv.get(rid)
             generator = request.kv_generator
             plan.new.append(
                 NewRequest(
