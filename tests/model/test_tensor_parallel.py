@@ -96,17 +96,18 @@ def test_logits_equal_one_process(engines):
         )
 
 
-@pytest.mark.parametrize("method", ["snapkv", "pyramidkv", "random", "h2o"])
-def test_greedy_tokens_equal_with_compression(engines, method):
+def test_greedy_tokens_equal_with_compression(engines):
+    """One batch of four compressed requests: SnapKV, PyramidKV, ``random`` (every rank draws
+    all heads' scores and keeps its rows) and H2O (replicated heads sum their mass)."""
     single, sharded = engines
-    policy = {"method": method, **POLICY}
     requests = [
-        (f"{method}{i}", prompt_of(40, 10 + i), SamplingParams(max_tokens=14, **GREEDY), policy)
-        for i in range(2)
+        (method, prompt_of(40, 10 + i), SamplingParams(max_tokens=14, **GREEDY), policy)
+        for i, method in enumerate(["snapkv", "pyramidkv", "random", "h2o"])
+        for policy in [{"method": method, **POLICY}]
     ]
     expected, got = run(single, requests), run(sharded, requests)
     for rid, (tokens, logits) in expected.items():
-        assert got[rid][0] == tokens
+        assert got[rid][0] == tokens, rid
         torch.testing.assert_close(torch.stack(got[rid][1]), torch.stack(logits), rtol=0, atol=1e-5)
 
 
@@ -124,27 +125,33 @@ def _all_heads(reports, layer: int) -> torch.Tensor:
     return torch.stack([heads[h] for h in sorted(heads)])
 
 
-@pytest.mark.parametrize("method", ["snapkv", "pyramidkv"])
-def test_kept_slots_per_head_equal_one_process(engines, method):
+def test_kept_slots_per_head_equal_one_process(engines):
     """Mid-generation (after the prefill compressed and two decode-time evictions), every
     layer's cached keys per KV head are TP = 1's, slot by slot: the same kept indices."""
     single, sharded = engines
-    policy = {"method": method, **POLICY}
-    prompt = prompt_of(40, 21)
-    requests = [("kept", prompt, SamplingParams(max_tokens=30, **GREEDY), policy)]
+    methods = ["snapkv", "pyramidkv"]
+    requests = [
+        (f"kept-{method}", prompt_of(40, 21), SamplingParams(max_tokens=16, **GREEDY), policy)
+        for method in methods
+        for policy in [{"method": method, **POLICY}]
+    ]
     snapshots = {}
 
-    def take(engine, step, key):
-        if step == 12:
-            if key == "tp":
-                snapshots[key] = engine.runner.snapshot_keys("kept")
+    def take(engine, step):
+        if step != 12:
+            return
+        for method in methods:
+            rid = f"kept-{method}"
+            if engine is sharded:
+                snapshots["tp", method] = engine.runner.snapshot_keys(rid)
             else:
-                snapshots[key] = snapshot_of(engine.kv, "kept")
+                snapshots["single", method] = snapshot_of(engine.kv, rid)
 
-    run(single, requests, on_step=lambda e, s: take(e, s, "single"))
-    run(sharded, requests, on_step=lambda e, s: take(e, s, "tp"))
-    reference, reports = snapshots["single"], snapshots["tp"]
-    assert [shard.rank for shard, _ in reports] == [0, 1]
-    for layer, keys in enumerate(reference):
-        assert keys.shape[1] < 40  # compressed
-        torch.testing.assert_close(_all_heads(reports, layer), keys, rtol=0, atol=1e-5)
+    run(single, requests, on_step=take)
+    run(sharded, requests, on_step=take)
+    for method in methods:
+        reference, reports = snapshots["single", method], snapshots["tp", method]
+        assert [shard.rank for shard, _ in reports] == [0, 1]
+        for layer, keys in enumerate(reference):
+            assert keys.shape[1] < 40  # compressed
+            torch.testing.assert_close(_all_heads(reports, layer), keys, rtol=0, atol=1e-5)
