@@ -33,7 +33,8 @@ class LLM:
         kv_cache_memory: GiB for the page pool; ``None`` sizes it from the device (2 GiB
             on CPU, the free memory under ``gpu_memory_utilization`` on CUDA).
         engine_config: a full ``EngineConfig`` (overrides the keyword settings).
-        **kwargs: other ``ModelConfig``/``CacheConfig``/``SchedulerConfig`` fields by name.
+        **kwargs: other ``ModelConfig``/``CacheConfig``/``SchedulerConfig``/``ParallelConfig``
+            fields by name (``tensor_parallel_size=2``).
 
     Raises:
         ValueError: an invalid setting, or a missing or corrupt model file.
@@ -182,12 +183,13 @@ def _broadcast(value, count: int, name: str) -> list:
 
 
 def _apply_kwargs(config: EngineConfig, kwargs: dict) -> None:
-    """Set ``ModelConfig``/``CacheConfig``/``SchedulerConfig`` fields given to ``LLM`` by name.
+    """Set ``ModelConfig``/``CacheConfig``/``SchedulerConfig``/``ParallelConfig`` fields given
+    to ``LLM`` by name (``tensor_parallel_size=2``, as vLLM's ``LLM`` takes it).
 
     Raises:
         ValueError: a name that is no field of those (the message lists the fields).
     """
-    parts = (config.model, config.cache, config.scheduler)
+    parts = (config.model, config.cache, config.scheduler, config.parallel)
     for key, value in kwargs.items():
         for part in parts:
             if key in {f.name for f in dataclasses.fields(part)}:
