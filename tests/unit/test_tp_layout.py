@@ -71,3 +71,24 @@ def test_parallel_config_checks_the_tensor_parallel_fields():
         ParallelConfig(tensor_parallel_timeout=0).validate()
     with pytest.raises(ValueError, match="tensor_parallel_size: replicas"):
         ParallelConfig(tensor_parallel_size=2, data_parallel_size=2).validate()
+
+
+@pytest.mark.parametrize(
+    ("cache", "model", "message"),
+    [
+        ({"kv_cache_dtype": "int4"}, {}, "--kv-cache-dtype int4"),
+        ({}, {"weight_dtype": "int8"}, "--weight-dtype int8"),
+    ],
+)
+def test_settings_the_ranks_cannot_shard_are_refused_before_any_process(cache, model, message):
+    from sparsekv.config import CacheConfig, EngineConfig, ModelConfig
+    from sparsekv.engine.engine_setup import build_engine_parts
+
+    config = EngineConfig(
+        model=ModelConfig(**model),
+        cache=CacheConfig(**cache),
+        parallel=ParallelConfig(tensor_parallel_size=2),
+    )
+    with pytest.raises(ValueError, match="tensor_parallel_size") as info:
+        build_engine_parts(config, checkpoint=object())
+    assert message in str(info.value)
