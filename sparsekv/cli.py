@@ -108,7 +108,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
             torch.set_num_threads(config.parallel.threads_per_rank)
         llm = LLM(engine_config=config)
         inputs = [[{"role": "user", "content": p}] if args.chat else p for p in prompts]
-        outputs = llm.generate(inputs, params, use_tqdm=len(inputs) > 1)
+        try:
+            outputs = llm.generate(inputs, params, use_tqdm=len(inputs) > 1)
+        finally:
+            llm.shutdown()  # the tensor-parallel ranks, if any
         rows = [output_row(p, o) for p, o in zip(prompts, outputs)]
     for row in rows:
         if args.json:

@@ -44,7 +44,7 @@ SECTION_TITLES = {
     "cache": "cache (paged KV memory, prefix caching, KV quantization)",
     "compression": "compression (default per-layer KV compression policy)",
     "scheduler": "scheduler (continuous batching and preemption)",
-    "parallel": "parallel (replicas on Ray Serve and request routing)",
+    "parallel": "parallel (tensor-parallel ranks, replicas on Ray Serve, request routing)",
     "speculative": "speculative decoding (draft tokens verified in one target step)",
 }
 
@@ -79,6 +79,7 @@ METAVARS = {
     ("compression", "layer_budgets"): "B0,B1,...",
     ("compression", "compression_ratio"): "R",
     ("parallel", "ray_address"): "HOST:PORT",
+    ("parallel", "tensor_parallel_timeout"): "SECONDS",
 }
 # What a ``None`` default means, for the help line.
 NONE_DEFAULTS = {
@@ -89,7 +90,7 @@ NONE_DEFAULTS = {
     ("cache", "kv_cache_memory"): "sized from the device; 2 GiB on CPU",
     ("compression", "compression_ratio"): "unset",
     ("compression", "layer_budgets"): "unset",
-    ("parallel", "threads_per_rank"): "the cores divided by the replicas",
+    ("parallel", "threads_per_rank"): "the cores divided by the replicas or ranks",
     ("parallel", "ray_address"): "a local cluster",
     ("speculative", "method"): "off",
 }

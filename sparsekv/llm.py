@@ -36,7 +36,8 @@ class LLM:
         speculative: speculative decoding: a ``SpeculativeConfig`` or a dict of its fields
             (``{"method": "ngram", "num_speculative_tokens": 4}``); ``None``: off.
         engine_config: a full ``EngineConfig`` (overrides the keyword settings).
-        **kwargs: other ``ModelConfig``/``CacheConfig``/``SchedulerConfig`` fields by name.
+        **kwargs: other ``ModelConfig``/``CacheConfig``/``SchedulerConfig``/``ParallelConfig``
+            fields by name (``tensor_parallel_size=2``).
 
     Raises:
         ValueError: an invalid setting, or a missing or corrupt model file.
@@ -85,6 +86,7 @@ class LLM:
 
         Raises:
             ValueError: invalid input; nothing is queued in that case.
+            RuntimeError: the engine cannot run any more (a tensor-parallel rank failed).
         """
         prompt_list = _as_prompt_list(prompts)
         params = _broadcast(
@@ -134,7 +136,14 @@ class LLM:
                     finished[output.request_id] = output
                     bar.update(1)
         bar.close()
+        fatal = self.engine.fatal_error
+        if fatal is not None:
+            raise RuntimeError(f"generate: the engine failed: {fatal}")
         return [finished[i] for i in ids]
+
+    def shutdown(self) -> None:
+        """Stop the engine's other processes (``LLMEngine.shutdown``)."""
+        self.engine.shutdown()
 
     def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None):
         """One chat conversation -> its ``RequestOutput``."""
@@ -181,12 +190,13 @@ def _broadcast(value, count: int, name: str) -> list:
 
 
 def _apply_kwargs(config: EngineConfig, kwargs: dict) -> None:
-    """Set ``ModelConfig``/``CacheConfig``/``SchedulerConfig`` fields given to ``LLM`` by name.
+    """Set ``ModelConfig``/``CacheConfig``/``SchedulerConfig``/``ParallelConfig`` fields given
+    to ``LLM`` by name (``tensor_parallel_size=2``, as vLLM's ``LLM`` takes it).
 
     Raises:
         ValueError: a name that is no field of those (the message lists the fields).
     """
-    parts = (config.model, config.cache, config.scheduler)
+    parts = (config.model, config.cache, config.scheduler, config.parallel)
     for key, value in kwargs.items():
         for part in parts:
             if key in {f.name for f in dataclasses.fields(part)}:

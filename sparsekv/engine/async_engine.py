@@ -228,6 +228,9 @@ class AsyncEngine:
                 outputs = self.engine.step()
                 self._publish_snapshot()
                 self._deliver(outputs)
+                fatal = getattr(self.engine, "fatal_error", None)
+                if fatal is not None:  # a tensor-parallel rank failed: no step can run
+                    raise RuntimeError(fatal)
                 if not outputs:
                     self._wakeup.wait(0.001)  # nothing schedulable yet: do not spin
                     self._wakeup.clear()
@@ -237,6 +240,10 @@ class AsyncEngine:
             self.error = exc
             self._stopping = True
             self._fail_all(EngineDeadError(f"the engine loop died: {type(exc).__name__}: {exc}"))
+        finally:
+            stop = getattr(self.engine, "shutdown", None)
+            if stop is not None:
+                stop()  # the engine's other processes (tensor-parallel ranks)
 
     def _drain_commands(self) -> None:
         handled = False

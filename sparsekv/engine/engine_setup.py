@@ -188,6 +188,45 @@ def num_pool_pages(
     return int(pages)
 
 
+def model_len_of(config: EngineConfig, hf_config) -> int:
+    """``--max-model-len``, capped by the model's context (2048 where the config has none)."""
+    context = getattr(hf_config, "max_position_embeddings", None) or 2048
+    return min(config.model.max_model_len or context, context)
+
+
+def make_kv_manager(
+    config: EngineConfig,
+    model: torch.nn.Module,
+    backend,
+    device: str,
+    dtype: torch.dtype,
+    num_pages: int | tuple[int, int],
+) -> KVCacheManager:
+    """The KV manager of ``model`` (its ``num_kv_heads`` per page) with ``num_pages`` pages;
+    prefix caching is turned off for models with sliding-window layers."""
+    specs = model.layer_specs()
+    prefix_caching = config.cache.enable_prefix_caching
+    if prefix_caching and any(spec.is_sliding for spec in specs):
+        # A hit would need the pages sliding-window layers already freed.
+        logger.info("prefix caching is off: the model has sliding-window layers")
+        prefix_caching = False
+    return KVCacheManager(
+        specs,
+        num_pages,
+        config.cache.block_size,
+        model.num_kv_heads,
+        model.head_dim,
+        dtype,
+        device,
+        config.scheduler.max_num_batched_tokens,
+        enable_prefix_caching=prefix_caching,
+        prefix_cache_uncompressed=config.cache.prefix_cache_uncompressed,
+        kv_cache_dtype=config.cache.kv_cache_dtype,
+        full_precision_layers=full_precision_layers(config, len(specs)),
+        backend=backend,
+    )
+
+
 def build_engine_parts(config: EngineConfig, checkpoint=None) -> EngineParts:
     """Load weights and build the model, pool, scheduler and runner.
 
@@ -196,6 +235,10 @@ def build_engine_parts(config: EngineConfig, checkpoint=None) -> EngineParts:
         checkpoint: a ``sparsekv.loader.Checkpoint`` to use instead of loading
             ``config.model.model`` (tests with tiny random models).
     """
+    if config.parallel.tensor_parallel_size > 1:
+        from sparsekv.distributed.tp_launch import build_tensor_parallel_parts
+
+        return build_tensor_parallel_parts(config, checkpoint)
     device = resolve_device(config.model.device)
     dtype = resolve_dtype(config.model.dtype, device)
     # Chosen once; the kernels compile (or load) now, never on a request.
@@ -213,8 +256,7 @@ def build_engine_parts(config: EngineConfig, checkpoint=None) -> EngineParts:
             weight_dtype=config.model.weight_dtype,
         )
     hf_config = checkpoint.hf_config
-    context = getattr(hf_config, "max_position_embeddings", None) or 2048
-    max_model_len = min(config.model.max_model_len or context, context)
+    max_model_len = model_len_of(config, hf_config)
     model = build_model(hf_config, checkpoint.state_dict, dtype, device, max_model_len)
     # Before the bf16 prepacking, which then leaves the packed layers alone.
     apply_weight_dtype(model, config.model.weight_dtype, checkpoint)
@@ -229,26 +271,7 @@ def build_engine_parts(config: EngineConfig, checkpoint=None) -> EngineParts:
     num_pages = num_pool_pages(
         config, len(specs), model.num_heads, model.num_kv_heads, model.head_dim, dtype, memory_gib
     )
-    prefix_caching = config.cache.enable_prefix_caching
-    if prefix_caching and any(spec.is_sliding for spec in specs):
-        # A hit would need the pages sliding-window layers already freed.
-        logger.info("prefix caching is off: the model has sliding-window layers")
-        prefix_caching = False
-    kv = KVCacheManager(
-        specs,
-        num_pages,
-        config.cache.block_size,
-        model.num_kv_heads,
-        model.head_dim,
-        dtype,
-        device,
-        config.scheduler.max_num_batched_tokens,
-        enable_prefix_caching=prefix_caching,
-        prefix_cache_uncompressed=config.cache.prefix_cache_uncompressed,
-        kv_cache_dtype=config.cache.kv_cache_dtype,
-        full_precision_layers=full_precision_layers(config, len(specs)),
-        backend=backend,
-    )
+    kv = make_kv_manager(config, model, backend, device, dtype, num_pages)
     tokenizer = checkpoint.tokenizer
     runner = ModelRunner(model, kv, torch.device(device), backend)
     if device.startswith("cuda") and not config.model.enforce_eager:
@@ -263,13 +286,13 @@ def build_engine_parts(config: EngineConfig, checkpoint=None) -> EngineParts:
         scheduler=Scheduler(config.scheduler, kv),
         runner=runner,
         max_model_len=max_model_len,
-        eos_token_ids=_eos_ids(hf_config, tokenizer, getattr(checkpoint, "eos_token_ids", ())),
+        eos_token_ids=eos_ids_of(hf_config, tokenizer, getattr(checkpoint, "eos_token_ids", ())),
         vocab_size=hf_config.vocab_size,
         dtype=dtype,
     )
 
 
-def _eos_ids(hf_config, tokenizer, generation_eos=()) -> tuple[int, ...]:
+def eos_ids_of(hf_config, tokenizer, generation_eos=()) -> tuple[int, ...]:
     """Every token that ends generation: the config's, the tokenizer's and
     ``generation_config.json``'s (Llama 3.x lists ``<|eot_id|>`` there)."""
     ids = set()

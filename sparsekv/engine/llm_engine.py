@@ -240,6 +240,18 @@ class LLMEngine:
         self.stats.num_aborted += 1
         return op.build_output(group)
 
+    @property
+    def fatal_error(self) -> str | None:
+        """Why the engine can run no more steps (a tensor-parallel rank failed), else
+        ``None``; every step's requests then fail with this error."""
+        return getattr(self.runner, "fatal_error", None)
+
+    def shutdown(self) -> None:
+        """Stop the engine's other processes (tensor-parallel ranks); a no-op for one process."""
+        stop = getattr(self.runner, "shutdown", None)
+        if stop is not None:
+            stop()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
