@@ -60,6 +60,11 @@ def check_supported(config: EngineConfig) -> None:
             f"tensor_parallel_size: --weight-dtype {config.model.weight_dtype} is not "
             "supported with tensor parallelism (dense weights only)"
         )
+    if config.speculative.enabled:
+        raise ValueError(
+            "tensor_parallel_size: speculative decoding is not supported with tensor "
+            "parallelism (the step plan carries no draft tokens)"
+        )
     if config.cache.kv_cache_dtype == "int4":
         raise ValueError(
             "tensor_parallel_size: --kv-cache-dtype int4 is not supported with tensor "
@@ -148,13 +153,15 @@ def build_tensor_parallel_parts(config: EngineConfig, checkpoint=None) -> Engine
         config.parallel.tensor_parallel_timeout,
     )
     logger.info("tensor parallel: %d ranks, rank 0 holds %s", world, rank_ctx.shard)
+    scheduler = Scheduler(config.scheduler, kv)
+    scheduler.drafts_allowed = False  # a per-request "speculative" decodes plainly here
     return EngineParts(
         model_name=config.model.served_model_name or checkpoint.name,
         tokenizer=checkpoint.tokenizer,
         hf_config=hf_config,
         model=model,
         kv=kv,
-        scheduler=Scheduler(config.scheduler, kv),
+        scheduler=scheduler,
         runner=runner,
         max_model_len=model_len_of(config, hf_config),
         eos_token_ids=eos_ids_of(

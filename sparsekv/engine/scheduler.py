@@ -37,6 +37,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions_total = 0
+        # False where the runner cannot verify drafts (tensor-parallel ranks replay plain
+        # steps only): every request then decodes one token per step.
+        self.drafts_allowed = True
 
     # ----------------------------------------------------------------- queues
     def add(self, request: Request) -> None:
@@ -118,7 +121,7 @@ class Scheduler:
         ``([], None)``: drafts are dropped when the step would compact a layer (a compaction
         must never see tokens that may be rejected) or needs pages the pool lacks (nobody is
         preempted for a speculation)."""
-        if request.speculative is None:
+        if request.speculative is None or not self.drafts_allowed:
             return [], None
         start = time.perf_counter()
         drafts = drafting.propose(request, token_budget)

@@ -92,3 +92,23 @@ def test_settings_the_ranks_cannot_shard_are_refused_before_any_process(cache, m
     with pytest.raises(ValueError, match="tensor_parallel_size") as info:
         build_engine_parts(config, checkpoint=object())
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"speculative": {"method": "ngram"}}, "speculative decoding"),
+        ({"model": {"weight_dtype": "gguf"}}, "--weight-dtype gguf"),
+        ({"cache": {"kv_cache_dtype": "int4"}}, "int4"),
+    ],
+)
+def test_unsupported_settings_are_refused_before_any_rank_starts(fields, message):
+    from sparsekv.config import CacheConfig, EngineConfig, ModelConfig, SpeculativeConfig
+    from sparsekv.distributed.tp_launch import check_supported
+
+    parts = {"model": ModelConfig, "cache": CacheConfig, "speculative": SpeculativeConfig}
+    kwargs = {name: parts[name](**values) for name, values in fields.items()}
+    config = EngineConfig(parallel=ParallelConfig(tensor_parallel_size=2), **kwargs)
+    with pytest.raises(ValueError, match="tensor_parallel_size") as error:
+        check_supported(config)
+    assert message in str(error.value)
