@@ -13,7 +13,7 @@ import torch
 
 from sparsekv.attention.backends.base import AttentionBackend
 from sparsekv.engine.scheduler_output import SchedulerOutput
-from sparsekv.kv_cache.manager import KVCacheManager
+from sparsekv.kv_cache.manager import KVCacheManager, LayerStep
 from sparsekv.models.fused import ops as fused
 from sparsekv.outputs import Logprob
 from sparsekv.runner.metadata import BlockTableCache, RequestSlice, build_metadata
@@ -84,8 +84,13 @@ class ModelRunner:
         for item in out.scheduled:
             request = item.request
             first = request.num_computed_tokens
-            input_ids.extend(request.token_slice(first, first + item.num_new_tokens))
-            positions.extend(range(first, first + item.num_new_tokens))
+            end = first + item.num_new_tokens
+            input_ids.extend(request.token_slice(first, end))
+            positions.extend(range(first, end))
+            segments = reconstruction_segments(request, item.layers, end)
+            for segment in segments:  # each one placed right after the cached tokens
+                input_ids.extend(segment)
+                positions.extend(range(end, end + len(segment)))
             policy = request.compression
             slices.append(
                 RequestSlice(
@@ -97,9 +102,10 @@ class ModelRunner:
                     compressor=request.compressor,
                     window=policy.window if policy is not None else 1,
                     generator=request.kv_generator,
+                    segments=tuple(map(len, segments)),
                 )
             )
-            start += item.num_new_tokens
+            start += slices[-1].num_rows
         metadata = build_metadata(
             slices, len(self.layer_specs), self.kv.block_size, self.device, self._block_tables
         )
@@ -160,6 +166,18 @@ class ModelRunner:
             block = hidden[s.start : s.start + len(rows)]
             records = prompt_logprobs(self.model, block, targets, num_top)
             result.prompt_logprobs[request.request_id] = (first + 1, records)
+
+
+def reconstruction_segments(request, layers: list[LayerStep], end: int) -> list[list[int]]:
+    """Token ids of the reconstruction segments a step appends for ``request`` (KVzip): at
+    a prefill step where some layer compresses, the compressor's segments over the tokens
+    ``0 .. end - 1`` the cache holds after the step; none otherwise."""
+    compressor = request.compressor
+    if compressor is None or not compressor.reconstructs:
+        return []
+    if not any(s.compress_to is not None and not s.decode_compaction for s in layers):
+        return []
+    return compressor.reconstruction_segments(request.token_slice(0, end))
 
 
 def _logprob_record(sampled, row: int, num_top: int) -> Logprob:
