@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sparsekv.attention.backends.base import AttentionBackend
+from sparsekv.engine.request import Request
 from sparsekv.engine.scheduler_output import SchedulerOutput
 from sparsekv.kv_cache.manager import KVCacheManager, LayerStep
 from sparsekv.models.fused import ops as fused
@@ -168,7 +169,7 @@ class ModelRunner:
             result.prompt_logprobs[request.request_id] = (first + 1, records)
 
 
-def reconstruction_segments(request, layers: list[LayerStep], end: int) -> list[list[int]]:
+def reconstruction_segments(request: Request, layers: list[LayerStep], end: int) -> list[list[int]]:
     """Token ids of the reconstruction segments a step appends for ``request`` (KVzip): at
     a prefill step where some layer compresses, the compressor's segments over the tokens
     ``0 .. end - 1`` the cache holds after the step; none otherwise."""
