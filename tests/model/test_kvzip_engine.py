@@ -180,3 +180,21 @@ def test_a_kvzip_request_batched_with_others_equals_alone(tiny, make_engine):
         for output in engine.step():
             together[output.request_id] = output.outputs[0].token_ids
     assert together == alone
+
+
+def test_chunked_prefill_equals_one_shot(tiny, make_engine):
+    policy = CompressionConfig(method="kvzip", budget=24, window=4, full_layers=1)
+    prompt = prompt_of(90, seed=7)
+    params = SamplingParams(max_tokens=10, **GREEDY)
+    outputs = []
+    for chunk in (None, 16):
+        extra = {} if chunk is None else {"max_num_batched_tokens": chunk}
+        engine = make_engine(tiny, block_size=4, **extra)
+        engine.add_request("c", prompt, params, policy)
+        final = None
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                final = output
+        outputs.append((final.outputs[0].token_ids, final.kv_stats.kept_per_layer))
+    # The last chunk compresses over the gathered chunks plus its own rows: same kept slots.
+    assert outputs[1] == outputs[0] and len(outputs[0][0]) == 10
