@@ -170,6 +170,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return eval_main(args.eval_args)
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from sparsekv.evaluation.calibrate import main as calibrate_main
+
+    return calibrate_main(args.calibrate_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sparsekv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -257,6 +263,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     evaluate.add_argument("eval_args", nargs=argparse.REMAINDER)
     evaluate.set_defaults(func=cmd_eval)
+
+    calibrate = sub.add_parser(
+        "calibrate",
+        help="per-layer budgets from measured attention concentration "
+        "(`sparsekv calibrate --help`)",
+    )
+    calibrate.add_argument("calibrate_args", nargs=argparse.REMAINDER)
+    calibrate.set_defaults(func=cmd_calibrate)
     return parser
 
 
@@ -268,12 +282,12 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     # bench and eval parse their own flags (argparse's REMAINDER rejects a leading flag).
-    if argv and argv[0] in ("bench", "eval"):
+    if argv and argv[0] in ("bench", "eval", "calibrate"):
         from sparsekv.evaluation.provenance import code_version
 
         code_version()  # the checkout their reports name: as it is now, at the start
-        args = argparse.Namespace(bench_args=argv[1:], eval_args=argv[1:])
-        handler = cmd_bench if argv[0] == "bench" else cmd_eval
+        args = argparse.Namespace(bench_args=argv[1:], eval_args=argv[1:], calibrate_args=argv[1:])
+        handler = {"bench": cmd_bench, "eval": cmd_eval, "calibrate": cmd_calibrate}[argv[0]]
         try:
             return handler(args)
         except ValueError as exc:

@@ -77,6 +77,7 @@ METAVARS = {
     ("model", "device"): "auto|cpu|cuda[:N]",
     ("cache", "kv_cache_full_precision_layers"): "L0,L1,...",
     ("compression", "layer_budgets"): "B0,B1,...",
+    ("compression", "layer_fractions"): "F0,F1,...",
     ("compression", "compression_ratio"): "R",
     ("parallel", "ray_address"): "HOST:PORT",
     ("parallel", "tensor_parallel_timeout"): "SECONDS",
@@ -90,6 +91,7 @@ NONE_DEFAULTS = {
     ("cache", "kv_cache_memory"): "sized from the device; 2 GiB on CPU",
     ("compression", "compression_ratio"): "unset",
     ("compression", "layer_budgets"): "unset",
+    ("compression", "layer_fractions"): "unset",
     ("parallel", "threads_per_rank"): "the cores divided by the replicas or ranks",
     ("parallel", "ray_address"): "a local cluster",
     ("speculative", "method"): "off",
@@ -170,6 +172,13 @@ def _int_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError("expected a comma-separated list of integers") from exc
 
 
+def _float_list(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(","))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError("expected a comma-separated list of numbers") from exc
+
+
 def _default_text(key: tuple[str, str], default) -> str:
     if default is None:
         return NONE_DEFAULTS.get(key, "unset")
@@ -217,15 +226,23 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                     flag, dest=dest, action=OnOffFlag, default=default, help=help_text
                 )
             elif kind is tuple:
+                floats = float in typing.get_args(typing.get_args(hints[f.name])[0])
                 group.add_argument(
-                    flag, dest=dest, type=_int_list, default=default, metavar=_metavar(key, kind),
-                    help=help_text,
+                    flag, dest=dest, type=_float_list if floats else _int_list, default=default,
+                    metavar=_metavar(key, kind), help=help_text,
                 )  # fmt: skip
             else:
                 group.add_argument(
                     flag, dest=dest, type=kind, default=default, choices=CHOICES.get(key),
                     metavar=_metavar(key, kind), help=help_text,
                 )  # fmt: skip
+        if section == "compression":
+            group.add_argument(
+                "--kv-layer-budgets-file", dest="kv_layer_budgets_file", default=None,
+                metavar="PATH",
+                help="per-layer budgets from a JSON file (`sparsekv calibrate` writes one: "
+                "fractions or token counts per layer) (default: unset)",
+            )  # fmt: skip
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -246,6 +263,26 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     if isinstance(budget, _DefaultBudget):
         given_ratio = compression.get("compression_ratio") is not None
         compression["budget"] = None if given_ratio else int(budget)
+    path = getattr(args, "kv_layer_budgets_file", None)
+    if path is not None:
+        _apply_budgets_file(compression, path)
     config = EngineConfig(**{s: SECTIONS[s](**v) for s, v in values.items()})
     config.validate()
     return config
+
+
+def _apply_budgets_file(compression: dict, path: str) -> None:
+    """Set ``layer_fractions`` or ``layer_budgets`` from a budgets file.
+
+    Raises:
+        ValueError: an invalid file, or budgets also given by flag.
+    """
+    from sparsekv.compression.budgets_file import load_budgets
+
+    if compression.get("layer_budgets") is not None or compression.get("layer_fractions"):
+        raise ValueError(
+            "kv_layer_budgets_file: exclusive with --kv-layer-budgets and --kv-layer-fractions"
+        )
+    budgets = load_budgets(path)
+    field_name = "layer_fractions" if budgets.kind == "fractions" else "layer_budgets"
+    compression[field_name] = tuple(budgets.budgets)

@@ -33,6 +33,7 @@ COMPRESSION_METHODS = (
     "knorm",
     "random",
     "expected_attention",
+    "kvzip",
 )
 
 
@@ -186,6 +187,9 @@ class CompressionConfig:
         full_layers: the first N layers keep a full cache.
         layer_budgets: explicit budget per layer (0 = full cache), e.g. ``0,0,512,...``;
             overrides budget, ratio and full_layers.
+        layer_fractions: fraction of the compressed tokens each layer keeps, in (0, 1] (1 =
+            full cache), e.g. from ``sparsekv calibrate``; overrides budget, ratio and
+            full_layers.
         decode_eviction: during decode, re-score a layer and compact it back to its budget
             when it holds ``budget + block_size`` slots.
         chunked_mode: when a chunked prefill is scored: ``exact`` (once, after the last
@@ -204,6 +208,7 @@ class CompressionConfig:
     gqa_agg: str = "mean"
     full_layers: int = 2
     layer_budgets: tuple[int, ...] | None = None
+    layer_fractions: tuple[float, ...] | None = None
     decode_eviction: bool = True
     chunked_mode: str = "exact"
     scope: str = "prompt"
@@ -253,6 +258,14 @@ class CompressionConfig:
                     raise ValueError(
                         f"kv_compression.layer_budgets: {b} is below window + 1 ({self.window + 1})"
                     )
+        if self.layer_fractions is not None:
+            if self.layer_budgets is not None:
+                raise ValueError(
+                    "kv_compression.layer_fractions and kv_compression.layer_budgets are exclusive"
+                )
+            for f in self.layer_fractions:
+                if not 0 < f <= 1:
+                    raise ValueError(f"kv_compression.layer_fractions: {f} is not in (0, 1]")
         if self.chunked_mode not in ("exact", "bounded"):
             raise ValueError(
                 f"kv_compression.chunked_mode must be exact or bounded, got {self.chunked_mode!r}"
@@ -285,6 +298,8 @@ class CompressionConfig:
             values["budget"] = None
         if "layer_budgets" in values and values["layer_budgets"] is not None:
             values["layer_budgets"] = tuple(values["layer_budgets"])
+        if "layer_fractions" in values and values["layer_fractions"] is not None:
+            values["layer_fractions"] = tuple(values["layer_fractions"])
         merged = dataclasses.replace(self, **values)
         merged.validate()
         return merged

@@ -175,8 +175,9 @@ def attention_mass_per_head(
     scale: float,
     max_chunk_elements: int = MAX_CHUNK_ELEMENTS,
     logit_softcap: float | None = None,
+    reduce: str = "sum",
 ) -> torch.Tensor:
-    """Sum over query rows of the causal softmax weights on each slot, per query head.
+    """Sum (or max) over query rows of the causal softmax weights on each slot, per query head.
 
     Works chunk-wise over query rows; a chunk only touches the slots its rows can see.
 
@@ -191,11 +192,18 @@ def attention_mass_per_head(
         max_chunk_elements: most logit elements materialised at once.
         logit_softcap: the model's attention soft-cap: logits are ``cap * tanh(x / cap)`` of
             the scaled products (Gemma 2), as the attention computed them; ``None``: none.
+        reduce: ``sum`` over the rows (SnapKV, H2O) or ``max`` (KVzip).
 
     Returns:
-        ``[num_heads, n]`` fp32: ``sum_i exp(l_ij - lse_i)`` over visible ``(i, j)``, with
-        ``l_ij = q_i.k_j * scale`` (soft-capped when ``logit_softcap`` is set).
+        ``[num_heads, n]`` fp32: ``sum_i exp(l_ij - lse_i)`` (or ``max_i``) over visible
+        ``(i, j)``, with ``l_ij = q_i.k_j * scale`` (soft-capped when ``logit_softcap`` is
+        set); a slot no row sees scores 0.
+
+    Raises:
+        ValueError: ``reduce`` is neither ``sum`` nor ``max``.
     """
+    if reduce not in ("sum", "max"):
+        raise ValueError(f"reduce: expected 'sum' or 'max', got {reduce!r}")
     num_kv_heads, n, head_dim = keys.shape
     num_heads, q, _ = queries.shape
     assert num_heads % num_kv_heads == 0 and q <= n, (keys.shape, queries.shape)
@@ -221,5 +229,10 @@ def attention_mass_per_head(
             row_lse = torch.logsumexp(logits, dim=-1)
         else:
             row_lse = lse32[:, :, start:end]
-        mass[:, :, :num_visible] += torch.exp(logits - row_lse[..., None]).sum(dim=2)
+        probs = torch.exp(logits - row_lse[..., None])
+        if reduce == "max":
+            seen = mass[:, :, :num_visible]
+            torch.maximum(seen, probs.amax(dim=2), out=seen)
+        else:
+            mass[:, :, :num_visible] += probs.sum(dim=2)
     return mass.reshape(num_heads, n)

@@ -18,7 +18,33 @@ from sparsekv.attention.backends.base import AttentionBackend
 from sparsekv.attention.selection import kept_indices_prefer_recent, top_indices_prefer_recent
 from sparsekv.config import CompressionConfig
 
-__all__ = ["Compressor", "LayerView", "kept_indices_prefer_recent", "top_indices_prefer_recent"]
+__all__ = [
+    "Compressor",
+    "LayerView",
+    "ReconstructionRows",
+    "kept_indices_prefer_recent",
+    "top_indices_prefer_recent",
+]
+
+
+@dataclass(frozen=True)
+class ReconstructionRows:
+    """One segment of a reconstruction pass over a layer's held slots (KVzip).
+
+    The segment's tokens follow the ``n`` held slots: row ``i`` sits at slot ``n + i`` and
+    sees every held slot and the segment's rows ``<= i`` (causal), nothing of other segments.
+
+    Attributes:
+        queries: ``[num_heads, m, head_dim]`` post-RoPE queries of the segment's rows.
+        keys: ``[num_kv_heads, m, head_dim]`` their keys (held only for the pass, never
+            written to the pages), in the cache dtype.
+        lse: ``[num_heads, m]`` fp32 log-sum-exp of each row over the slots it sees (held
+            slots and the segment's own rows), from the attention; ``None``: compute it.
+    """
+
+    queries: torch.Tensor
+    keys: torch.Tensor
+    lse: torch.Tensor | None
 
 
 @dataclass(frozen=True)
@@ -47,6 +73,9 @@ class LayerView:
         rope_inv_freq: ``[r // 2]`` fp32 RoPE frequencies of the layer (radians per position,
             rotate-half layout over the leading ``r`` dimensions of a head), for methods that
             move queries along positions; ``None``: unknown or no RoPE.
+        reconstruction: the segments of a reconstruction pass over the held slots, run in
+            the same forward as the prompt (compressors with ``reconstructs`` set, at a
+            prefill step that compresses); empty elsewhere.
     """
 
     keys: torch.Tensor
@@ -59,6 +88,7 @@ class LayerView:
     logit_softcap: float | None = None
     backend: AttentionBackend | None = None
     rope_inv_freq: torch.Tensor | None = None
+    reconstruction: tuple[ReconstructionRows, ...] = ()
 
     @property
     def num_kv_heads(self) -> int:
@@ -95,6 +125,9 @@ class Compressor(abc.ABC):
     # ``score_window(summed [num_heads, n], num_kv_heads, num_window) -> [num_kv_heads, n]``
     # and can be scored straight from the pages (``runner.compaction``).
     window_scored: ClassVar[bool] = False
+    # ``score`` reads ``LayerView.reconstruction``: a prefill step that compresses appends the
+    # rows of ``reconstruction_segments`` to the request's batch (``runner.model_runner``).
+    reconstructs: ClassVar[bool] = False
 
     window: int = 32
     pooling: str = "max"
@@ -110,6 +143,11 @@ class Compressor(abc.ABC):
             kernel_size=config.kernel_size,
             gqa_agg=config.gqa_agg,
         )
+
+    def bind(self, tokenizer) -> None:
+        """Read what the method needs from the engine's tokenizer (called once per request
+        before its first step; most methods need nothing)."""
+        return None
 
     @abc.abstractmethod
     def score(self, view: LayerView) -> torch.Tensor:

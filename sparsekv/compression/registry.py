@@ -6,6 +6,7 @@ from sparsekv.compression.base import Compressor
 from sparsekv.compression.expected_attention import ExpectedAttentionCompressor
 from sparsekv.compression.h2o import H2OCompressor
 from sparsekv.compression.knorm import KNormCompressor
+from sparsekv.compression.kvzip import KVzipCompressor
 from sparsekv.compression.pyramidkv import PyramidKVCompressor
 from sparsekv.compression.random_method import RandomCompressor
 from sparsekv.compression.snapkv import SnapKVCompressor
@@ -24,6 +25,7 @@ COMPRESSORS: dict[str, type[Compressor]] = {
         KNormCompressor,
         RandomCompressor,
         ExpectedAttentionCompressor,
+        KVzipCompressor,
     )
 }
 

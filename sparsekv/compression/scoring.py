@@ -34,8 +34,10 @@ def window_attention_scores(
     scale: float,
     logit_softcap: float | None = None,
     backend: AttentionBackend | None = None,
+    reduce: str = "sum",
 ) -> torch.Tensor:
-    """SnapKV's observation-window scores ``S_h[j] = sum_{i in window} A_h[i, j]``.
+    """SnapKV's observation-window scores ``S_h[j] = sum_{i in window} A_h[i, j]`` (or
+    KVzip's ``max_i`` with ``reduce="max"``).
 
     Args:
         keys: ``[num_kv_heads, n, head_dim]`` held keys.
@@ -47,15 +49,17 @@ def window_attention_scores(
         backend: the engine's attention backend (``AttentionBackend.window_scores``: the native
             CPU backend runs the fused or the paged window kernel where they take the tensors);
             ``None`` computes :func:`attention_mass_per_head` directly.
+        reduce: ``sum`` or ``max`` over the window rows.
 
     Returns:
-        ``[num_heads, n]`` fp32 summed window attention (not yet pooled or GQA-aggregated).
+        ``[num_heads, n]`` fp32 summed (or max) window attention (not yet pooled or
+        GQA-aggregated).
     """
     if backend is None:
         return attention_mass_per_head(
-            keys, window_queries, window_lse, scale, logit_softcap=logit_softcap
+            keys, window_queries, window_lse, scale, logit_softcap=logit_softcap, reduce=reduce
         )
-    return backend.window_scores(keys, window_queries, window_lse, scale, logit_softcap)
+    return backend.window_scores(keys, window_queries, window_lse, scale, logit_softcap, reduce)
 
 
 def prefill_attention_mass(

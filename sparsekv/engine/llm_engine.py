@@ -214,6 +214,9 @@ class LLMEngine:
         kv_generator = torch.Generator().manual_seed(
             (params.seed if params.seed is not None else self.config.model.seed) + index
         )
+        compressor = get_compressor(policy) if policy is not None else None
+        if compressor is not None and self.tokenizer is not None:
+            compressor.bind(self.tokenizer)
         return Request(
             request_id=sample_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -222,7 +225,7 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             generator=generator,
             forced_token_ids=forced_token_ids,
-            compressor=get_compressor(policy) if policy is not None else None,
+            compressor=compressor,
             kv_generator=kv_generator,
             sample_index=index,
         )

@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompt-format",
         choices=runner.PROMPT_FORMATS,
         default="chat",
-        help="chat: chat template + answer prefix; completion: plain text ending in the answer "
+        help="chat: chat template + answer prefix; chat-plain: the question as a plain chat "
+        "user message, no answer prefix; completion: plain text ending in the answer "
         "prefix (base models, e.g. gemma3-270m)",
     )
     parser.add_argument(

@@ -48,7 +48,8 @@ def prompt_ids(tokenizer: Any, sample: ruler_tasks.RulerSample,
     ``completion``: the package's input text as it is (RULER's ``base`` template), the context
     encoded with the tokenizer's specials (BOS), the question and answer prefix without.
     ``chat``: the context and question as the user message of the chat template, the answer
-    prefix (its leading space dropped) after the assistant header.
+    prefix (its leading space dropped) after the assistant header; ``chat-plain``: the same
+    without the answer prefix.
 
     Raises:
         ValueError: an unknown format, or a chat template that rewrites the question text.
@@ -57,15 +58,18 @@ def prompt_ids(tokenizer: Any, sample: ruler_tasks.RulerSample,
         context = list(tokenizer(sample.context)["input_ids"])
         rest = tokenizer.encode(sample.question + sample.answer_prefix, add_special_tokens=False)
         return context + list(rest), len(context)
-    if prompt_format != "chat":
-        raise ValueError(f"prompt_format: {prompt_format!r} is not one of chat, completion")
+    if prompt_format not in ("chat", "chat-plain"):
+        raise ValueError(
+            f"prompt_format: {prompt_format!r} is not one of chat, chat-plain, completion"
+        )
     messages = [{"role": "user", "content": sample.context + sample.question}]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     split = text.rfind(sample.question)
     if split < 0:
         raise ValueError("prompt_format chat: the chat template rewrote the question")
     context = tokenizer.encode(text[:split], add_special_tokens=False)
-    rest = tokenizer.encode(text[split:] + sample.answer_prefix.lstrip(), add_special_tokens=False)
+    prefix = sample.answer_prefix.lstrip() if prompt_format == "chat" else ""
+    rest = tokenizer.encode(text[split:] + prefix, add_special_tokens=False)
     return list(context) + list(rest), len(context)
 
 

@@ -87,7 +87,8 @@ def build_cases(
     """Generate every sample of the grid.
 
     ``prompt_format`` ``chat`` renders each sample with the chat template and appends its answer
-    prefix after the assistant header; ``completion`` gives the user text, a blank line and the
+    prefix after the assistant header; ``chat-plain`` is the question as a plain chat user
+    message, no answer prefix (the model answers in its own words); ``completion`` gives the user text, a blank line and the
     answer prefix as plain text (base models such as Gemma 3 270M answer only this way).
 
     Retrieval tasks get ``depths`` x ``num_samples`` samples (a needle grid), or, without
@@ -112,7 +113,7 @@ def build_cases(
     return cases
 
 
-PROMPT_FORMATS = ("chat", "completion")
+PROMPT_FORMATS = ("chat", "chat-plain", "completion")
 
 
 def sample_prompt_ids(tokenizer: Any, sample: Sample, prompt_format: str = "chat") -> list[int]:
@@ -120,6 +121,8 @@ def sample_prompt_ids(tokenizer: Any, sample: Sample, prompt_format: str = "chat
     if prompt_format == "completion":
         text = sample.prompt_text + ("\n\n" + sample.answer_prefix if sample.answer_prefix else "")
         return encode_prompt(tokenizer, text)
+    if prompt_format == "chat-plain":
+        return encode_prompt(tokenizer, sample.messages)
     return encode_prompt(tokenizer, sample.messages) + answer_prefix_ids(
         tokenizer, sample.answer_prefix
     )

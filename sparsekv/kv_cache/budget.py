@@ -90,6 +90,7 @@ def layer_budgets(
     """Budget of every layer of a request; ``None`` = full cache.
 
     Order of rules: policy off (method ``none`` or ratio 0) -> all ``None``; an explicit
+    ``config.layer_fractions`` (1 = full; else ``max(window + 1, ceil(f * n))``) or
     ``config.layer_budgets`` list wins next (0 = full); otherwise the first ``full_layers``
     layers are full and the rest are budgeted by the method's schedule over the budgeted layers
     only. Non-compressible (sliding-window) layers are always ``None``.
@@ -104,11 +105,24 @@ def layer_budgets(
         ``[num_layers]`` budgets in slots, each ``>= window + 1``, or ``None``.
 
     Raises:
-        ValueError: ``layer_budgets`` has the wrong length, or no budget or ratio is given.
+        ValueError: ``layer_budgets`` or ``layer_fractions`` has the wrong length, or no
+            budget or ratio is given.
     """
     assert len(compressible) == num_layers, (len(compressible), num_layers)
     if not config.enabled:
         return [None] * num_layers
+    if config.layer_fractions is not None:
+        if len(config.layer_fractions) != num_layers:
+            raise ValueError(
+                f"kv_compression.layer_fractions: {len(config.layer_fractions)} fractions for a "
+                f"model with {num_layers} layers"
+            )
+        return [
+            None
+            if fraction >= 1 or not compressible[layer]
+            else max(config.window + 1, math.ceil(fraction * num_prompt_tokens - _RATIO_EPS))
+            for layer, fraction in enumerate(config.layer_fractions)
+        ]
     if config.layer_budgets is not None:
         if len(config.layer_budgets) != num_layers:
             raise ValueError(

@@ -43,6 +43,9 @@ class RequestSlice:
         draft_mass: a verifying H2O request only: per layer, the attention mass of each of
             the step's rows (``[num_kv_heads, num_held + row + 1]``), so that the rows of
             rejected draft tokens can be taken back out (``spec_decode.rollback``).
+        segments: lengths of the reconstruction segments whose rows follow the ``num_new``
+            token rows (KVzip, at the prefill step that compresses); their K/V are attended
+            in the step and never cached.
     """
 
     request_id: str
@@ -54,6 +57,12 @@ class RequestSlice:
     window: int
     generator: torch.Generator | None = None
     draft_mass: dict[int, list[torch.Tensor]] | None = None
+    segments: tuple[int, ...] = ()
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of the request in the flattened batch: its new tokens and reconstruction rows."""
+        return self.num_new + sum(self.segments)
 
     @property
     def needs_attention_mass(self) -> bool:
@@ -131,7 +140,7 @@ def build_metadata(
     if tables_cache is not None:
         tables_cache.start_step()
     decode: list[DecodeBatch | None] = [None] * num_layers
-    num_tokens = sum(s.num_new for s in slices)
+    num_tokens = sum(s.num_rows for s in slices)
     on_decode = [_decode_layers(s) for s in slices]
     if all(flags is True for flags in on_decode):
         # Every request decodes in every layer (any decode-only step): one group, no scan.
@@ -153,7 +162,7 @@ def build_metadata(
 def _decode_layers(request: RequestSlice) -> bool | list[bool]:
     """Which layers take ``request`` on the decode path: ``True`` for all of them (one new
     token, and no layer compresses but by decode-time eviction), else one flag per layer."""
-    if request.num_new != 1:
+    if request.num_rows != 1:
         return [False] * len(request.layers)
     flags = [step.compress_to is None or step.decode_compaction for step in request.layers]
     return True if all(flags) else flags

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 import torch
 
 from sparsekv.attention.backends.base import AttentionBackend
+from sparsekv.engine.request import Request
 from sparsekv.engine.scheduler_output import SchedulerOutput
-from sparsekv.kv_cache.manager import KVCacheManager
+from sparsekv.kv_cache.manager import KVCacheManager, LayerStep
 from sparsekv.models.fused import ops as fused
 from sparsekv.outputs import Logprob
 from sparsekv.runner.metadata import BlockTableCache, RequestSlice, build_metadata
@@ -129,9 +130,14 @@ class ModelRunner:
             request = item.request
             first = request.num_computed_tokens
             num_known = item.num_new_tokens - len(item.draft_token_ids)
+            end = first + item.num_new_tokens
             input_ids.extend(request.token_slice(first, first + num_known))
             input_ids.extend(item.draft_token_ids)
-            positions.extend(range(first, first + item.num_new_tokens))
+            positions.extend(range(first, end))
+            segments = reconstruction_segments(request, item.layers, end)
+            for segment in segments:  # each one placed right after the cached tokens
+                input_ids.extend(segment)
+                positions.extend(range(end, end + len(segment)))
             policy = request.compression
             request_slice = RequestSlice(
                 request_id=request.request_id,
@@ -142,13 +148,14 @@ class ModelRunner:
                 compressor=request.compressor,
                 window=policy.window if policy is not None else 1,
                 generator=request.kv_generator,
+                segments=tuple(map(len, segments)),
             )
             if item.draft_token_ids:
                 side_states[request.request_id] = rollback.side_state(request_slice.kv)
                 if request_slice.needs_attention_mass:
                     request_slice.draft_mass = {}
             slices.append(request_slice)
-            start += item.num_new_tokens
+            start += request_slice.num_rows
         sampling = [(s, item) for s, item in zip(slices, out.scheduled) if item.samples]
         static = self.static_decode
         if static is not None and len(sampling) == len(slices) and static.takes(slices):
@@ -254,6 +261,18 @@ class ModelRunner:
             block = hidden[s.start : s.start + len(rows)]
             records = prompt_logprobs(self.model, block, targets, num_top)
             result.prompt_logprobs[request.request_id] = (first + 1, records)
+
+
+def reconstruction_segments(request: Request, layers: list[LayerStep], end: int) -> list[list[int]]:
+    """Token ids of the reconstruction segments a step appends for ``request`` (KVzip): at
+    a prefill step where some layer compresses, the compressor's segments over the tokens
+    ``0 .. end - 1`` the cache holds after the step; none otherwise."""
+    compressor = request.compressor
+    if compressor is None or not compressor.reconstructs:
+        return []
+    if not any(s.compress_to is not None and not s.decode_compaction for s in layers):
+        return []
+    return compressor.reconstruction_segments(request.token_slice(0, end))
 
 
 def _logprob_record(sampled, row: int, num_top: int) -> Logprob:

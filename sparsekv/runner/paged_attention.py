@@ -16,6 +16,11 @@
   keeps it for the prefix cache (``LayerStep.keep_uncompressed``). A layer whose pages are
   shared compacts into the fresh pages of ``LayerStep.compact_table`` (copy-on-write).
 
+A request whose compressor reconstructs (KVzip) brings reconstruction rows after its new
+tokens in the step that compresses: every layer attends them over its uncompressed slots (their
+outputs feed the next layer like any row), a compressing layer hands them to the compressor,
+and their K/V are never written.
+
 Side state kept per (request, layer) outside the pool: the last ``window`` queries of budgeted
 layers (decode-time re-scoring) and H2O's accumulated attention mass.
 
@@ -30,7 +35,7 @@ from __future__ import annotations
 import torch
 
 from sparsekv.attention.backends.base import AttentionBackend, DecodeParams
-from sparsekv.compression.base import LayerView
+from sparsekv.compression.base import LayerView, ReconstructionRows
 from sparsekv.compression.scoring import prefill_attention_mass
 from sparsekv.kv_cache.request_kv import LayerKV
 from sparsekv.kv_cache.spec import LayerSpec
@@ -123,7 +128,7 @@ class PagedAttention:
                 batch, layer, queries, k[batch.rows], v[batch.rows], scale, window, storage
             )
         for request in self.metadata.general[layer]:
-            rows = slice(request.start, request.start + request.num_new)
+            rows = slice(request.start, request.start + request.num_rows)
             out[rows] = self._general(request, layer, q[rows], k[rows], v[rows], scale, window)
         return out
 
@@ -220,15 +225,26 @@ class PagedAttention:
                 state.remember_queries(q, request.window)
             storage.write_slots(state, step.block_table, held, new_k, new_v)
             return out.transpose(0, 1)
+        num_new = request.num_new
         cached_k, cached_v = storage.gather(state, step.block_table, held)
-        keys = torch.cat([cached_k, k.transpose(0, 1).to(storage.dtype)], dim=1)
-        values = torch.cat([cached_v, v.transpose(0, 1).to(storage.dtype)], dim=1)
-        queries = q.transpose(0, 1)  # [H, n, d]
+        keys = torch.cat([cached_k, k[:num_new].transpose(0, 1).to(storage.dtype)], dim=1)
+        values = torch.cat([cached_v, v[:num_new].transpose(0, 1).to(storage.dtype)], dim=1)
+        queries = q[:num_new].transpose(0, 1)  # [H, n, d]
         out, lse = self.backend.prefill_attention(
             queries, keys, values, scale, sliding_window=window, logit_softcap=self.logit_softcap
         )
+        out = out.transpose(0, 1)
+        reconstruction: tuple[ReconstructionRows, ...] = ()
+        if request.segments:
+            rows = slice(num_new, None)
+            recon_out, reconstruction = self._reconstruct(
+                request.segments, q[rows], k[rows], v[rows], keys, values, scale, window
+            )
+            out = torch.cat([out, recon_out])
+            if step.compress_to is None:
+                reconstruction = ()
         if state.budget is not None:
-            state.remember_queries(q, request.window)
+            state.remember_queries(q[:num_new], request.window)
         if request.needs_attention_mass and state.budget is not None:
             mass = prefill_attention_mass(keys, queries, lse, scale, self.logit_softcap)
             _accumulate(state, mass)
@@ -241,16 +257,53 @@ class PagedAttention:
         if step.compress_to is not None:
             # Shared pages are never written: a compaction then goes to fresh pages.
             target = step.compact_table if step.compact_table is not None else step.block_table
-            self._compress(request, layer, state, target, keys, values, lse, scale)
-        return out.transpose(0, 1)
+            self._compress(request, layer, state, target, keys, values, lse, scale, reconstruction)
+        return out
+
+    def _reconstruct(
+        self,
+        segments: tuple[int, ...],
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        scale: float,
+        window: int | None,
+    ) -> tuple[torch.Tensor, tuple[ReconstructionRows, ...]]:
+        """Attention of the reconstruction rows (KVzip): each segment's rows ``q``/``k``/``v``
+        ``[m, heads, d]`` (the segments one after another) attend over the layer's held and
+        new ``keys``/``values`` ``[num_kv_heads, n, d]`` and their own segment, causally.
+        Returns their outputs ``[rows, num_heads, d]`` and each segment's rows for scoring;
+        their K/V go nowhere else."""
+        outs, rows = [], []
+        start = 0
+        for length in segments:
+            part = slice(start, start + length)
+            start += length
+            seg_q = q[part].transpose(0, 1)
+            seg_k = k[part].transpose(0, 1).to(keys.dtype)
+            seg_v = v[part].transpose(0, 1).to(values.dtype)
+            out, lse = self.backend.prefill_attention(
+                seg_q,
+                torch.cat([keys, seg_k], dim=1),
+                torch.cat([values, seg_v], dim=1),
+                scale,
+                sliding_window=window,
+                logit_softcap=self.logit_softcap,
+            )
+            outs.append(out.transpose(0, 1))
+            rows.append(ReconstructionRows(seg_q, seg_k, lse))
+        return torch.cat(outs), tuple(rows)
 
     @staticmethod
     def _chunk_from_pages(request: RequestSlice, step, state: LayerKV, storage) -> bool:
         """True when a general-path chunk needs no dense copy of its keys: earlier slots are
-        held, the layer neither compresses nor accumulates attention mass this step, and the
-        pages hold full precision."""
+        held, the layer neither compresses nor accumulates attention mass this step, the step
+        carries no reconstruction rows (KVzip), and the pages hold full precision."""
         return (
             step.num_held > 0
+            and not request.segments
             and step.compress_to is None
             and not (request.needs_attention_mass and state.budget is not None)
             and storage.reads_chunks_in_place()
@@ -345,6 +398,7 @@ class PagedAttention:
         values: torch.Tensor,
         lse: torch.Tensor | None,
         scale: float,
+        reconstruction: tuple[ReconstructionRows, ...] = (),
     ) -> None:
         window_queries = state.recent_queries
         num_window = window_queries.shape[1]
@@ -363,6 +417,7 @@ class PagedAttention:
             logit_softcap=self.logit_softcap,
             backend=self.backend,
             rope_inv_freq=None if self.rope_frequencies is None else self.rope_frequencies[layer],
+            reconstruction=reconstruction,
         )
         budget = request.layers[layer].compress_to
         kept = request.compressor.select(view, budget, request.window)  # [KVH, k]

@@ -153,7 +153,7 @@ class StaticDecodeRunner:
         if any(storage.kv_cache_dtype != "auto" for storage in self.kv.storages):
             return False
         for s in slices:
-            if s.num_new != 1 or s.needs_attention_mass:
+            if s.num_new != 1 or s.segments or s.needs_attention_mass:
                 return False
             for step in s.layers:
                 if step.compress_to is not None and not step.decode_compaction:

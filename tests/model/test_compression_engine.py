@@ -25,6 +25,7 @@ METHODS = [
     "knorm",
     "random",
     "expected_attention",
+    "kvzip",
 ]
 
 
@@ -205,7 +206,7 @@ def test_bounded_chunk_mode_keeps_memory_bounded(tiny, make_engine):
     assert peak <= 4 * ((24 + 16) // 4 + 1)
 
 
-@pytest.mark.parametrize("method", ["snapkv", "expected_attention"])
+@pytest.mark.parametrize("method", ["snapkv", "expected_attention", "kvzip"])
 def test_single_shot_prefill_never_holds_uncompressed_pages(tiny, make_engine, method):
     checkpoint, _ = tiny
     budget = 32

@@ -68,7 +68,7 @@ def test_later_questions_attach_the_compressed_context(tiny, make_engine, fmt):
     assert first | later == cold(make_engine, tiny, prompts, policy(), kv_cache_dtype=fmt)
 
 
-@pytest.mark.parametrize("method", ["snapkv", "expected_attention"])
+@pytest.mark.parametrize("method", ["snapkv", "expected_attention", "kvzip"])
 def test_only_the_context_is_compressed(tiny, make_engine, method):
     prompt = DOCUMENT + QUESTIONS[1]
     out = run(make_engine(tiny), {"a": prompt}, policy(method=method), max_tokens=12)["a"]

@@ -186,3 +186,13 @@ def test_prompts_end_with_the_answer_prefix(tokenizer, prompt_format):
     assert has_header == (prompt_format == "chat")
     with pytest.raises(ValueError, match="prompt_format"):
         build_cases(tokenizer, ["passkey"], [500], 1, prompt_format="raw")
+
+
+def test_chat_plain_prompt_ends_with_the_assistant_header(tokenizer):
+    """``chat-plain``: the question as a plain user message, nothing after the header."""
+    sample = generate("passkey", tokenizer, 500, depth=0.5, seed=1)
+    ids = sample_prompt_ids(tokenizer, sample, "chat-plain")
+    assert ids == sample_prompt_ids(tokenizer, sample, "chat")[: len(ids)]
+    text = tokenizer.decode(ids)
+    assert text.endswith("<|im_start|>assistant\n")
+    assert "The pass key is" not in text.split("<|im_start|>assistant")[-1]

@@ -259,10 +259,12 @@ class AttentionBackend(abc.ABC):
         window_lse: torch.Tensor | None,
         scale: float,
         logit_softcap: float | None = None,
+        reduce: str = "sum",
     ) -> torch.Tensor:
         """SnapKV's observation-window scores over dense keys: ``S_h[j] = sum_i exp(l_ij -
         lse_i)`` over window rows ``i`` that see slot ``j`` (row ``i`` is the query of slot
-        ``n - w + i``), ``l_ij = q_i . k_j * scale`` (soft-capped when asked).
+        ``n - w + i``), ``l_ij = q_i . k_j * scale`` (soft-capped when asked); with ``reduce
+        = "max"`` the largest weight instead of the sum (KVzip's reconstruction rows).
 
         Args:
             keys: ``[num_kv_heads, n, head_dim]``.
@@ -271,9 +273,15 @@ class AttentionBackend(abc.ABC):
                 the attention), or ``None`` to compute it.
             scale: softmax scale.
             logit_softcap: the model's soft-cap, or ``None``.
+            reduce: ``sum`` or ``max`` over the rows. Backends whose kernels only sum run
+                ``max`` on the PyTorch reference (``torch_ref.attention_mass_per_head``,
+                chunked over rows).
 
         Returns:
             ``[num_heads, n]`` fp32 per query head (not pooled or GQA-aggregated).
+
+        Raises:
+            ValueError: ``reduce`` is neither ``sum`` nor ``max``.
         """
 
     def supports_window_scores_paged(

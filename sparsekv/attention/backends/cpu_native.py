@@ -73,12 +73,17 @@ class CpuNativeBackend(TorchBackend):
             return native.prefill_attention(query, key, value, scale, sliding_window)
         return super().prefill_attention(query, key, value, scale, sliding_window, logit_softcap)
 
-    def window_scores(self, keys, window_queries, window_lse, scale, logit_softcap=None):
+    def window_scores(
+        self, keys, window_queries, window_lse, scale, logit_softcap=None, reduce="sum"
+    ):
         """bf16 runs the fused kernel (``window_fused``: the LSE, when not given, and the sums
         in one pass); other dtypes the paged window kernel (``cpu_window``) when it takes
-        the tensors; a soft-capped model and the rest the reference (the kernels do not cap)."""
-        if logit_softcap is not None:
-            return super().window_scores(keys, window_queries, window_lse, scale, logit_softcap)
+        the tensors; a soft-capped model, the ``max`` reduction (the kernels only sum) and the
+        rest the reference (the kernels do not cap)."""
+        if logit_softcap is not None or reduce != "sum":
+            return super().window_scores(
+                keys, window_queries, window_lse, scale, logit_softcap, reduce
+            )
         if cpu_window.fused_window_ready(keys, window_queries):
             lse = None if window_lse is None else window_lse.float().contiguous()
             return window_fused.window_scores_fused(window_queries, keys, lse, scale)[0]

@@ -79,9 +79,11 @@ class TorchBackend(AttentionBackend):
             return out[0], lse[0].float()
         return torch_ref.attention_with_lse(query, key, value, scale, sliding_window, logit_softcap)
 
-    def window_scores(self, keys, window_queries, window_lse, scale, logit_softcap=None):
+    def window_scores(
+        self, keys, window_queries, window_lse, scale, logit_softcap=None, reduce="sum"
+    ):
         return torch_ref.attention_mass_per_head(
-            keys, window_queries, window_lse, scale, logit_softcap=logit_softcap
+            keys, window_queries, window_lse, scale, logit_softcap=logit_softcap, reduce=reduce
         )
 
     def window_scores_paged(self, window_queries, kv_pool, tables, num_slots, lse, scale):

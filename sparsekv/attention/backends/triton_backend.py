@@ -106,7 +106,14 @@ class TritonBackend(TorchBackend):
         )  # fmt: skip
 
     # ------------------------------------------------------------------ scoring
-    def window_scores(self, keys, window_queries, window_lse, scale, logit_softcap=None):
+    def window_scores(
+        self, keys, window_queries, window_lse, scale, logit_softcap=None, reduce="sum"
+    ):
+        """The Triton kernel sums; the ``max`` reduction (KVzip) runs on the reference."""
+        if reduce != "sum":
+            return super().window_scores(
+                keys, window_queries, window_lse, scale, logit_softcap, reduce
+            )
         scores, _ = window_scores.window_scores_dense(
             window_queries, keys, window_lse, scale, logit_softcap
         )

@@ -1,0 +1,200 @@
+"""KVzip in the paged engine: kept slots equal a brute-force dense reconstruction pass.
+
+The reference runs the model densely (float64 softmax over every position, no cache) over the
+prompt followed by each reconstruction segment, takes per layer and KV head the largest
+probability any reconstruction row (of any query head of the group) puts on a prompt position,
+keeps the sinks and the observation window, and ranks the rest with ties to the more recent
+position. The engine must keep exactly those slots, and hold only the compressed pages.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparsekv.compression.kvzip import KVzipCompressor, repeat_prompt
+from sparsekv.config import CompressionConfig
+from sparsekv.sampling_params import SamplingParams
+from tests.conftest import tiny_checkpoint, tiny_llama_config
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+LAYERS, BUDGET, WINDOW, SINKS = 4, 24, 4, 4
+
+
+@pytest.fixture(scope="module", params=["gqa", "mha"])
+def tiny(request, smollm2_tokenizer):
+    heads = (4, 2) if request.param == "gqa" else (4, 4)
+    config = tiny_llama_config(num_heads=heads[0], num_kv_heads=heads[1], num_layers=LAYERS)
+    return tiny_checkpoint(config, smollm2_tokenizer, seed=11)[0]
+
+
+def prompt_of(length, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(10, 49000, (length,), generator=generator).tolist()
+
+
+class DenseRecorder:
+    """Plain causal attention in float64 over one sequence; keeps each layer's q and k."""
+
+    def __init__(self):
+        self.queries, self.keys, self.scale = {}, {}, None
+
+    def attend(self, layer, q, k, v, scale, sliding_window=None):
+        q, k, v = (t.double().transpose(0, 1) for t in (q, k, v))  # [heads, T, d]
+        self.queries[layer], self.keys[layer], self.scale = q, k, scale
+        group = q.shape[0] // k.shape[0]
+        probs = causal_softmax(q, k.repeat_interleave(group, 0), scale)
+        out = probs @ v.repeat_interleave(group, 0)
+        return out.transpose(0, 1).float()
+
+
+def causal_softmax(q, k, scale):
+    logits = q @ k.transpose(1, 2) * scale
+    size = logits.shape[-1]
+    mask = torch.ones(size, size, dtype=torch.bool).tril()
+    return torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)
+
+
+def reference_kept(model, prompt, segments, layers):
+    """Per layer of ``layers``: sorted kept positions per KV head."""
+    n = len(prompt)
+    best = {}
+    for segment in segments:
+        recorder = DenseRecorder()
+        ids = torch.tensor(prompt + segment)
+        positions = torch.tensor(list(range(n)) + list(range(n, n + len(segment))))
+        with torch.inference_mode():
+            model(ids, positions, recorder)
+        for layer in layers:
+            q, k = recorder.queries[layer], recorder.keys[layer]
+            group = q.shape[0] // k.shape[0]
+            probs = causal_softmax(q, k.repeat_interleave(group, 0), recorder.scale)
+            rows = probs[:, n:, :n].amax(dim=1)  # [heads, n]
+            per_kv = rows.reshape(k.shape[0], group, n).amax(dim=1)
+            best[layer] = per_kv if layer not in best else torch.maximum(best[layer], per_kv)
+    kept = {}
+    for layer, scores in best.items():
+        heads = []
+        for head in scores:
+            older = [(float(head[j]) if j >= SINKS else float("inf"), j) for j in range(n - WINDOW)]
+            chosen = sorted(older, reverse=True)[: BUDGET - WINDOW]  # ties: higher index first
+            heads.append(sorted([j for _, j in chosen] + list(range(n - WINDOW, n))))
+        kept[layer] = heads
+    return kept
+
+
+def record_selections(monkeypatch, chunk_size):
+    kept = []
+    select = KVzipCompressor.select
+
+    def recording(self, view, budget, window):
+        chosen = select(self, view, budget, window)
+        if view.reconstruction:
+            kept.append(chosen.clone())
+        return chosen
+
+    def from_config(cls, config):
+        return cls(window=config.window, chunk_size=chunk_size)
+
+    monkeypatch.setattr(KVzipCompressor, "select", recording)
+    monkeypatch.setattr(KVzipCompressor, "from_config", classmethod(from_config))
+    return kept
+
+
+@pytest.mark.parametrize("chunk_size", [2048, 24])
+def test_kept_slots_equal_the_dense_reconstruction_reference(
+    tiny, make_engine, monkeypatch, smollm2_tokenizer, chunk_size
+):
+    kept = record_selections(monkeypatch, chunk_size)
+    policy = CompressionConfig(method="kvzip", budget=BUDGET, window=WINDOW, full_layers=1)
+    engine = make_engine(tiny, block_size=4, prefix_caching=False)
+    prompt = prompt_of(60, seed=1)
+    engine.add_request("z", prompt, SamplingParams(max_tokens=3, **GREEDY), policy)
+    while engine.has_unfinished_requests():
+        engine.step()
+    compressor = KVzipCompressor(chunk_size=chunk_size, repeat=repeat_prompt(smollm2_tokenizer))
+    segments = compressor.reconstruction_segments(prompt)
+    assert len(segments) == (1 if chunk_size == 2048 else 3)
+    assert segments[0][-len(prompt) if chunk_size == 2048 else -24 :] == prompt[:chunk_size]
+    expected = reference_kept(engine.parts.model, prompt, segments, range(1, LAYERS))
+    assert len(kept) == LAYERS - 1  # one selection per budgeted layer, at the prompt's end
+    for layer, chosen in zip(range(1, LAYERS), kept):
+        assert [sorted(row) for row in chosen.tolist()] == expected[layer], layer
+
+
+def test_reconstruction_kv_never_stays_and_pages_are_freed(tiny, make_engine):
+    policy = CompressionConfig(method="kvzip", budget=32, window=4, full_layers=0)
+    engine = make_engine(tiny, block_size=4, prefix_caching=False)
+    prompt = prompt_of(400, seed=6)
+    engine.add_request("s", prompt, SamplingParams(max_tokens=4, **GREEDY), policy)
+    scheduled = engine.scheduler.schedule()
+    # The single-shot prefill holds the compressed footprint only: 8 pages per layer, never
+    # the 100 of the prompt, nor any page for the ~420 reconstruction rows.
+    assert engine.kv.num_total_pages - engine.kv.num_free_pages <= LAYERS * (32 // 4)
+    assert engine.runner.execute(scheduled).token_ids
+    engine.scheduler.update(scheduled)
+    engine.abort_request("s")
+    engine.add_request("t", prompt, SamplingParams(max_tokens=4, **GREEDY), policy)
+    final = None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            final = output
+    assert final.outputs[0].token_ids and len(final.outputs[0].token_ids) == 4
+    # Budget + the 3 decoded tokens fed back: the reconstruction rows left nothing behind.
+    assert final.kv_stats.kept_per_layer == [32 + 3] * LAYERS
+    assert final.kv_stats.evicted_per_layer == [400 - 32] * LAYERS
+
+
+def test_context_scope_compresses_the_context_only(tiny, make_engine):
+    context, question = prompt_of(80, seed=2), prompt_of(9, seed=3)
+    policy = CompressionConfig(
+        method="kvzip", budget=40, window=4, full_layers=1, scope="context", context_tokens=80
+    )
+    engine = make_engine(tiny, block_size=4)
+    engine.add_request("c", context + question, SamplingParams(max_tokens=5, **GREEDY), policy)
+    final = None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            final = output
+    kept = final.kv_stats.kept_per_layer
+    assert kept == [89 + 4] + [40 + 9 + 4] * (LAYERS - 1)
+
+
+def test_a_kvzip_request_batched_with_others_equals_alone(tiny, make_engine):
+    kvzip = CompressionConfig(method="kvzip", budget=24, window=4, full_layers=1)
+    snap = CompressionConfig(method="snapkv", budget=24, window=4, full_layers=1)
+    prompts = {"k": (prompt_of(70, seed=4), kvzip), "s": (prompt_of(50, seed=5), snap)}
+    params = SamplingParams(max_tokens=8, **GREEDY)
+    alone = {}
+    for name, (prompt, policy) in prompts.items():
+        engine = make_engine(tiny, block_size=4)
+        engine.add_request(name, prompt, params, policy)
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                alone[name] = output.outputs[0].token_ids
+    engine = make_engine(tiny, block_size=4)
+    for name, (prompt, policy) in prompts.items():
+        engine.add_request(name, prompt, params, policy)
+    together = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            together[output.request_id] = output.outputs[0].token_ids
+    assert together == alone
+
+
+def test_chunked_prefill_equals_one_shot(tiny, make_engine):
+    policy = CompressionConfig(method="kvzip", budget=24, window=4, full_layers=1)
+    prompt = prompt_of(90, seed=7)
+    params = SamplingParams(max_tokens=10, **GREEDY)
+    outputs = []
+    for chunk in (None, 16):
+        extra = {} if chunk is None else {"max_num_batched_tokens": chunk}
+        engine = make_engine(tiny, block_size=4, **extra)
+        engine.add_request("c", prompt, params, policy)
+        final = None
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                final = output
+        outputs.append((final.outputs[0].token_ids, final.kv_stats.kept_per_layer))
+    # The last chunk compresses over the gathered chunks plus its own rows: same kept slots.
+    assert outputs[1] == outputs[0] and len(outputs[0][0]) == 10
