@@ -36,6 +36,12 @@ _PREFIX = (
 )
 # Report path (relative to the results folder, without suffix) -> the command that made it.
 COMMANDS = {
+    "routing_shared_prefix": "sparsekv bench sweep --configs "
+    "'prefix:--data-parallel-size 2 --threads-per-rank 1 --routing-policy prefix' "
+    "'round_robin:--data-parallel-size 2 --threads-per-rank 1 --routing-policy round_robin' "
+    "--server-args '--kv-compression none' --dataset shared-prefix --input-len 1600 "
+    "--prefix-len 1536 --num-prefixes 7 --output-len 32 --concurrency 4 "
+    "--num-prompts-per-level 35 --kv-cache-memory 0.5",
     "s1": _S1,
     "s1_second_run": _S1,
     "s1_third_run": _S1,
