@@ -40,6 +40,7 @@ class ShardedCompressor:
         self.replica_group = replica_group
         self.name = inner.name
         self.stackable = inner.stackable
+        self.reconstructs = False  # reconstructing compressors are refused under TP
         # Scoring straight from the pages (``runner.compaction``) sees only this rank's queries.
         self.window_scored = inner.window_scored and not shard.replicated
 

@@ -60,6 +60,11 @@ def check_supported(config: EngineConfig) -> None:
             f"tensor_parallel_size: --weight-dtype {config.model.weight_dtype} is not "
             "supported with tensor parallelism (dense weights only)"
         )
+    if config.compression.method == "kvzip":
+        raise ValueError(
+            "tensor_parallel_size: --kv-compression kvzip is not supported with tensor "
+            "parallelism (the step plan carries no reconstruction rows)"
+        )
     if config.speculative.enabled:
         raise ValueError(
             "tensor_parallel_size: speculative decoding is not supported with tensor "

@@ -215,6 +215,12 @@ class LLMEngine:
             (params.seed if params.seed is not None else self.config.model.seed) + index
         )
         compressor = get_compressor(policy) if policy is not None else None
+        if compressor is not None and compressor.reconstructs:
+            if self.config.parallel.tensor_parallel_size > 1:
+                raise ValueError(
+                    f"kv_compression: {compressor.name} is not supported with tensor "
+                    "parallelism (the step plan carries no reconstruction rows)"
+                )
         if compressor is not None and self.tokenizer is not None:
             compressor.bind(self.tokenizer)
         return Request(

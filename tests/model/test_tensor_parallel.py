@@ -155,3 +155,16 @@ def test_kept_slots_per_head_equal_one_process(engines):
         for layer, keys in enumerate(reference):
             assert keys.shape[1] < 40  # compressed
             torch.testing.assert_close(_all_heads(reports, layer), keys, rtol=0, atol=1e-5)
+
+
+def test_a_reconstructing_policy_is_refused_per_request_and_the_group_lives_on(engines):
+    single, sharded = engines
+    prompt = prompt_of(40, seed=7)
+    params = SamplingParams(max_tokens=3, **GREEDY)
+    kvzip = CompressionConfig(method="kvzip", **POLICY)
+    with pytest.raises(ValueError, match="kv_compression: kvzip is not supported"):
+        sharded.add_request("kvzip", prompt, params, kvzip)
+    assert not sharded.has_unfinished_requests()
+    got = run(sharded, [("after", prompt, params, None)])
+    want = run(single, [("after", prompt, params, None)])
+    assert got["after"][0] == want["after"][0]

@@ -100,13 +100,25 @@ def test_settings_the_ranks_cannot_shard_are_refused_before_any_process(cache, m
         ({"speculative": {"method": "ngram"}}, "speculative decoding"),
         ({"model": {"weight_dtype": "gguf"}}, "--weight-dtype gguf"),
         ({"cache": {"kv_cache_dtype": "int4"}}, "int4"),
+        ({"compression": {"method": "kvzip"}}, "kvzip"),
     ],
 )
 def test_unsupported_settings_are_refused_before_any_rank_starts(fields, message):
-    from sparsekv.config import CacheConfig, EngineConfig, ModelConfig, SpeculativeConfig
+    from sparsekv.config import (
+        CacheConfig,
+        CompressionConfig,
+        EngineConfig,
+        ModelConfig,
+        SpeculativeConfig,
+    )
     from sparsekv.distributed.tp_launch import check_supported
 
-    parts = {"model": ModelConfig, "cache": CacheConfig, "speculative": SpeculativeConfig}
+    parts = {
+        "model": ModelConfig,
+        "cache": CacheConfig,
+        "compression": CompressionConfig,
+        "speculative": SpeculativeConfig,
+    }
     kwargs = {name: parts[name](**values) for name, values in fields.items()}
     config = EngineConfig(parallel=ParallelConfig(tensor_parallel_size=2), **kwargs)
     with pytest.raises(ValueError, match="tensor_parallel_size") as error:
