@@ -5,37 +5,22 @@ import chain needs none of the packages the GPU machine lacks."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.gpu_scripts import run_gpu_script
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_bench_engine.py"
-ABSENT = ("gguf", "fastapi", "pydantic", "uvicorn", "prometheus_client", "httpx", "matplotlib")
-# Runs the script with the packages the GPU machine lacks made unimportable.
-RUNNER = (
-    "import runpy, sys\n"
-    f"for name in {ABSENT!r}: sys.modules[name] = None\n"
-    "sys.argv = ['gpu_bench_engine.py', *sys.argv[1:]]\n"
-    f"runpy.run_path({str(SCRIPT)!r}, run_name='__main__')\n"
-)
 
 
 @pytest.mark.slow
 def test_smoke_run_writes_every_point_without_server_packages(tmp_path):
     out = tmp_path / "engine.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(
-        [sys.executable, "-c", RUNNER, "--smoke", "--out", str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    result = run_gpu_script("gpu_bench_engine.py", "--smoke", "--out", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     document = json.loads(out.read_text())
     runs = document["runs"]

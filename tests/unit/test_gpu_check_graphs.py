@@ -6,35 +6,16 @@ lacks made unimportable."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "gpu_check_graphs.py"
-ABSENT = ("gguf", "fastapi", "pydantic", "uvicorn", "prometheus_client", "httpx", "matplotlib")
-RUNNER = (
-    "import runpy, sys\n"
-    f"for name in {ABSENT!r}: sys.modules[name] = None\n"
-    "sys.argv = ['gpu_check_graphs.py', *sys.argv[1:]]\n"
-    f"runpy.run_path({str(SCRIPT)!r}, run_name='__main__')\n"
-)
+from tests.gpu_scripts import run_gpu_script
 
 
 @pytest.mark.slow
 def test_cpu_quick_run_passes_for_both_policies(tmp_path):
     out = tmp_path / "graphs.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(
-        [sys.executable, "-c", RUNNER, "--device", "cpu", "--quick", "--out", str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    result = run_gpu_script("gpu_check_graphs.py", "--device", "cpu", "--quick", "--out", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     cases = json.loads(out.read_text())
     assert [case["policy"] for case in cases] == ["none", "snapkv"]
