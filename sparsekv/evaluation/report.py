@@ -12,12 +12,12 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
+from typing import TYPE_CHECKING, Any
 
 from sparsekv.evaluation.provenance import provenance
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 __all__ = ["ReportFiles", "heatmap_grid", "provenance", "write_heatmap", "write_report"]
 
@@ -56,8 +56,18 @@ def _sorted_points(points: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
     return points
 
 
-def _save(fig: Figure, path: Path) -> None:
+def _new_figure(figsize: tuple[float, float]) -> Figure:
+    """A bare Agg figure; matplotlib is imported here, on the first plot, not with the module
+    (every ``sparsekv bench`` and ``eval`` command imports this module for its tables)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=figsize)
     FigureCanvasAgg(fig)
+    return fig
+
+
+def _save(fig: Figure, path: Path) -> None:
     fig.savefig(path, dpi=120, bbox_inches="tight")
 
 
@@ -68,7 +78,7 @@ def write_line_plot(
     lines: dict[Any, list[tuple[Any, Any]]] = {}
     for row in rows:
         lines.setdefault(row.get(group) if group else None, []).append((row[x], row[y]))
-    fig = Figure(figsize=(6.4, 4.0))
+    fig = _new_figure((6.4, 4.0))
     ax = fig.subplots()
     for label, points in lines.items():
         xs, ys = zip(*_sorted_points(points))
@@ -169,7 +179,7 @@ def write_heatmap(
     if not rows:
         raise ValueError("a heatmap needs at least one row")
     xs, ys, grid = heatmap_grid(rows, x=x, y=y, value=value)
-    fig = Figure(figsize=(1.2 + 0.9 * len(xs), 1.2 + 0.5 * len(ys)))
+    fig = _new_figure((1.2 + 0.9 * len(xs), 1.2 + 0.5 * len(ys)))
     ax = fig.subplots()
     image = ax.imshow(grid, cmap="RdYlGn", vmin=vmin, vmax=vmax, aspect="auto")
     for i, line in enumerate(grid):
