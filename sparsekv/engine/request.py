@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+
 import torch
 
 from sparsekv.compression.base import Compressor
@@ -38,7 +39,7 @@ class Request:
             request is not preempted again).
         forced_token_ids: teacher forcing: tokens appended instead of sampled ones (fidelity).
         collect_logits: keep each sampled position's fp32 logits in ``logits`` (fidelity).
-        kv_generator: random source of the ``random`` compressor.
+        kv_generator: random source of compressors that evict randomly.
         sample_index: index of this sample within its ``n > 1`` parent request.
         context_key: key of the compressed context shared between requests with the same
             context tokens and policy (``None``: not shared).
@@ -80,7 +81,7 @@ class Request:
     @compressor.setter
     def compressor(self, compressor: Compressor | None) -> None:
         # A tensor-parallel rank runs the same policy through its own wrapper.
-        if self.policy is not None or compressor is not None:
+        if compressor is not self.compressor:
             self.policy = (self.policy or CompressionPolicy()).with_compressor(compressor)
 
     @property
@@ -127,9 +128,10 @@ class Request:
 
         The last prompt token is always recomputed (it samples the first output). A request
         whose budgeted layers may compact (``may_compact``) recomputes its observation window
-        too (its stored window queries and scores come only from computed rows); then H2O
-        (``needs_attention_mass``: attention mass of every query) and bounded chunked
-        compression (compacts after every chunk) get no hit; nor does a request that asks for prompt logprobs.
+        too (its stored window queries and scores come only from computed rows); then a
+        compressor that ``needs_attention_mass`` (the mass of every query) and bounded chunked
+        compression (compacts after every chunk) get no hit; nor does a request that asks for
+        prompt logprobs.
         """
         if self.sampling_params.prompt_logprobs is not None:
             return 0  # every prompt row must run to give its logprob

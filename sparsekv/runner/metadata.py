@@ -40,9 +40,10 @@ class RequestSlice:
         compressor: the request's compressor, or ``None``.
         window: observation window of its policy.
         generator: the request's random stream (compressors that evict randomly).
-        draft_mass: a verifying request whose compressor needs attention mass only: per layer, the attention mass of each of
-            the step's rows (``[num_kv_heads, num_held + row + 1]``), so that the rows of
-            rejected draft tokens can be taken back out (``spec_decode.rollback``).
+        draft_mass: only a verifying request whose compressor needs attention mass: per
+            layer, the attention mass of each of the step's rows
+            (``[num_kv_heads, num_held + row + 1]``), so that the rows of rejected draft
+            tokens can be taken back out (``spec_decode.rollback``).
         segments: lengths of the reconstruction segments whose rows follow the ``num_new``
             token rows (KVzip, at the prefill step that compresses); their K/V are attended
             in the step and never cached.
