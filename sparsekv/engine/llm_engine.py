@@ -352,4 +352,3 @@ class LLMEngine:
             "pages_total": self.kv.num_total_pages,
             "compression_ratio": 0.0 if full == 0 else min(1.0, evicted / full),
         }
-

@@ -184,9 +184,9 @@ def test_capabilities_are_class_attributes():
 
 
 # Past the registry, code reads capabilities, never a method's name.
+_NAMES = "|".join(COMPRESSORS)
 _NAME_CHECK = re.compile(
-    r"""(==|!=)\s*["'](%s)["']|\.name\s*(==|!=)|["'](%s)["']\s*(==|!=|in\b)"""
-    % ("|".join(COMPRESSORS), "|".join(COMPRESSORS))
+    rf"""(==|!=)\s*["']({_NAMES})["']|\.name\s*(==|!=)|["']({_NAMES})["']\s*(==|!=|in\b)"""
 )
 _NAMING_ALLOWED = ("compression/", "config.py", "cli_args.py", "bench/", "evaluation/")
 
