@@ -5,7 +5,12 @@ Methods and when to use them: docs/compression.md; the interface: docs/design.md
 """
 
 from sparsekv.compression.base import Compressor, LayerView, top_indices_prefer_recent
-from sparsekv.compression.registry import COMPRESSORS, get_compressor
+from sparsekv.compression.registry import (
+    COMPRESSORS,
+    compressor_class,
+    get_compressor,
+    register_compressor,
+)
 from sparsekv.compression.scoring import (
     aggregate_gqa,
     attention_mass_per_head,
@@ -20,9 +25,11 @@ __all__ = [
     "LayerView",
     "aggregate_gqa",
     "attention_mass_per_head",
+    "compressor_class",
     "get_compressor",
     "pool_scores",
     "prefill_attention_mass",
+    "register_compressor",
     "top_indices_prefer_recent",
     "window_attention_scores",
 ]

@@ -128,6 +128,15 @@ class Compressor(abc.ABC):
     # ``score`` reads ``LayerView.reconstruction``: a prefill step that compresses appends the
     # rows of ``reconstruction_segments`` to the request's batch (``runner.model_runner``).
     reconstructs: ClassVar[bool] = False
+    # ``score`` reads ``LayerView.accumulated``: the attention keeps every query's attention
+    # mass per slot for the request (prefill column sums plus each decode step), a prefix hit
+    # cannot supply it (the request recomputes its whole prompt), and the static decode path
+    # (which keeps no accumulator) does not take the request.
+    needs_attention_mass: ClassVar[bool] = False
+    # ``score`` draws from the request's random stream (``LayerView.generator``): the kept set
+    # depends on the request's seed, so a compressed context is never shared between requests,
+    # and a tensor-parallel rank draws every KV head's scores to keep the stream in step.
+    evicts_randomly: ClassVar[bool] = False
 
     window: int = 32
     pooling: str = "max"
@@ -143,6 +152,19 @@ class Compressor(abc.ABC):
             kernel_size=config.kernel_size,
             gqa_agg=config.gqa_agg,
         )
+
+    @staticmethod
+    def layer_schedule(
+        budget: int, window: int, num_prompt_tokens: int, num_layers: int
+    ) -> list[int]:
+        """Budgets of the ``num_layers`` budgeted layers, bottom first, for an average
+        ``budget`` (slots, window included): uniform by default; a method with its own
+        schedule (PyramidKV) overrides this.
+
+        Returns:
+            ``num_layers`` budgets in slots, each ``>= window + 1``.
+        """
+        return [budget] * num_layers
 
     def bind(self, tokenizer) -> None:
         """Read what the method needs from the engine's tokenizer (called once per request

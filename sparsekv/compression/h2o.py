@@ -20,6 +20,7 @@ class H2OCompressor(Compressor):
     """Heavy-hitter oracle: accumulated attention, ``max(budget // 2, window)`` recent slots."""
 
     name = "h2o"
+    needs_attention_mass = True
 
     def score(self, view: LayerView) -> torch.Tensor:
         """``view.accumulated`` as fp32 ``[num_kv_heads, n]``.

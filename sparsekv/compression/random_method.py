@@ -20,6 +20,7 @@ class RandomCompressor(Compressor):
     stackable = False  # one layer's draws must not depend on which layers compact with it
 
     name = "random"
+    evicts_randomly = True
 
     def score(self, view: LayerView) -> torch.Tensor:
         """``[num_kv_heads, n]`` fp32 in ``[0, 1)``."""

@@ -4,12 +4,12 @@ A rank holding whole GQA groups scores its KV heads exactly as one process would
 own compressor runs unchanged on the rank's heads, with no communication. Two cases need this
 adapter:
 
-- ``random`` draws the scores of every KV head of the model from the request's generator (the
-  same stream on every rank) and keeps the rows of the rank's heads, so each head's kept slots
-  are those of one process;
+- a randomly evicting method (``Compressor.evicts_randomly``: ``random``) draws the scores of
+  every KV head of the model from the request's generator (the same stream on every rank) and
+  keeps the rows of the rank's heads, so each head's kept slots are those of one process;
 - a replicated KV head (fewer KV heads than ranks) has its query heads split over the ranks
   that share it: before scoring, those ranks all-gather the observation window's queries (and
-  their log-sum-exps) of the group and sum H2O's accumulated mass, which is reducing the
+  their log-sum-exps) of the group and sum the accumulated attention mass, which is reducing the
   group's scores across them; every replica then keeps the same slots, those of one process.
 """
 
@@ -40,6 +40,8 @@ class ShardedCompressor:
         self.replica_group = replica_group
         self.name = inner.name
         self.stackable = inner.stackable
+        self.needs_attention_mass = inner.needs_attention_mass
+        self.evicts_randomly = inner.evicts_randomly
         self.reconstructs = False  # reconstructing compressors are refused under TP
         # Scoring straight from the pages (``runner.compaction``) sees only this rank's queries.
         self.window_scored = inner.window_scored and not shard.replicated
@@ -49,7 +51,7 @@ class ShardedCompressor:
         num_kv_heads, n = view.num_kv_heads, view.num_tokens
         if n <= budget:
             return torch.arange(n, device=view.keys.device).expand(num_kv_heads, n).clone()
-        if self.inner.name == "random":
+        if self.inner.evicts_randomly:
             return self.inner.keep_top(self._random_scores(view), budget, window, view.backend)
         if self.shard.replicated:
             view = self._group_view(view)
@@ -70,7 +72,7 @@ class ShardedCompressor:
         return rows.reshape(layers * local, -1).to(view.keys.device)
 
     def _group_view(self, view: LayerView) -> LayerView:
-        """The view with the whole group's window queries (and LSEs, and H2O mass)."""
+        """The view with the whole group's window queries (and LSEs, and attention mass)."""
         heads = self.shard.num_heads // self.shard.num_kv_heads  # the group's query heads
         queries = _gather_group(view.window_queries, view.num_kv_heads, self.replica_group)
         lse = view.window_lse

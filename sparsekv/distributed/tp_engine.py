@@ -55,7 +55,7 @@ class RankContext:
         """``inner`` as this rank runs it: itself where the rank's KV heads score alone."""
         if inner is None or isinstance(inner, ShardedCompressor):
             return inner
-        if inner.name != "random" and not self.shard.replicated:
+        if not inner.evicts_randomly and not self.shard.replicated:
             return inner
         return ShardedCompressor(inner, self.shard, self.replica_group)
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from sparsekv.attention.backends import create_backend
+from sparsekv.compression.registry import compressor_class
 from sparsekv.config import EngineConfig
 from sparsekv.distributed.tp_engine import (
     RankContext,
@@ -60,9 +61,10 @@ def check_supported(config: EngineConfig) -> None:
             f"tensor_parallel_size: --weight-dtype {config.model.weight_dtype} is not "
             "supported with tensor parallelism (dense weights only)"
         )
-    if config.compression.method == "kvzip":
+    method = config.compression.method
+    if method != "none" and compressor_class(method).reconstructs:
         raise ValueError(
-            "tensor_parallel_size: --kv-compression kvzip is not supported with tensor "
+            f"tensor_parallel_size: --kv-compression {method} is not supported with tensor "
             "parallelism (the step plan carries no reconstruction rows)"
         )
     if config.speculative.enabled:

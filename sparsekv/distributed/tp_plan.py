@@ -25,6 +25,7 @@ from sparsekv.config import CompressionConfig
 from sparsekv.engine.request import Request
 from sparsekv.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from sparsekv.kv_cache.manager import KVCacheManager, LayerStep
+from sparsekv.kv_cache.policy import CompressionPolicy
 from sparsekv.kv_cache.request_kv import LayerKV
 from sparsekv.sampling_params import SamplingParams
 
@@ -228,14 +229,16 @@ class MirrorState:
         if new.kv_generator_state is not None:
             generator = torch.Generator()
             generator.set_state(new.kv_generator_state)
-        policy = new.compression
+        settings = new.compression
         params = SamplingParams(temperature=0.0, prompt_logprobs=new.prompt_logprobs)
+        # The mirror's policy: settings and this rank's compressor (budgets come with each
+        # step's layer counters).
+        policy = CompressionPolicy(settings, self.make_compressor(settings))
         self.requests[new.request_id] = MirrorRequest(
             request_id=new.request_id,
             prompt_token_ids=new.prompt_token_ids,
             sampling_params=params,
-            compression=policy,
-            compressor=self.make_compressor(policy),
+            policy=policy,
             kv_generator=generator,
         )
         self.kv._requests[new.request_id] = _empty_request_kv(self.kv.num_layers)

@@ -7,10 +7,8 @@ goes on.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
-from array import array
 
 import torch
 
@@ -20,8 +18,7 @@ from sparsekv.engine.detokenizer import IncrementalDetokenizer
 from sparsekv.engine.engine_setup import EngineParts, build_engine_parts
 from sparsekv.engine.request import Request
 from sparsekv.engine.stats import EngineStats
-from sparsekv.kv_cache.budget import layer_budgets
-from sparsekv.kv_cache.manager import KVPolicy
+from sparsekv.kv_cache.policy import CompressionPolicy, merge_settings, resolve_policy
 from sparsekv.outputs import KVStats, RequestOutput
 from sparsekv.sampling_params import SamplingParams
 
@@ -57,21 +54,12 @@ class LLMEngine:
     def resolve_compression(
         self, compression: CompressionConfig | dict | None
     ) -> CompressionConfig | None:
-        """Merge a per-request policy over the engine default, field by field (budget
-        and ratio are one choice: giving either replaces the other).
+        """A request's settings merged over the engine default (``kv_cache.policy.merge_settings``).
 
         Raises:
             ValueError: an unknown field or an invalid merged policy.
         """
-        base = self.config.compression
-        if compression is None:
-            policy = base
-        elif isinstance(compression, CompressionConfig):
-            compression.validate()
-            policy = compression
-        else:
-            policy = base.merged(dict(compression))
-        return policy if policy.enabled else None
+        return merge_settings(self.config.compression, compression)
 
     def resolve_speculative(self, overrides: dict | None) -> SpeculativeConfig | None:
         """Merge a request's ``speculative`` fields over the engine's settings.
@@ -123,32 +111,21 @@ class LLMEngine:
                 f"stop_token_ids: token id {bad_stops[0]} is outside [0, {self.vocab_size})"
             )
         params.validate(max_model_len=self.max_model_len, num_prompt_tokens=len(prompt_token_ids))
-        policy = self.resolve_compression(compression)
         speculative = self.resolve_speculative(params.speculative)
-        num_prompt = len(prompt_token_ids)
-        context_len = _context_len(policy, num_prompt)
-        budgets = self._budgets(policy, num_prompt if context_len is None else context_len)
-        if all(b is None for b in budgets):
-            policy = context_len = None
-        kv_policy = KVPolicy(
-            decode_eviction=policy.decode_eviction if policy else True,
-            bounded_chunks=policy is not None and policy.chunked_mode == "bounded",
+        draft_tokens = speculative.num_speculative_tokens if speculative is not None else 0
+        policy = resolve_policy(
+            self.config,
+            compression,
+            self.kv,
+            len(prompt_token_ids),
+            params.max_tokens,
+            draft_tokens,
+            self.tokenizer,
         )
-        compressed_len, later_tokens = num_prompt, params.max_tokens
-        if context_len is not None:
-            # Compressed once at the end of the context; the question and output stay whole.
-            kv_policy = KVPolicy(decode_eviction=False, bounded_chunks=False, context_only=True)
-            compressed_len, later_tokens = context_len, params.max_tokens + num_prompt - context_len
-        if speculative is not None:
-            # A verification step holds the slots of its draft tokens until it commits.
-            later_tokens += speculative.num_speculative_tokens
-        peaks = self.kv.peak_pages(budgets, compressed_len, later_tokens, kv_policy)
-        for peak, size in zip(peaks, self.kv.pool.kind_sizes):
-            if peak > size:
-                raise ValueError(
-                    f"max_tokens: the request needs {peak} KV pages at its peak but the pool "
-                    f"has {size}; shorten the prompt or max_tokens, or raise --kv-cache-memory"
-                )
+        # Prompt logprobs need every context row computed: no shared context.
+        context_key = None
+        if params.prompt_logprobs is None:
+            context_key = policy.context_key(prompt_token_ids)
         samples = []
         for index in range(params.n):
             sample_id = request_id if params.n == 1 else f"{request_id}#{index}"
@@ -157,13 +134,8 @@ class LLMEngine:
             )
             request.collect_logits = collect_logits
             request.speculative = speculative
-            if context_len is not None:
-                request.context_len = context_len
-                # Prompt logprobs need every context row computed: no shared context.
-                if params.prompt_logprobs is None:
-                    key = _context_key(policy, budgets, prompt_token_ids, context_len)
-                    request.context_key = key
-            self.kv.register(sample_id, budgets, kv_policy)
+            request.context_key = context_key
+            self.kv.register(sample_id, list(policy.layer_budgets), policy.kv)
             detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
             logprobs = [] if params.logprobs is not None else None
             samples.append(op.SampleState(request, detok, logprobs))
@@ -188,24 +160,15 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt: token id {bad[0]} is outside [0, {self.vocab_size})")
 
-    def _budgets(self, policy: CompressionConfig | None, num_prompt: int) -> list[int | None]:
-        specs = self.kv.layer_specs
-        if policy is None:
-            return [None] * len(specs)
-        compressible = [spec.compressible for spec in specs]
-        return layer_budgets(policy, len(specs), num_prompt, compressible)
-
     def _make_request(
         self,
         sample_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        policy: CompressionConfig | None,
+        policy: CompressionPolicy,
         index: int,
         forced_token_ids: list[int] | None,
     ) -> Request:
-        from sparsekv.compression.registry import get_compressor
-
         generator = None
         if params.seed is not None:
             # On the engine's device: a seeded row draws its uniforms where the logits are.
@@ -214,24 +177,14 @@ class LLMEngine:
         kv_generator = torch.Generator().manual_seed(
             (params.seed if params.seed is not None else self.config.model.seed) + index
         )
-        compressor = get_compressor(policy) if policy is not None else None
-        if compressor is not None and compressor.reconstructs:
-            if self.config.parallel.tensor_parallel_size > 1:
-                raise ValueError(
-                    f"kv_compression: {compressor.name} is not supported with tensor "
-                    "parallelism (the step plan carries no reconstruction rows)"
-                )
-        if compressor is not None and self.tokenizer is not None:
-            compressor.bind(self.tokenizer)
         return Request(
             request_id=sample_id,
             prompt_token_ids=list(prompt_token_ids),
             sampling_params=params,
-            compression=policy,
+            policy=policy,
             eos_token_ids=self.eos_token_ids,
             generator=generator,
             forced_token_ids=forced_token_ids,
-            compressor=compressor,
             kv_generator=kv_generator,
             sample_index=index,
         )
@@ -399,46 +352,3 @@ class LLMEngine:
             "pages_total": self.kv.num_total_pages,
             "compression_ratio": 0.0 if full == 0 else min(1.0, evicted / full),
         }
-
-
-def _context_len(policy: CompressionConfig | None, num_prompt: int) -> int | None:
-    """The shared context's length for scope ``context`` (else ``None``).
-
-    Raises:
-        ValueError: scope ``context`` without ``context_tokens``, or more context than prompt.
-    """
-    if policy is None or policy.scope != "context":
-        return None
-    if policy.context_tokens is None:
-        raise ValueError(
-            "kv_compression.context_tokens: scope 'context' needs the context length (chat "
-            "requests get it from the messages before the last user message)"
-        )
-    if policy.context_tokens > num_prompt:
-        raise ValueError(
-            f"kv_compression.context_tokens: {policy.context_tokens} exceeds the prompt's "
-            f"{num_prompt} tokens"
-        )
-    return policy.context_tokens
-
-
-def _context_key(
-    policy: CompressionConfig, budgets: list[int | None], token_ids: list[int], context_len: int
-) -> bytes | None:
-    """Key of a compressed context: its tokens, the per-layer budgets and every setting that
-    changes which tokens are kept. ``None`` (never shared) for the seeded ``random`` method and
-    for a context that is the whole prompt (the last prompt token must run to sample)."""
-    if policy.method == "random" or context_len >= len(token_ids):
-        return None
-    settings = (
-        policy.method,
-        tuple(budgets),
-        policy.window,
-        policy.pooling,
-        policy.kernel_size,
-        policy.gqa_agg,
-        policy.chunked_mode,
-    )
-    hasher = hashlib.blake2b(repr(settings).encode(), digest_size=16)
-    hasher.update(array("q", token_ids[:context_len]).tobytes())
-    return b"context:" + hasher.digest()

@@ -6,11 +6,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
+from sparsekv.compression.base import Compressor
 from sparsekv.config import CompressionConfig, SpeculativeConfig
+from sparsekv.kv_cache.policy import CompressionPolicy
 from sparsekv.sampling_params import SamplingParams
 
 
@@ -29,7 +30,8 @@ class Request:
         request_id: unique id (a sample of an ``n > 1`` request has its own id).
         prompt_token_ids: the prompt.
         sampling_params: how to sample.
-        compression: the request's resolved compression policy (``None`` = full cache).
+        policy: the request's compression, resolved once at admission (settings, compressor,
+            budgets, capabilities); ``None``: a full cache (requests built outside the engine).
         output_token_ids: generated so far.
         num_computed_tokens: tokens whose K/V are in the cache (or were scored and evicted).
         generator: per-request RNG when a seed is given (survives preemption).
@@ -37,13 +39,8 @@ class Request:
             request is not preempted again).
         forced_token_ids: teacher forcing: tokens appended instead of sampled ones (fidelity).
         collect_logits: keep each sampled position's fp32 logits in ``logits`` (fidelity).
-        compressor: the request's compressor instance, or ``None`` for a full cache.
-        kv_generator: random source of the ``random`` compressor.
+        kv_generator: random source of compressors that evict randomly.
         sample_index: index of this sample within its ``n > 1`` parent request.
-        context_len: ``kv_compression.scope = "context"``: the prompt's first ``context_len``
-            tokens are the shared context, compressed once when their prefill completes
-            (the prefill is cut there); the rest of the prompt and the output stay
-            uncompressed. ``None``: the whole prompt is compressed at its end.
         context_key: key of the compressed context shared between requests with the same
             context tokens and policy (``None``: not shared).
         speculative: the request's resolved speculative decoding settings (``None``: it
@@ -53,7 +50,7 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    compression: CompressionConfig | None = None
+    policy: CompressionPolicy | None = None
     eos_token_ids: tuple[int, ...] = ()
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -66,12 +63,34 @@ class Request:
     stop_reason: str | int | None = None
     collect_logits: bool = False
     logits: list[torch.Tensor] = field(default_factory=list)
-    compressor: Any = None
     kv_generator: torch.Generator | None = None
     sample_index: int = 0
-    context_len: int | None = None
     context_key: bytes | None = None
     speculative: SpeculativeConfig | None = None
+
+    @property
+    def compression(self) -> CompressionConfig | None:
+        """The request's merged compression settings (``None`` = full cache)."""
+        return self.policy.settings if self.policy is not None else None
+
+    @property
+    def compressor(self) -> Compressor | None:
+        """The request's compressor, or ``None`` for a full cache."""
+        return self.policy.compressor if self.policy is not None else None
+
+    @compressor.setter
+    def compressor(self, compressor: Compressor | None) -> None:
+        # A tensor-parallel rank runs the same policy through its own wrapper.
+        if compressor is not self.compressor:
+            self.policy = (self.policy or CompressionPolicy()).with_compressor(compressor)
+
+    @property
+    def context_len(self) -> int | None:
+        """``kv_compression.scope = "context"``: the prompt's first ``context_len`` tokens are
+        the shared context, compressed once when their prefill completes (the prefill is cut
+        there); the rest of the prompt and the output stay uncompressed. ``None``: the whole
+        prompt is compressed at its end."""
+        return self.policy.context_len if self.policy is not None else None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -100,17 +119,19 @@ class Request:
 
     @property
     def needs_attention_mass(self) -> bool:
-        """The compressor scores with every query's accumulated attention (H2O)."""
-        return self.compressor is not None and self.compressor.name == "h2o"
+        """The compressor scores with every query's accumulated attention
+        (``Compressor.needs_attention_mass``)."""
+        return self.policy is not None and self.policy.needs_attention_mass
 
     def max_prefix_hit_tokens(self, may_compact: bool) -> int:
         """Most prompt tokens a prefix-cache hit may cover; the rest is recomputed.
 
         The last prompt token is always recomputed (it samples the first output). A request
         whose budgeted layers may compact (``may_compact``) recomputes its observation window
-        too (its stored window queries and scores come only from computed rows); then H2O
-        (attention mass of every query) and bounded chunked compression (compacts after every
-        chunk) get no hit; nor does a request that asks for prompt logprobs.
+        too (its stored window queries and scores come only from computed rows); then a
+        compressor that ``needs_attention_mass`` (the mass of every query) and bounded chunked
+        compression (compacts after every chunk) get no hit; nor does a request that asks for
+        prompt logprobs.
         """
         if self.sampling_params.prompt_logprobs is not None:
             return 0  # every prompt row must run to give its logprob

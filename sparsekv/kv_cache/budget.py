@@ -3,7 +3,8 @@
 
 A budget is the number of slots a budgeted layer keeps, observation window included; ``None``
 means the layer keeps a full cache (full-first-N layers, sliding-window layers, policy off).
-Schedules: uniform, PyramidKV (arXiv 2406.02069), explicit list.
+Schedules: uniform, a method's own (``Compressor.layer_schedule``: PyramidKV, arXiv 2406.02069),
+explicit list.
 """
 
 from __future__ import annotations
@@ -11,10 +12,24 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from sparsekv.compression.pyramidkv import PYRAMID_BETA, pyramid_budgets
+from sparsekv.compression.registry import compressor_class
 from sparsekv.config import CompressionConfig
 from sparsekv.kv_cache.spec import LayerSpec
 
-PYRAMID_BETA = 20
+__all__ = [
+    "PYRAMID_BETA",
+    "base_budget",
+    "layer_budgets",
+    "may_compact",
+    "num_pages",
+    "peak_layer_slots",
+    "peak_request_pages",
+    "peak_sliding_slots",
+    "pyramid_budgets",
+    "ratio_budget",
+    "uniform_budgets",
+]
 
 # Float products such as (1 - 0.7) * 1000 = 300.00000000000006 must not round up to 301.
 _RATIO_EPS = 1e-9
@@ -44,48 +59,12 @@ def uniform_budgets(budget: int, window: int, num_prompt_tokens: int, num_layers
     return [budget] * num_layers
 
 
-def pyramid_budgets(
-    budget: int, window: int, num_prompt_tokens: int, num_layers: int, beta: int = PYRAMID_BETA
-) -> list[int]:
-    """PyramidKV's linearly falling budgets over ``num_layers`` budgeted layers (bottom first).
-
-    The paper's schedule, with ``B = budget`` (average, window included), ``W = window``,
-    ``n = num_prompt_tokens``::
-
-        min_num = (B - W) // beta;  max_num = 2 * (B - W) - min_num
-        if max_num >= n - W: max_num = n - W; min_num = 2 * (B - W) - max_num
-        steps = (max_num - min_num) // (L - 1);  budget_l = max_num - l * steps + W
-
-    Fallbacks: ``n < B`` keeps everything and ``n < 2 * (B - W)`` is uniform SnapKV; both return
-    a uniform ``B`` (a layer with ``n <= B`` keeps every prompt token at prefill, and decode
-    eviction still works against ``B``). One layer is uniform too. Budgets are clamped to
-    ``>= W + 1`` (the smallest valid budget) for tiny ``B - W`` where the schedule reaches ``W``.
-
-    Returns:
-        ``num_layers`` budgets in slots.
-    """
-    if num_prompt_tokens < budget or num_prompt_tokens < 2 * (budget - window) or num_layers < 2:
-        return [budget] * num_layers
-    min_num = (budget - window) // beta
-    max_num = 2 * (budget - window) - min_num
-    if max_num >= num_prompt_tokens - window:
-        max_num = num_prompt_tokens - window
-        min_num = 2 * (budget - window) - max_num
-    steps = (max_num - min_num) // (num_layers - 1)
-    return [max(window + 1, max_num - layer * steps + window) for layer in range(num_layers)]
-
-
-# Methods whose budgets are not uniform; every other method uses ``uniform_budgets``.
-_SCHEDULES: dict[str, Callable[[int, int, int, int], list[int]]] = {
-    "pyramidkv": pyramid_budgets,
-}
-
-
 def layer_budgets(
     config: CompressionConfig,
     num_layers: int,
     num_prompt_tokens: int,
     compressible: list[bool],
+    schedule: Callable[[int, int, int, int], list[int]] | None = None,
 ) -> list[int | None]:
     """Budget of every layer of a request; ``None`` = full cache.
 
@@ -100,13 +79,15 @@ def layer_budgets(
         num_layers: decoder layers of the model.
         num_prompt_tokens: tokens the policy compresses (the prompt, or the shared context).
         compressible: ``[num_layers]``, False for sliding-window layers.
+        schedule: ``(budget, window, n, num_budgeted) -> budgets``; ``None``: the method's
+            ``Compressor.layer_schedule``.
 
     Returns:
         ``[num_layers]`` budgets in slots, each ``>= window + 1``, or ``None``.
 
     Raises:
-        ValueError: ``layer_budgets`` or ``layer_fractions`` has the wrong length, or no
-            budget or ratio is given.
+        ValueError: ``layer_budgets`` or ``layer_fractions`` has the wrong length, no budget or
+            ratio is given, or the method is unknown.
     """
     assert len(compressible) == num_layers, (len(compressible), num_layers)
     if not config.enabled:
@@ -136,7 +117,8 @@ def layer_budgets(
     budgeted = [
         layer for layer in range(num_layers) if layer >= config.full_layers and compressible[layer]
     ]
-    schedule = _SCHEDULES.get(config.method, uniform_budgets)
+    if schedule is None:
+        schedule = compressor_class(config.method).layer_schedule
     budgets = schedule(
         base_budget(config, num_prompt_tokens), config.window, num_prompt_tokens, len(budgeted)
     )

@@ -39,10 +39,11 @@ class RequestSlice:
         kv: the request's KV state (recent queries and H2O accumulators live there).
         compressor: the request's compressor, or ``None``.
         window: observation window of its policy.
-        generator: random source for the ``random`` compressor.
-        draft_mass: a verifying H2O request only: per layer, the attention mass of each of
-            the step's rows (``[num_kv_heads, num_held + row + 1]``), so that the rows of
-            rejected draft tokens can be taken back out (``spec_decode.rollback``).
+        generator: the request's random stream (compressors that evict randomly).
+        draft_mass: only a verifying request whose compressor needs attention mass: per
+            layer, the attention mass of each of the step's rows
+            (``[num_kv_heads, num_held + row + 1]``), so that the rows of rejected draft
+            tokens can be taken back out (``spec_decode.rollback``).
         segments: lengths of the reconstruction segments whose rows follow the ``num_new``
             token rows (KVzip, at the prefill step that compresses); their K/V are attended
             in the step and never cached.
@@ -66,7 +67,8 @@ class RequestSlice:
 
     @property
     def needs_attention_mass(self) -> bool:
-        return self.compressor is not None and self.compressor.name == "h2o"
+        """The compressor scores with accumulated attention mass (its capability)."""
+        return self.compressor is not None and self.compressor.needs_attention_mass
 
 
 @dataclass
@@ -83,7 +85,7 @@ class DecodeBatch:
         all_rows: the batch's rows are the step's every row, in order (a decode-only step
             without compaction groups): the layer reads and writes ``q``/``k``/``v`` and its
             output whole, without gathering rows.
-        need_mass: some request on the path accumulates attention mass (H2O).
+        need_mass: some request on the path accumulates attention mass.
         budgeted: some request's layer state keeps a budget (recent queries to remember).
         compacting: the requests of ``slices`` whose layer compacts after the forward.
     """

@@ -138,14 +138,14 @@ class ModelRunner:
             for segment in segments:  # each one placed right after the cached tokens
                 input_ids.extend(segment)
                 positions.extend(range(end, end + len(segment)))
-            policy = request.compression
+            policy = request.policy
             request_slice = RequestSlice(
                 request_id=request.request_id,
                 start=start,
                 num_new=item.num_new_tokens,
                 layers=item.layers,
                 kv=self.kv.get(request.request_id),
-                compressor=request.compressor,
+                compressor=policy.compressor if policy is not None else None,
                 window=policy.window if policy is not None else 1,
                 generator=request.kv_generator,
                 segments=tuple(map(len, segments)),
@@ -267,12 +267,12 @@ def reconstruction_segments(request: Request, layers: list[LayerStep], end: int)
     """Token ids of the reconstruction segments a step appends for ``request`` (KVzip): at
     a prefill step where some layer compresses, the compressor's segments over the tokens
     ``0 .. end - 1`` the cache holds after the step; none otherwise."""
-    compressor = request.compressor
-    if compressor is None or not compressor.reconstructs:
+    policy = request.policy
+    if policy is None or not policy.reconstructs:
         return []
     if not any(s.compress_to is not None and not s.decode_compaction for s in layers):
         return []
-    return compressor.reconstruction_segments(request.token_slice(0, end))
+    return policy.compressor.reconstruction_segments(request.token_slice(0, end))
 
 
 def _logprob_record(sampled, row: int, num_top: int) -> Logprob:

@@ -1,0 +1,249 @@
+"""A request's compression policy, resolved once at admission into one value object.
+
+``resolve_policy`` merges the request's overrides over the engine's settings, applies the scope,
+computes every layer's budget and the request's peak footprint, builds the compressor and reads
+its capabilities. Everything downstream (scheduler, KV manager, runner and attention) reads the
+resulting ``CompressionPolicy``; none of them names a method (docs/compression.md, "Adding a
+method"; docs/internals.md, "Compression policy").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from array import array
+from dataclasses import dataclass, field
+
+from sparsekv.compression.base import Compressor
+from sparsekv.compression.registry import get_compressor
+from sparsekv.config import CompressionConfig, EngineConfig
+from sparsekv.kv_cache.budget import layer_budgets
+from sparsekv.kv_cache.manager import KVCacheManager
+from sparsekv.kv_cache.plan import KVPolicy
+
+
+def _full_cache_kv() -> KVPolicy:
+    """The KV manager's behaviour for a request without compression (its defaults)."""
+    return KVPolicy(decode_eviction=True, bounded_chunks=False)
+
+
+@dataclass(frozen=True)
+class CompressionPolicy:
+    """How one request's KV cache is compressed, resolved once (``resolve_policy``).
+
+    A request with a full cache in every layer (method ``none``, ratio 0, or no layer
+    budgeted) has ``settings = compressor = None`` and all-``None`` budgets.
+
+    Attributes:
+        settings: the request's merged, validated settings (window, pooling, kernel, scope,
+            chunked mode, ...), or ``None`` for a full cache.
+        compressor: the method's compressor (bound to the engine's tokenizer), or ``None``.
+        layer_budgets: ``[num_layers]`` slots each layer keeps, window included; ``None``: a
+            full cache (full-first-N and sliding-window layers, policy off). Empty on a
+            tensor-parallel worker's mirror, whose budgets arrive with every step.
+        head_budgets: per layer, the split of its budget over KV heads (AdaKV-style adaptive
+            budgets); ``None``: every KV head of a layer keeps the layer's budget.
+        kv: how the budgeted layers behave in the KV manager (decode eviction, bounded
+            chunks, context-only compression).
+        peak_pages: the most pages the request ever holds, per page kind (checked against
+            the pool at admission).
+        context_len: scope ``context``: the prompt's first ``context_len`` tokens are
+            compressed once at their end; ``None``: the whole prompt is.
+    """
+
+    settings: CompressionConfig | None = None
+    compressor: Compressor | None = None
+    layer_budgets: tuple[int | None, ...] = ()
+    head_budgets: tuple[tuple[int, ...] | None, ...] | None = None
+    kv: KVPolicy = field(default_factory=_full_cache_kv)
+    peak_pages: tuple[int, ...] = ()
+    context_len: int | None = None
+
+    @property
+    def enabled(self) -> bool:
+        """Some layer of the request is compressed."""
+        return self.compressor is not None
+
+    @property
+    def window(self) -> int:
+        """Observation window in tokens (1 without compression: no window to protect)."""
+        return self.settings.window if self.settings is not None else 1
+
+    @property
+    def needs_attention_mass(self) -> bool:
+        """The attention accumulates every query's attention mass (``Compressor`` docs)."""
+        return self.compressor is not None and self.compressor.needs_attention_mass
+
+    @property
+    def evicts_randomly(self) -> bool:
+        """The kept set depends on the request's random stream."""
+        return self.compressor is not None and self.compressor.evicts_randomly
+
+    @property
+    def reconstructs(self) -> bool:
+        """A compressing prefill step appends the compressor's reconstruction rows."""
+        return self.compressor is not None and self.compressor.reconstructs
+
+    @property
+    def bounded_chunks(self) -> bool:
+        """A chunked prefill is compressed after every chunk."""
+        return self.kv.bounded_chunks
+
+    def with_compressor(self, compressor: Compressor | None) -> CompressionPolicy:
+        """The same policy run by another compressor object (a tensor-parallel rank's
+        wrapper of the same method)."""
+        return dataclasses.replace(self, compressor=compressor)
+
+    def context_key(self, token_ids: list[int]) -> bytes | None:
+        """Key of the compressed context shared between requests: its tokens, the per-layer
+        budgets and every setting that changes which tokens are kept.
+
+        Returns:
+            The key, or ``None`` (never shared) without scope ``context``, for a randomly
+            evicting method (the kept set depends on the seed) and for a context that is the
+            whole prompt (the last prompt token must run to sample).
+        """
+        context_len, settings = self.context_len, self.settings
+        if context_len is None or settings is None:
+            return None
+        if self.evicts_randomly or context_len >= len(token_ids):
+            return None
+        values = (
+            settings.method,
+            self.layer_budgets,
+            settings.window,
+            settings.pooling,
+            settings.kernel_size,
+            settings.gqa_agg,
+            settings.chunked_mode,
+        )
+        hasher = hashlib.blake2b(repr(values).encode(), digest_size=16)
+        hasher.update(array("q", token_ids[:context_len]).tobytes())
+        return b"context:" + hasher.digest()
+
+
+def merge_settings(
+    base: CompressionConfig, overrides: CompressionConfig | dict | None
+) -> CompressionConfig | None:
+    """A request's settings: its overrides merged over the engine's, field by field (budget and
+    ratio are one choice: giving either replaces the other); a whole ``CompressionConfig``
+    replaces them.
+
+    Returns:
+        The merged settings, or ``None`` when they compress nothing (method ``none``, ratio 0).
+
+    Raises:
+        ValueError: an unknown field or invalid merged settings (naming the field).
+    """
+    if overrides is None:
+        settings = base
+    elif isinstance(overrides, CompressionConfig):
+        overrides.validate()
+        settings = overrides
+    else:
+        settings = base.merged(dict(overrides))
+    return settings if settings.enabled else None
+
+
+def resolve_policy(
+    config: EngineConfig,
+    overrides: CompressionConfig | dict | None,
+    kv: KVCacheManager,
+    num_prompt_tokens: int,
+    max_tokens: int,
+    draft_tokens: int = 0,
+    tokenizer=None,
+) -> CompressionPolicy:
+    """Resolve a request's compression once, at admission.
+
+    Args:
+        config: the engine's validated configuration (default settings, parallelism).
+        overrides: the request's settings (a field dict or a whole ``CompressionConfig``).
+        kv: the KV manager (the model's layer specs, page kinds and pool sizes).
+        num_prompt_tokens: the prompt's length.
+        max_tokens: most tokens the request generates.
+        draft_tokens: draft tokens a verification step holds beyond them (speculation).
+        tokenizer: the engine's tokenizer, bound to the compressor (``None``: none).
+
+    Returns:
+        The request's policy (a full-cache one when no layer is budgeted).
+
+    Raises:
+        ValueError: invalid settings, scope ``context`` without a valid ``context_tokens``,
+            a ``layer_budgets``/``layer_fractions`` list of the wrong length, a peak
+            footprint over the pool (naming ``max_tokens``), or a reconstructing method
+            under tensor parallelism.
+    """
+    settings = merge_settings(config.compression, overrides)
+    context_len = _context_len(settings, num_prompt_tokens)
+    compressed_len = num_prompt_tokens if context_len is None else context_len
+    specs = kv.layer_specs
+    budgets: list[int | None] = [None] * len(specs)
+    if settings is not None:
+        compressible = [spec.compressible for spec in specs]
+        budgets = layer_budgets(settings, len(specs), compressed_len, compressible)
+    if all(budget is None for budget in budgets):
+        settings = context_len = None
+    kv_policy = _full_cache_kv()
+    if settings is not None:
+        bounded = settings.chunked_mode == "bounded"
+        kv_policy = KVPolicy(decode_eviction=settings.decode_eviction, bounded_chunks=bounded)
+    compressed_len, later_tokens = num_prompt_tokens, max_tokens
+    if context_len is not None:
+        # Compressed once at the end of the context; the question and output stay whole.
+        kv_policy = KVPolicy(decode_eviction=False, bounded_chunks=False, context_only=True)
+        compressed_len = context_len
+        later_tokens = max_tokens + num_prompt_tokens - context_len
+    # A verification step holds the slots of its draft tokens until it commits.
+    later_tokens += draft_tokens
+    peaks = kv.peak_pages(budgets, compressed_len, later_tokens, kv_policy)
+    for peak, size in zip(peaks, kv.pool.kind_sizes):
+        if peak > size:
+            raise ValueError(
+                f"max_tokens: the request needs {peak} KV pages at its peak but the pool "
+                f"has {size}; shorten the prompt or max_tokens, or raise --kv-cache-memory"
+            )
+    compressor = _compressor(settings, config, tokenizer)
+    return CompressionPolicy(
+        settings, compressor, tuple(budgets), None, kv_policy, tuple(peaks), context_len
+    )
+
+
+def _compressor(settings: CompressionConfig | None, config: EngineConfig, tokenizer):
+    """The request's compressor, bound to the tokenizer; ``None`` for a full cache.
+
+    Raises:
+        ValueError: a reconstructing method under tensor parallelism.
+    """
+    compressor = get_compressor(settings) if settings is not None else None
+    if compressor is None:
+        return None
+    if compressor.reconstructs and config.parallel.tensor_parallel_size > 1:
+        raise ValueError(
+            f"kv_compression: {compressor.name} is not supported with tensor "
+            "parallelism (the step plan carries no reconstruction rows)"
+        )
+    if tokenizer is not None:
+        compressor.bind(tokenizer)
+    return compressor
+
+
+def _context_len(settings: CompressionConfig | None, num_prompt: int) -> int | None:
+    """The shared context's length for scope ``context`` (else ``None``).
+
+    Raises:
+        ValueError: scope ``context`` without ``context_tokens``, or more context than prompt.
+    """
+    if settings is None or settings.scope != "context":
+        return None
+    if settings.context_tokens is None:
+        raise ValueError(
+            "kv_compression.context_tokens: scope 'context' needs the context length (chat "
+            "requests get it from the messages before the last user message)"
+        )
+    if settings.context_tokens > num_prompt:
+        raise ValueError(
+            f"kv_compression.context_tokens: {settings.context_tokens} exceeds the prompt's "
+            f"{num_prompt} tokens"
+        )
+    return settings.context_tokens

@@ -1,0 +1,205 @@
+"""The compression policy resolver (``kv_cache.policy``): one value object per request, from the
+engine's settings, the request's overrides and the model's layer specs; and no module past the
+registry names a method."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from sparsekv.compression.h2o import H2OCompressor
+from sparsekv.compression.kvzip import KVzipCompressor
+from sparsekv.compression.pyramidkv import PyramidKVCompressor
+from sparsekv.compression.random_method import RandomCompressor
+from sparsekv.compression.registry import COMPRESSORS, compressor_class
+from sparsekv.compression.snapkv import SnapKVCompressor
+from sparsekv.config import CompressionConfig, EngineConfig
+from sparsekv.kv_cache.manager import KVCacheManager
+from sparsekv.kv_cache.plan import KVPolicy
+from sparsekv.kv_cache.policy import CompressionPolicy, resolve_policy
+from sparsekv.kv_cache.spec import LayerSpec
+from sparsekv.parallel_config import ParallelConfig
+
+BS = 16
+FULL, SLIDING = LayerSpec(), LayerSpec(kind="sliding", sliding_window=32)
+
+
+def manager(specs=(FULL,) * 4, num_pages: int = 400, **kw) -> KVCacheManager:
+    return KVCacheManager(list(specs), num_pages, BS, 1, 2, torch.float32, **kw)
+
+
+def engine_config(**compression) -> EngineConfig:
+    return EngineConfig(compression=CompressionConfig(**compression))
+
+
+def resolve(config, overrides=None, kv=None, n=200, max_tokens=10, **kw) -> CompressionPolicy:
+    return resolve_policy(config, overrides, kv or manager(), n, max_tokens, **kw)
+
+
+def test_flat_budget():
+    policy = resolve(engine_config(budget=64, window=8, full_layers=1))
+    assert policy.settings == CompressionConfig(budget=64, window=8, full_layers=1)
+    assert policy.compressor == SnapKVCompressor(8, "max", 7, "mean")
+    assert policy.layer_budgets == (None, 64, 64, 64)
+    assert policy.head_budgets is None
+    assert policy.kv == KVPolicy(decode_eviction=True, bounded_chunks=False)
+    # Full layer: ceil(210 / 16) = 14 pages; budgeted: min(210, max(64, 64 + 16)) = 80 -> 5.
+    assert policy.peak_pages == (14 + 3 * 5,)
+    assert (policy.enabled, policy.window, policy.context_len) == (True, 8, None)
+    assert not policy.needs_attention_mass and not policy.evicts_randomly
+    assert not policy.reconstructs and policy.compressor.window_scored
+
+
+def test_pyramid_schedule_comes_from_the_compressor_class():
+    policy = resolve(engine_config(method="pyramidkv", budget=64, window=8, full_layers=0), n=1000)
+    assert isinstance(policy.compressor, PyramidKVCompressor)
+    # min_num = 56 // 20 = 2, max_num = 110, steps = 36: 118, 82, 46, 10 (average 64).
+    assert policy.layer_budgets == (118, 82, 46, 10)
+
+
+def test_layer_budget_lists_and_fractions():
+    fractions = resolve(engine_config(window=8, layer_fractions=(1.0, 0.5, 0.25, 0.01)), n=400)
+    assert fractions.layer_budgets == (None, 200, 100, 9)
+    listed = resolve(engine_config(window=8, layer_budgets=(0, 64, 0, 32)))
+    assert listed.layer_budgets == (None, 64, None, 32)
+
+
+def test_sliding_layers_keep_a_full_cache():
+    kv = manager((FULL, SLIDING, FULL, SLIDING), max_num_batched_tokens=64)
+    policy = resolve(engine_config(budget=64, window=8, full_layers=0), kv=kv)
+    assert policy.layer_budgets == (64, None, 64, None)
+    # Budgeted: the exact chunked prefill holds the whole 200-token prompt (13 pages); sliding:
+    # min(210, 32 + 64 + 16) = 112 slots (7 pages).
+    assert policy.peak_pages == (2 * 13 + 2 * 7,)
+
+
+def test_request_overrides_merge_field_by_field():
+    config = engine_config(budget=64, window=8, full_layers=0)
+    h2o = resolve(config, {"method": "h2o", "budget": 40})
+    assert h2o.settings.method == "h2o" and h2o.settings.window == 8
+    assert h2o.compressor == H2OCompressor(8) and h2o.needs_attention_mass
+    assert h2o.layer_budgets == (40,) * 4
+    ratio = resolve(config, {"compression_ratio": 0.5})
+    assert (ratio.settings.budget, ratio.layer_budgets) == (None, (100,) * 4)
+    whole = CompressionConfig(method="random", budget=32, window=4, full_layers=3)
+    chosen = resolve(config, whole)
+    assert chosen.settings is whole and chosen.layer_budgets == (None, None, None, 32)
+    assert isinstance(chosen.compressor, RandomCompressor) and chosen.evicts_randomly
+
+
+@pytest.mark.parametrize(
+    "overrides", [{"method": "none"}, {"compression_ratio": 0.0}, {"full_layers": 4}]
+)
+def test_nothing_budgeted_is_a_full_cache_policy(overrides):
+    policy = resolve(engine_config(budget=64, window=8, full_layers=0), overrides)
+    assert policy == CompressionPolicy(layer_budgets=(None,) * 4, peak_pages=(4 * 14,))
+    assert (policy.enabled, policy.settings, policy.compressor, policy.window) == (
+        False,
+        None,
+        None,
+        1,
+    )
+    assert policy.kv == KVPolicy(decode_eviction=True, bounded_chunks=False)
+
+
+def test_bounded_chunks_and_no_decode_eviction():
+    config = engine_config(budget=64, window=8, chunked_mode="bounded", decode_eviction=False)
+    policy = resolve(config)
+    assert policy.kv == KVPolicy(decode_eviction=False, bounded_chunks=True)
+    assert policy.bounded_chunks
+    # Full layers 0-1: 14 pages each; budgeted: min(200, 64) + 10 = 74 slots -> 5 pages.
+    assert policy.peak_pages == (2 * 14 + 2 * 5,)
+
+
+def test_context_scope_and_its_key():
+    config = engine_config(budget=64, window=8, full_layers=0, scope="context")
+    tokens = list(range(150))
+    policy = resolve(config, {"context_tokens": 100}, n=150)
+    assert policy.context_len == 100 and policy.layer_budgets == (64,) * 4
+    assert policy.kv == KVPolicy(decode_eviction=False, bounded_chunks=False, context_only=True)
+    # Later tokens: 10 outputs + 50 question tokens; min(100, 64) + 60 = 124 slots -> 8 pages.
+    assert policy.peak_pages == (4 * 8,)
+    key = policy.context_key(tokens)
+    assert key.startswith(b"context:") and len(key) == 8 + 16
+    same = resolve(config, {"context_tokens": 100}, n=150).context_key(tokens[:100] + [7] * 50)
+    assert same == key  # the question is not part of the key
+    assert resolve(config, {"context_tokens": 100, "budget": 32}).context_key(tokens) != key
+    assert policy.context_key(tokens[:100]) is None  # the context is the whole prompt
+    randomly = resolve(config, {"context_tokens": 100, "method": "random"}, n=150)
+    assert randomly.context_key(tokens) is None
+    assert resolve(engine_config()).context_key(tokens) is None  # scope prompt
+
+
+def test_draft_tokens_count_in_the_peak():
+    config = engine_config(budget=64, window=8, full_layers=0, decode_eviction=False)
+    # Budgeted: min(200, 64) + later tokens: 74 slots -> 5 pages; 144 -> 9; 148 -> 10.
+    assert resolve(config).peak_pages == (4 * 5,)
+    assert resolve(config, max_tokens=80).peak_pages == (4 * 9,)
+    assert resolve(config, max_tokens=80, draft_tokens=4).peak_pages == (4 * 10,)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "kw", "match"),
+    [
+        ({"budgett": 64}, {}, r"^kv_compression\.budgett: unknown field"),
+        ({"budget": 4}, {}, r"^kv_compression\.budget \(4\) must be >= window \+ 1"),
+        ({"budget": 64, "compression_ratio": 0.5}, {}, "kv_compression.budget and"),
+        ({"scope": "context"}, {}, r"^kv_compression\.context_tokens: scope 'context'"),
+        ({"scope": "context", "context_tokens": 300}, {}, "context_tokens: 300 exceeds"),
+        ({"layer_budgets": (0, 64)}, {}, r"^kv_compression\.layer_budgets: 2 budgets"),
+        ({"layer_fractions": (0.5,)}, {}, r"^kv_compression\.layer_fractions: 1 fractions"),
+        (CompressionConfig(method="snap"), {}, r"^kv_compression\.method: unknown method"),
+        (None, {"max_tokens": 4000}, r"^max_tokens: the request needs \d+ KV pages"),
+    ],
+)
+def test_invalid_requests_name_the_parameter(overrides, kw, match):
+    with pytest.raises(ValueError, match=match):
+        resolve(engine_config(budget=64, window=8), overrides, **kw)
+
+
+def test_a_reconstructing_method_is_refused_under_tensor_parallelism():
+    config = engine_config(method="kvzip", budget=64, window=8)
+    assert isinstance(resolve(config).compressor, KVzipCompressor)
+    assert resolve(config).reconstructs
+    config.parallel = ParallelConfig(tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"^kv_compression: kvzip is not supported with tensor"):
+        resolve(config)
+    assert not resolve(config, {"method": "none"}).enabled
+
+
+def test_capabilities_are_class_attributes():
+    flags = {
+        name: (cls.needs_attention_mass, cls.evicts_randomly, cls.reconstructs)
+        for name, cls in COMPRESSORS.items()
+    }
+    assert {name for name, f in flags.items() if f[0]} == {"h2o"}
+    assert {name for name, f in flags.items() if f[1]} == {"random"}
+    assert {name for name, f in flags.items() if f[2]} == {"kvzip"}
+    assert compressor_class("h2o") is H2OCompressor
+    with pytest.raises(ValueError, match=r"^kv_compression\.method: unknown method 'bogus'"):
+        compressor_class("bogus")
+
+
+# Past the registry, code reads capabilities, never a method's name.
+_NAMES = "|".join(COMPRESSORS)
+_NAME_CHECK = re.compile(
+    rf"""(==|!=)\s*["']({_NAMES})["']|\.name\s*(==|!=)|["']({_NAMES})["']\s*(==|!=|in\b)"""
+)
+_NAMING_ALLOWED = ("compression/", "config.py", "cli_args.py", "bench/", "evaluation/")
+
+
+def test_no_module_outside_compression_checks_a_method_name():
+    root = Path(__file__).resolve().parents[2] / "sparsekv"
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        relative = path.relative_to(root).as_posix()
+        if relative.startswith(_NAMING_ALLOWED):
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if _NAME_CHECK.search(line):
+                found.append(f"{relative}:{number}: {line.strip()}")
+    assert not found, "\n".join(found)
+    assert _NAME_CHECK.search('if compressor.name == "h2o":')  # the pattern does catch one
