@@ -14,7 +14,7 @@ import torch
 from sparsekv.attention.backends import cpu_window
 from sparsekv.attention.backends.base import DecodeParams, DecodeResult
 from sparsekv.attention.backends.torch_backend import TorchBackend
-from sparsekv.attention.cpu import build, kept_slots, window_fused
+from sparsekv.attention.cpu import build, chunk_paged, kept_slots, window_fused
 from sparsekv.attention.cpu import ops as native
 from sparsekv.models.fused import ops as fused
 
@@ -72,6 +72,47 @@ class CpuNativeBackend(TorchBackend):
         if logit_softcap is None and native.supports_prefill(query, key, value):
             return native.prefill_attention(query, key, value, scale, sliding_window)
         return super().prefill_attention(query, key, value, scale, sliding_window, logit_softcap)
+
+    def prefill_attention_paged(
+        self, query, key, value, kv_pool, block_table, num_cached, scale, sliding_window=None,
+        logit_softcap=None,
+    ):  # fmt: skip
+        """The multi-query kernel reading the held slots from the pages in place
+        (``chunk_paged``: fp32 / bf16 pages, GQA, sliding window) where
+        ``chunk_paged.supports_chunk_paged`` says it takes the tensors (not soft-capped); else
+        the gathering default."""
+        if chunk_paged.supports_chunk_paged(query, key, kv_pool, logit_softcap):
+            return chunk_paged.chunk_attention_paged(
+                query, key, value, kv_pool, block_table, num_cached, scale, sliding_window
+            )
+        return super().prefill_attention_paged(
+            query, key, value, kv_pool, block_table, num_cached, scale, sliding_window,
+            logit_softcap,
+        )  # fmt: skip
+
+    def prefill_attention_paged_batch(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_pool: torch.Tensor,
+        block_tables: torch.Tensor,
+        row_starts: torch.Tensor,
+        num_cached: torch.Tensor,
+        scale: float,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """:meth:`prefill_attention_paged` of several sequences in one kernel call (a ragged
+        batch: ``chunk_paged.chunk_attention_paged_batch``, whose arguments these are), or
+        ``None`` where the kernel does not take the tensors (the caller then goes per
+        sequence)."""
+        if not chunk_paged.supports_chunk_paged(query, key, kv_pool, logit_softcap):
+            return None
+        return chunk_paged.chunk_attention_paged_batch(
+            query, key, value, kv_pool, block_tables, row_starts, num_cached, scale,
+            sliding_window,
+        )  # fmt: skip
 
     def window_scores(
         self, keys, window_queries, window_lse, scale, logit_softcap=None, reduce="sum"
