@@ -28,16 +28,21 @@ static void chunk_tile_rows(const ChunkArgs& a, const ChunkItem& it, int64_t j0,
   const int64_t kv_plane = a.num_kv_heads * bs * d;  // K -> V of one page
   const int64_t* table = a.block_tables + it.b * a.max_blocks;
   const int64_t first_row = a.row_starts[it.b];
-  for (int64_t j = j0; j < j1; ++j) {
-    if (j < nc) {
-      const int64_t page = table[j / bs];
-      t.k[j - j0] = pool + page * 2 * kv_plane + (it.kvh * bs + j % bs) * d;
-      t.v[j - j0] = t.k[j - j0] + kv_plane;
-    } else {
-      const int64_t row = first_row + j - nc;
-      t.k[j - j0] = (const T*)a.key + it.kvh * a.key_head_stride + row * a.key_row_stride;
-      t.v[j - j0] = (const T*)a.value + it.kvh * a.value_head_stride + row * a.value_row_stride;
+  int64_t j = j0;
+  const int64_t paged_end = j1 < nc ? j1 : nc;
+  while (j < paged_end) {  // page by page: one division per page, not per key
+    const int64_t off = j % bs, count = bs - off < paged_end - j ? bs - off : paged_end - j;
+    const T* k = pool + table[j / bs] * 2 * kv_plane + (it.kvh * bs + off) * d;
+    for (int64_t i = 0; i < count; ++i) {
+      t.k[j - j0 + i] = k + i * d;
+      t.v[j - j0 + i] = k + i * d + kv_plane;
     }
+    j += count;
+  }
+  for (; j < j1; ++j) {
+    const int64_t row = first_row + j - nc;
+    t.k[j - j0] = (const T*)a.key + it.kvh * a.key_head_stride + row * a.key_row_stride;
+    t.v[j - j0] = (const T*)a.value + it.kvh * a.value_head_stride + row * a.value_row_stride;
   }
   t.n = j1 - j0;
   for (int64_t i = t.n; i < padded; ++i) {
@@ -101,12 +106,18 @@ static void chunk_softmax(const ChunkArgs& a, const ChunkItem& it, int64_t j0, i
     const int64_t lo = a.window > 0 ? pos - a.window + 1 : 0;
     float* sr = s + r * tile;
     float mt = kNegInf;
-    for (int64_t k = 0; k < padded; ++k) {
-      const int64_t j = j0 + k;
-      if (k >= n || j > pos || j < lo)
-        sr[k] = kNegInf;
-      else
-        mt = sr[k] > mt ? sr[k] : mt;
+    if (n == padded && j0 >= lo && j0 + n - 1 <= pos) {  // the row sees the whole tile
+      vf mv = splat(kNegInf);
+      for (int64_t k = 0; k < padded; k += W) mv = vmax(mv, loadu(sr + k));
+      mt = hmax(mv);
+    } else {
+      for (int64_t k = 0; k < padded; ++k) {
+        const int64_t j = j0 + k;
+        if (k >= n || j > pos || j < lo)
+          sr[k] = kNegInf;
+        else
+          mt = sr[k] > mt ? sr[k] : mt;
+      }
     }
     if (mt == kNegInf) {
       for (int64_t k = 0; k < padded; ++k) sr[k] = 0.0f;
