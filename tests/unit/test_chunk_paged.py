@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from sparsekv.attention import torch_ref
+from sparsekv.attention.backends.cpu_native import CpuNativeBackend
 from sparsekv.attention.cpu import build, chunk_paged
 
 FP32_TOL = {"atol": 1e-5, "rtol": 0.0}
@@ -149,3 +150,26 @@ def test_supports_only_what_the_kernel_takes():
     assert not chunk_paged.supports_chunk_paged(query.half(), key, pool)
     assert not chunk_paged.supports_chunk_paged(torch.zeros(3, 3, 64), key, pool)  # 3 % 2
     assert not chunk_paged.supports_chunk_paged(query, key, pool.transpose(3, 4))
+
+
+@pytest.mark.kernel_variant("chunk_paged")
+@pytest.mark.parametrize(("dtype", "rows", "native"), [
+    (torch.bfloat16, 16, True), (torch.bfloat16, 17, False), (torch.float32, 200, True)
+])  # fmt: skip
+def test_backend_routes_long_bf16_chunks_to_the_gather(isas, monkeypatch, dtype, rows, native):
+    """``CpuNativeBackend`` runs the kernel where it is the faster route: every chunk over fp32
+    pages, chunks of up to ``BF16_MAX_ROWS`` rows over bf16 pages; same results either way."""
+    calls = []
+    kernel = chunk_paged.chunk_attention_paged_batch
+    monkeypatch.setattr(
+        chunk_paged,
+        "chunk_attention_paged_batch",
+        lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs),
+    )
+    pool, tables, starts, q, k, v = make_batch([50], [rows], 1, 2, 16, 64, dtype, seed=rows)
+    out, lse = CpuNativeBackend().prefill_attention_paged(q, k, v, pool, tables[0], 50, 0.125)
+    want = reference(pool, tables, starts, [50], q, k, v, 0.125, None)
+    assert len(calls) == int(native)
+    torch.testing.assert_close(lse, want[1], atol=1e-4, rtol=0.0)
+    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+    torch.testing.assert_close(out.float(), want[0], **tol)

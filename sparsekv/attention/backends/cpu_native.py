@@ -80,8 +80,11 @@ class CpuNativeBackend(TorchBackend):
         """The multi-query kernel reading the held slots from the pages in place
         (``chunk_paged``: fp32 / bf16 pages, GQA, sliding window) where
         ``chunk_paged.supports_chunk_paged`` says it takes the tensors (not soft-capped); else
-        the gathering default."""
-        if chunk_paged.supports_chunk_paged(query, key, kv_pool, logit_softcap):
+        the gathering default, also for long chunks over bf16 pages, where the flash prefill
+        kernel over the gathered keys is faster (``chunk_paged.beats_gather``)."""
+        if chunk_paged.supports_chunk_paged(
+            query, key, kv_pool, logit_softcap
+        ) and chunk_paged.beats_gather(kv_pool, query.shape[1]):
             return chunk_paged.chunk_attention_paged(
                 query, key, value, kv_pool, block_table, num_cached, scale, sliding_window
             )
@@ -105,9 +108,11 @@ class CpuNativeBackend(TorchBackend):
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """:meth:`prefill_attention_paged` of several sequences in one kernel call (a ragged
         batch: ``chunk_paged.chunk_attention_paged_batch``, whose arguments these are), or
-        ``None`` where the kernel does not take the tensors (the caller then goes per
-        sequence)."""
+        ``None`` where the kernel does not take the tensors or is not the faster route
+        (``chunk_paged.beats_gather``): the caller then goes per sequence."""
         if not chunk_paged.supports_chunk_paged(query, key, kv_pool, logit_softcap):
+            return None
+        if not chunk_paged.beats_gather(kv_pool, int(row_starts.diff().max())):
             return None
         return chunk_paged.chunk_attention_paged_batch(
             query, key, value, kv_pool, block_tables, row_starts, num_cached, scale,

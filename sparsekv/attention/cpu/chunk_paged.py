@@ -23,6 +23,12 @@ import torch
 from sparsekv.attention.cpu import build
 
 VARIANTS = ("avx512", "avx2", "generic")
+# Longest chunk for which the kernel beats gathering bf16 pages for the flash prefill kernel
+# (``ops.prefill_attention``), which packs K / V once and blocks its queries: at 4k held slots
+# (9 heads, 3 KV heads, head_dim 64, 1 thread) 20 vs 21 ms at 16 rows, 44 vs 36 ms at 32.
+# Over fp32 pages the gather feeds PyTorch attention, slower at every length measured (up to
+# 512 rows: 256 vs 302 ms).
+BF16_MAX_ROWS = 16
 _LANES = {"avx512": 16, "avx2": 8, "generic": 4}
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -86,6 +92,12 @@ def supports_chunk_paged(
     ):
         return False
     return chunk_isa(head_dim) is not None
+
+
+def beats_gather(kv_pool: torch.Tensor, max_rows: int) -> bool:
+    """True when the kernel is the faster route for chunks of up to ``max_rows`` rows over
+    ``kv_pool``'s pages (see :data:`BF16_MAX_ROWS`)."""
+    return kv_pool.dtype == torch.float32 or max_rows <= BF16_MAX_ROWS
 
 
 def chunk_attention_paged(
