@@ -21,7 +21,7 @@ from sparsekv.models.fused import ops as fused
 
 class CpuNativeBackend(TorchBackend):
     """The C++ CPU kernels: paged decode (plain, int8 / fp8, int4 pages), flash prefill,
-    window scores (fused AMX / AVX512-BF16, or the paged kernel), kept-slot writes, slot moves
+    chunks over the pages (one sequence or a ragged batch), window scores (fused AMX / AVX512-BF16, or the paged kernel), kept-slot writes, slot moves
     and kept-index selection."""
 
     name = "cpu"
