@@ -41,6 +41,7 @@ from sparsekv.kv_cache.request_kv import LayerKV
 from sparsekv.kv_cache.spec import LayerSpec
 from sparsekv.kv_cache.storage import KVStorage
 from sparsekv.runner import compaction
+from sparsekv.runner.chunk_batch import attend_chunk_batch
 from sparsekv.runner.metadata import AttentionMetadata, RequestSlice
 
 
@@ -127,7 +128,10 @@ class PagedAttention:
             out[batch.rows] = self._decode(
                 batch, layer, queries, k[batch.rows], v[batch.rows], scale, window, storage
             )
-        for request in self.metadata.general[layer]:
+        general = self.metadata.general[layer]
+        if len(general) > 1:  # several chunks read from the pages: one batched call
+            general = attend_chunk_batch(self, general, layer, q, k, v, scale, window, out)
+        for request in general:
             rows = slice(request.start, request.start + request.num_rows)
             out[rows] = self._general(request, layer, q[rows], k[rows], v[rows], scale, window)
         return out

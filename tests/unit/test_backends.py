@@ -16,6 +16,7 @@ from sparsekv.attention import reference, selection, torch_ref
 from sparsekv.attention.backends import DecodeParams, backend_class, create_backend
 from sparsekv.attention.backends.cpu_native import CpuNativeBackend
 from sparsekv.attention.backends.torch_backend import TorchBackend
+from sparsekv.attention.cpu import build, chunk_paged
 from sparsekv.kv_cache import quant
 from tests import triton_kernels
 from tests.triton_kernels import triton_mode  # noqa: F401 (the interpreter around each test)
@@ -168,10 +169,18 @@ CHUNK_CASES = [
     ("group", "head_dim", "block_size", "cached", "length", "window", "softcap"), CHUNK_CASES
 )
 def test_prefill_chunk_from_pages_equals_reference(
-    backend, group, head_dim, block_size, cached, length, window, softcap
+    backend, group, head_dim, block_size, cached, length, window, softcap, monkeypatch
 ):
     """A chunk attending to its earlier keys in the pages plus itself equals the reference
-    over the gathered keys ``cached ++ chunk`` (out and LSE)."""
+    over the gathered keys ``cached ++ chunk`` (out and LSE); the cpu backend runs its native
+    chunk kernel (``chunk_paged``) on every case without soft-cap."""
+    calls = []
+    native_chunk = chunk_paged.chunk_attention_paged_batch
+    monkeypatch.setattr(
+        chunk_paged,
+        "chunk_attention_paged_batch",
+        lambda *args, **kwargs: calls.append(args[4].shape) or native_chunk(*args, **kwargs),
+    )
     pool, tables, _, _ = make_pool([max(cached, 1)], 1, block_size, head_dim, seed=cached)
     g = torch.Generator().manual_seed(length)
     query = torch.randn(group, length, head_dim, generator=g)
@@ -190,6 +199,8 @@ def test_prefill_chunk_from_pages_equals_reference(
     )
     torch.testing.assert_close(got[0], want[0], **TOL)
     torch.testing.assert_close(got[1], want[1], **TOL)
+    native = isinstance(backend, CpuNativeBackend) and build.load_extension() is not None
+    assert len(calls) == (1 if native and softcap is None else 0)
 
 
 def _dense_window_scores(keys, queries, scale, softcap=None):

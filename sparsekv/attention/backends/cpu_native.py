@@ -14,14 +14,14 @@ import torch
 from sparsekv.attention.backends import cpu_window
 from sparsekv.attention.backends.base import DecodeParams, DecodeResult
 from sparsekv.attention.backends.torch_backend import TorchBackend
-from sparsekv.attention.cpu import build, kept_slots, window_fused
+from sparsekv.attention.cpu import build, chunk_paged, kept_slots, window_fused
 from sparsekv.attention.cpu import ops as native
 from sparsekv.models.fused import ops as fused
 
 
 class CpuNativeBackend(TorchBackend):
     """The C++ CPU kernels: paged decode (plain, int8 / fp8, int4 pages), flash prefill,
-    window scores (fused AMX / AVX512-BF16, or the paged kernel), kept-slot writes, slot moves
+    chunks over the pages (one sequence or a ragged batch), window scores (fused AMX / AVX512-BF16, or the paged kernel), kept-slot writes, slot moves
     and kept-index selection."""
 
     name = "cpu"
@@ -72,6 +72,52 @@ class CpuNativeBackend(TorchBackend):
         if logit_softcap is None and native.supports_prefill(query, key, value):
             return native.prefill_attention(query, key, value, scale, sliding_window)
         return super().prefill_attention(query, key, value, scale, sliding_window, logit_softcap)
+
+    def prefill_attention_paged(
+        self, query, key, value, kv_pool, block_table, num_cached, scale, sliding_window=None,
+        logit_softcap=None,
+    ):  # fmt: skip
+        """The multi-query kernel reading the held slots from the pages in place
+        (``chunk_paged``: fp32 / bf16 pages, GQA, sliding window) where
+        ``chunk_paged.supports_chunk_paged`` says it takes the tensors (not soft-capped); else
+        the gathering default, also for long chunks over bf16 pages, where the flash prefill
+        kernel over the gathered keys is faster (``chunk_paged.beats_gather``)."""
+        if chunk_paged.supports_chunk_paged(
+            query, key, kv_pool, logit_softcap
+        ) and chunk_paged.beats_gather(kv_pool, query.shape[1]):
+            return chunk_paged.chunk_attention_paged(
+                query, key, value, kv_pool, block_table, num_cached, scale, sliding_window
+            )
+        return super().prefill_attention_paged(
+            query, key, value, kv_pool, block_table, num_cached, scale, sliding_window,
+            logit_softcap,
+        )  # fmt: skip
+
+    def prefill_attention_paged_batch(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_pool: torch.Tensor,
+        block_tables: torch.Tensor,
+        row_starts: torch.Tensor,
+        num_cached: torch.Tensor,
+        scale: float,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """:meth:`prefill_attention_paged` of several sequences in one kernel call (a ragged
+        batch: ``chunk_paged.chunk_attention_paged_batch``, whose arguments these are), or
+        ``None`` where the kernel does not take the tensors or is not the faster route
+        (``chunk_paged.beats_gather``): the caller then goes per sequence."""
+        if not chunk_paged.supports_chunk_paged(query, key, kv_pool, logit_softcap):
+            return None
+        if not chunk_paged.beats_gather(kv_pool, int(row_starts.diff().max())):
+            return None
+        return chunk_paged.chunk_attention_paged_batch(
+            query, key, value, kv_pool, block_tables, row_starts, num_cached, scale,
+            sliding_window,
+        )  # fmt: skip
 
     def window_scores(
         self, keys, window_queries, window_lse, scale, logit_softcap=None, reduce="sum"

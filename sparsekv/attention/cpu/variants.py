@@ -3,7 +3,8 @@
 A kernel *family* is a set of operators chosen together: ``decode`` (paged decode attention of
 every pool format and the window scores, ``ops.pick_isa``), ``prefill`` (causal prefill
 attention, ``ops.prefill_isa``) and ``window_fused`` (fused window scores and compaction
-straight from the pages, ``window_fused.supports_window_fused``). Each family lists every
+straight from the pages, ``window_fused.supports_window_fused``) and ``chunk_paged`` (short
+chunks of queries over the pages, ``chunk_paged.chunk_isa``). Each family lists every
 variant it has, fastest first; :func:`family_status` says which of them this CPU runs (the
 CPUID features and, for AMX, the kernel's grant) and which one runs by default. Used by
 ``sparsekv bench kernels --list`` and by the test suite's summary of tested variants.
@@ -14,12 +15,13 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from sparsekv.attention.cpu import build, ops, window_fused
+from sparsekv.attention.cpu import build, chunk_paged, ops, window_fused
 
 FAMILIES: dict[str, tuple[str, ...]] = {
     "decode": ("avx512_amx", "avx512", "avx2", "avx2_w16", "generic"),
     "prefill": ops.PREFILL_VARIANTS,
     "window_fused": window_fused.VARIANTS,
+    "chunk_paged": chunk_paged.VARIANTS,
 }
 
 
@@ -56,11 +58,15 @@ def _runnable(family: str) -> tuple[str, ...]:
         return ops.available_isas()
     if family == "prefill":
         return ops.prefill_isas()
+    if family == "chunk_paged":
+        return chunk_paged.chunk_isas()
     return window_fused.window_fused_isas()
 
 
 def _why_not(family: str, variant: str) -> str:
     ext = build.load_extension()
+    if family == "chunk_paged":
+        return chunk_paged.chunk_isa_status(variant)
     if family != "decode" or variant == ops.PREFILL_ISA:  # the same CPU checks as prefill's
         return ops.prefill_isa_status(variant)
     if variant == "avx512":
@@ -75,6 +81,8 @@ def _default(family: str) -> tuple[str | None, str]:
         chosen = ops.pick_isa(64)
     elif family == "prefill":
         chosen = ops.prefill_isa()
+    elif family == "chunk_paged":
+        chosen = chunk_paged.chunk_isa(64)
     else:
         chosen = window_fused.window_fused_isa()
     if chosen is None:

@@ -1,0 +1,175 @@
+"""The multi-query paged attention kernel (``attention.cpu.chunk_paged``) against the PyTorch
+oracle: ragged batches of chunks (1..64 rows) over held slots read in place from shuffled pages,
+GQA, sliding windows, fp32 (1e-5) and bf16 pages, on every variant this CPU runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparsekv.attention import torch_ref
+from sparsekv.attention.backends.cpu_native import CpuNativeBackend
+from sparsekv.attention.cpu import build, chunk_paged
+
+FP32_TOL = {"atol": 1e-5, "rtol": 0.0}
+BF16_TOL = {"atol": 1e-2, "rtol": 1.6e-2}  # the output rounded to bf16
+ISA_ENV = "SPARSEKV_KERNEL_ISA"
+
+
+@pytest.fixture(scope="module")
+def isas() -> tuple[str, ...]:
+    if build.native_disabled():
+        pytest.skip("SPARSEKV_DISABLE_NATIVE is set")
+    assert build.load_extension() is not None, "the native extension failed to build"
+    return chunk_paged.chunk_isas()
+
+
+def make_batch(cached, rows, num_kv_heads, group, block_size, head_dim, dtype, seed=0):
+    """Pool with each sequence's held slots on shuffled pages, and the chunks' tensors."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = [-(-n // block_size) for n in cached]
+    num_pages = sum(blocks) + 3
+    pool = torch.randn(num_pages, 2, num_kv_heads, block_size, head_dim, generator=g).to(dtype)
+    order = torch.randperm(num_pages, generator=g).tolist()
+    tables = torch.full((len(cached), max(blocks) + 1), num_pages + 5, dtype=torch.long)
+    for i, n in enumerate(blocks):  # padding entries hold an invalid id: never read
+        tables[i, :n] = torch.tensor([order.pop() for _ in range(n)], dtype=torch.long)
+    total = sum(rows)
+    query = torch.randn(num_kv_heads * group, total, head_dim, generator=g).to(dtype)
+    key, value = torch.randn(2, num_kv_heads, total, head_dim, generator=g).to(dtype)
+    starts = torch.tensor([0, *torch.tensor(rows).cumsum(0).tolist()], dtype=torch.long)
+    return pool, tables, starts, query, key, value
+
+
+def reference(pool, tables, starts, cached, query, key, value, scale, window):
+    """Per sequence: the held slots gathered, the chunk appended, fp32 attention with LSE."""
+    outs, lses = [], []
+    for b, n in enumerate(cached):
+        rows = slice(int(starts[b]), int(starts[b + 1]))
+        ck, cv = torch_ref.gather_kv(pool.float(), tables[b, : -(-n // pool.shape[3])], n)
+        out, lse = torch_ref.attention_with_lse(
+            query[:, rows].float(),
+            torch.cat([ck, key[:, rows].float()], 1),
+            torch.cat([cv, value[:, rows].float()], 1),
+            scale,
+            window,
+        )
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs, 1), torch.cat(lses, 1)
+
+
+def check(isa, monkeypatch, cached, rows, kvh, group, block_size, head_dim, dtype, window):
+    monkeypatch.setenv(ISA_ENV, isa)
+    assert chunk_paged.chunk_isa(head_dim) == isa
+    pool, tables, starts, q, k, v = make_batch(
+        cached, rows, kvh, group, block_size, head_dim, dtype, seed=sum(cached) + len(rows)
+    )
+    scale = head_dim**-0.5
+    num_cached = torch.tensor(cached)
+    out, lse = chunk_paged.chunk_attention_paged_batch(
+        q, k, v, pool, tables, starts, num_cached, scale, window
+    )
+    want_out, want_lse = reference(pool, tables, starts, cached, q, k, v, scale, window)
+    assert out.dtype == dtype and out.shape == want_out.shape
+    torch.testing.assert_close(lse, want_lse, **FP32_TOL)
+    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+    torch.testing.assert_close(out.float(), want_out, **tol)
+
+
+@pytest.mark.kernel_variant("chunk_paged")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("window", [None, 24], ids=["full", "window24"])
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_ragged_batch_matches_reference(
+    isas, monkeypatch, dtype, window, group, head_dim, block_size
+):
+    """Four sequences: nothing cached, page-unaligned, page-aligned and long caches, with
+    chunks of 5 (a verification of 4 draft tokens), 1, 33 and 64 rows."""
+    cached, rows = [0, 37, 64, 300], [5, 1, 33, 64]
+    for isa in isas:
+        check(isa, monkeypatch, cached, rows, 2, group, block_size, head_dim, dtype, window)
+
+
+@pytest.mark.kernel_variant("chunk_paged")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_every_chunk_length_1_to_64(isas, monkeypatch, dtype):
+    """One batch of 64 sequences with chunks of 1..64 rows after 0..63 * 7 held slots."""
+    rows = list(range(1, 65))
+    cached = [7 * i for i in range(64)]
+    for isa in isas:
+        check(isa, monkeypatch, cached, rows, 1, 3, 16, 64, dtype, None)
+
+
+@pytest.mark.kernel_variant("chunk_paged")
+@pytest.mark.parametrize("window", [None, 100])
+def test_split_keys_across_threads(isas, monkeypatch, window):
+    """Long caches with two threads: each (sequence, KV head) is cut into key splits merged
+    by their LSE, and a large chunk (chunked prefill) into row blocks."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for isa in isas:
+            check(isa, monkeypatch, [3001, 1500], [5, 200], 2, 4, 32, 64, torch.float32, window)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.kernel_variant("chunk_paged")
+def test_single_sequence_api_and_strided_query(isas, monkeypatch):
+    """``chunk_attention_paged`` of one sequence, with the model's transposed query view."""
+    pool, tables, starts, q, k, v = make_batch([45], [6], 3, 3, 16, 64, torch.float32, seed=3)
+    strided = q.transpose(0, 1).contiguous().transpose(0, 1)  # [H, m, d] view of [m, H, d]
+    assert not strided.is_contiguous()
+    want = reference(pool, tables, starts, [45], q, k, v, 0.125, None)
+    for isa in isas:
+        monkeypatch.setenv(ISA_ENV, isa)
+        out, lse = chunk_paged.chunk_attention_paged(strided, k, v, pool, tables[0], 45, 0.125)
+        torch.testing.assert_close(out, want[0], **FP32_TOL)
+        torch.testing.assert_close(lse, want[1], **FP32_TOL)
+
+
+@pytest.mark.kernel_variant("chunk_paged")
+def test_rejects_page_ids_out_of_range(isas):
+    pool, tables, starts, q, k, v = make_batch([40], [3], 1, 2, 16, 64, torch.float32)
+    tables[0, 1] = pool.shape[0]
+    with pytest.raises(RuntimeError, match="page id out of range"):
+        chunk_paged.chunk_attention_paged_batch(
+            q, k, v, pool, tables, starts, torch.tensor([40]), 0.125
+        )
+
+
+def test_supports_only_what_the_kernel_takes():
+    pool = torch.zeros(4, 2, 2, 16, 64)
+    query, key = torch.zeros(4, 3, 64), torch.zeros(2, 3, 64)
+    native = not build.native_disabled() and build.load_extension() is not None
+    assert chunk_paged.supports_chunk_paged(query, key, pool) is native
+    assert not chunk_paged.supports_chunk_paged(query, key, pool, logit_softcap=30.0)
+    assert not chunk_paged.supports_chunk_paged(query.half(), key, pool)
+    assert not chunk_paged.supports_chunk_paged(torch.zeros(3, 3, 64), key, pool)  # 3 % 2
+    assert not chunk_paged.supports_chunk_paged(query, key, pool.transpose(3, 4))
+
+
+@pytest.mark.kernel_variant("chunk_paged")
+@pytest.mark.parametrize(("dtype", "rows", "native"), [
+    (torch.bfloat16, 16, True), (torch.bfloat16, 17, False), (torch.float32, 200, True)
+])  # fmt: skip
+def test_backend_routes_long_bf16_chunks_to_the_gather(isas, monkeypatch, dtype, rows, native):
+    """``CpuNativeBackend`` runs the kernel where it is the faster route: every chunk over fp32
+    pages, chunks of up to ``BF16_MAX_ROWS`` rows over bf16 pages; same results either way."""
+    calls = []
+    kernel = chunk_paged.chunk_attention_paged_batch
+    monkeypatch.setattr(
+        chunk_paged,
+        "chunk_attention_paged_batch",
+        lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs),
+    )
+    pool, tables, starts, q, k, v = make_batch([50], [rows], 1, 2, 16, 64, dtype, seed=rows)
+    out, lse = CpuNativeBackend().prefill_attention_paged(q, k, v, pool, tables[0], 50, 0.125)
+    want = reference(pool, tables, starts, [50], q, k, v, 0.125, None)
+    assert len(calls) == int(native)
+    torch.testing.assert_close(lse, want[1], atol=1e-4, rtol=0.0)
+    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+    torch.testing.assert_close(out.float(), want[0], **tol)
