@@ -54,6 +54,8 @@ FLAG_NAMES = {
     ("compression", "budget"): "kv-budget",
     ("compression", "compression_ratio"): "kv-compression-ratio",
     ("speculative", "method"): "speculative-method",
+    ("speculative", "draft_sink_tokens"): "speculative-draft-sink-tokens",
+    ("speculative", "draft_recent_tokens"): "speculative-draft-recent-tokens",
 }
 CHOICES = {
     ("compression", "method"): COMPRESSION_METHODS,

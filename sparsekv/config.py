@@ -341,7 +341,7 @@ class SchedulerConfig:
             raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "sparse_self")
 
 
 @dataclass
@@ -355,17 +355,25 @@ class SpeculativeConfig:
 
     Attributes:
         method: how drafts are proposed: ``ngram`` (prompt lookup: the tokens that followed the
-            latest earlier occurrence of the sequence's last n tokens); unset is off.
+            latest earlier occurrence of the sequence's last n tokens) or ``sparse_self`` (the
+            model itself drafts, reading only the sink and most recent pages of its own
+            cache); unset is off.
         num_speculative_tokens: draft tokens proposed per request and step (K).
         ngram_prompt_lookup_min: shortest suffix n-gram the ``ngram`` drafter matches.
         ngram_prompt_lookup_max: longest suffix n-gram the ``ngram`` drafter matches (tried
             first).
+        draft_sink_tokens: ``sparse_self``: leading slots of each layer the draft reads
+            (rounded up to whole pages).
+        draft_recent_tokens: ``sparse_self``: most recent slots of each layer the draft
+            reads (extended back to a page start); sliding-window layers read their window.
     """
 
     method: str | None = None
     num_speculative_tokens: int = 4
     ngram_prompt_lookup_min: int = 1
     ngram_prompt_lookup_max: int = 4
+    draft_sink_tokens: int = 64
+    draft_recent_tokens: int = 448
 
     @property
     def enabled(self) -> bool:
@@ -377,7 +385,8 @@ class SpeculativeConfig:
                 f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, "
                 f"got {self.method!r}"
             )
-        for name in ("num_speculative_tokens", "ngram_prompt_lookup_min"):
+        names = ("num_speculative_tokens", "ngram_prompt_lookup_min")
+        for name in (*names, "draft_sink_tokens", "draft_recent_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")

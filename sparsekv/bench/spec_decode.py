@@ -7,6 +7,12 @@ hints: the answer copies most of the prompt, so prompt lookup hits) runs at each
 ``ngram`` by default). Greedy decoding, fixed ``--output-len``, EOS ignored. Reported per run:
 output tokens/s, TPOT P50 (each request's ``(last - first token) / (tokens - 1)``), the drafts'
 mean accepted length and acceptance rate, and whether the two runs' tokens agree.
+
+``--prompt-tokens N`` replaces the built-in prompts by long ones of about ``N`` tokens (a
+Python module of renamed copies of the snippets and a task about one function in its middle).
+With ``--speculative-method sparse_self`` the rows also carry the bytes a step reads (weights,
+the whole cache for a target step, the draft view for a draft forward) and the bandwidth bound
+they imply (``bench.spec_bytes``), at ``--read-bandwidth`` GB/s or a probed figure.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import shlex
 import sys
 import time
 
-from sparsekv.bench import common
+from sparsekv.bench import common, spec_bytes
 from sparsekv.cli_args import add_engine_args, engine_config_from_args
 from sparsekv.engine.prompts import render_chat
 from sparsekv.sampling_params import SamplingParams
@@ -61,6 +67,16 @@ SUMMARY_COLUMNS = (
     "speedup",
     "same_tokens",
 )
+BYTES_COLUMNS = (
+    "system",
+    "batch_size",
+    "context_slots",
+    "view_slots",
+    "target_step_mb",
+    "draft_step_mb",
+    "plain_bound_tok_s",
+    "self_bound_tok_s",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,6 +86,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--output-len", type=int, default=128, help="generated tokens each")
     parser.add_argument("--no-warmup", action="store_true", help="skip the warm-up request")
+    parser.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=0,
+        help="long prompts of about this many tokens (default 0: the built-in short ones)",
+    )
+    parser.add_argument(
+        "--read-bandwidth",
+        type=float,
+        default=None,
+        help="GB/s for the bytes-read bound of sparse_self rows (default: probed)",
+    )
     common.add_common_args(parser, "reports/spec_decode.json")
     add_engine_args(parser)
     return parser
@@ -85,6 +113,27 @@ def code_edit_prompts(tokenizer, num_prompts: int) -> list[list[int]]:
     return prompts
 
 
+def long_prompts(tokenizer, num_prompts: int, num_tokens: int) -> list[list[int]]:
+    """``num_prompts`` chat prompts of about ``num_tokens`` tokens: a module of renamed copies
+    of the built-in snippets and a task about one function in the middle of it."""
+    one_copy = sum(len(tokenizer.encode(code)) for code in _CODE) / len(_CODE)
+    num_copies = max(1, int((num_tokens - 80) / one_copy))
+    prompts = []
+    for i in range(num_prompts):
+        copies = [
+            _CODE[(i + c) % len(_CODE)].replace("def ", f"def m{c}_") for c in range(num_copies)
+        ]
+        middle = copies[num_copies // 2]
+        name = middle.split("def ", 1)[1].split("(", 1)[0]
+        task = _TASKS[i % len(_TASKS)].split(":")[0]
+        text = (
+            "Here is a Python module:\n\n" + "\n\n".join(copies) + f"\n\n{task}, for the "
+            f"function `{name}` only."
+        )
+        prompts.append(render_chat(tokenizer, [{"role": "user", "content": text}]))
+    return prompts
+
+
 def main(argv: list[str] | None = None, *, checkpoint=None) -> int:
     """Parse flags, run the benchmark, print a table and write the report."""
     args = build_parser().parse_args(argv)
@@ -92,6 +141,8 @@ def main(argv: list[str] | None = None, *, checkpoint=None) -> int:
     args.command = "sparsekv bench spec-decode " + shlex.join(given)
     document = run_spec_decode(args, checkpoint=checkpoint)
     print(common.format_table(document["rows"], SUMMARY_COLUMNS))
+    if "target_step_mb" in document["rows"][0]:
+        print(common.format_table(document["rows"], BYTES_COLUMNS))
     print(f"wrote {args.output}")
     return 0
 
@@ -118,25 +169,60 @@ def run_spec_decode(args: argparse.Namespace, checkpoint=None) -> dict:
     engine = common.build_engine(config, checkpoint)
     if not args.no_warmup:
         common.warm_up(engine, engine.vocab_size)
+    bandwidth = None
+    if config.speculative.method == "sparse_self":
+        bandwidth = args.read_bandwidth * 1e9 if args.read_bandwidth else None
+        bandwidth = bandwidth or spec_bytes.measure_bandwidth()
     rows = []
     for batch_size in batch_sizes:
-        prompts = code_edit_prompts(engine.tokenizer, batch_size)
+        if args.prompt_tokens > 0:
+            prompts = long_prompts(engine.tokenizer, batch_size, args.prompt_tokens)
+        else:
+            prompts = code_edit_prompts(engine.tokenizer, batch_size)
         plain = _run(engine, prompts, args.output_len, {"method": None}, "plain")
         spec = _run(engine, prompts, args.output_len, None, config.speculative.method)
         spec["speedup"] = spec["output_tok_s"] / plain["output_tok_s"]
         same = sum(a == b for a, b in zip(plain.pop("tokens"), spec.pop("tokens")))
         spec["same_tokens"] = f"{same}/{batch_size}"
+        if bandwidth is not None:
+            _add_bytes(engine, config.speculative, prompts, args.output_len, bandwidth, plain, spec)
         rows += [plain, spec]
     document = {
         "rows": rows,
         "provenance": common.bench_provenance(config, vars(args), load_start),
     }
+    if bandwidth is not None:
+        document["read_bandwidth"] = bandwidth
     if getattr(args, "command", None):
         document["provenance"]["command"] = args.command
     common.write_json(args.output, document)
     markdown = args.output.rsplit(".", 1)[0] + ".md"
     common.write_markdown(markdown, "Speculative decoding", rows, document["provenance"])
     return document
+
+
+def _add_bytes(engine, spec, prompts, output_len: int, bandwidth: float, *rows: dict) -> None:
+    """The bytes-read figures of each row (``bench.spec_bytes``) at the run's mean context."""
+    context = round(sum(map(len, prompts)) / len(prompts) + output_len / 2)
+    block_size = engine.kv.block_size
+    view = spec_bytes.view_slots(
+        context, block_size, spec.draft_sink_tokens, spec.draft_recent_tokens
+    )
+    weights = spec_bytes.weight_bytes(engine.parts.model)
+    per_slot = spec_bytes.slot_bytes(engine)
+    for row in rows:
+        row.update(
+            spec_bytes.step_figures(
+                weights,
+                per_slot,
+                context,
+                len(prompts),
+                spec.num_speculative_tokens,
+                view,
+                row["mean_accepted_length"],
+                bandwidth,
+            )  # fmt: skip
+        )
 
 
 def _run(engine, prompts, output_len: int, speculative: dict | None, system: str) -> dict:

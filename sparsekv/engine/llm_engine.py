@@ -227,7 +227,6 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         self.stats.num_preemptions += len(scheduled.preempted_ids)
         self.stats.count_prefix_lookups(scheduled.prefix_hits)
-        self.stats.spec_decode.draft_seconds += scheduled.draft_seconds
         if scheduled.is_empty:
             return []
         start = time.perf_counter()
@@ -236,6 +235,8 @@ class LLMEngine:
         except Exception as exc:  # noqa: BLE001 - a failing step must not kill the engine
             logger.exception("engine step failed")
             return self._fail_step(scheduled, exc)
+        # After the step: a self-drafting model proposes its drafts inside it.
+        self.stats.spec_decode.draft_seconds += scheduled.draft_seconds
         if result.verified:
             self.stats.spec_decode.count_step(result.verified, time.perf_counter() - start)
         self.scheduler.update(scheduled)

@@ -24,7 +24,7 @@ from sparsekv.runner.paged_attention import PagedAttention
 from sparsekv.runner.prompt_logprobs import prompt_logprob_rows, prompt_logprobs
 from sparsekv.runner.static_decode import StaticDecodeRunner
 from sparsekv.sampling.sampler import Sampler, SamplingBatch
-from sparsekv.spec_decode import rollback, verify
+from sparsekv.spec_decode import rollback, self_draft, verify
 
 
 @dataclass
@@ -123,6 +123,9 @@ class ModelRunner:
         result = RunnerOutput()
         if out.is_empty:
             return result
+        out.draft_seconds += self_draft.fill_self_drafts(
+            self.model, self.kv, out.scheduled, self.device, self.logit_softcap
+        )
         input_ids, positions, slices = [], [], []
         side_states = {}
         start = 0

@@ -36,7 +36,7 @@ Size = Annotated[int, Field(lt=2**31)]
 class SpeculativeBody(BaseModel):
     """The ``speculative`` object: the request's speculative decoding settings over the
     server's (``method: null`` or ``num_speculative_tokens: 0`` opts out; ``method: "ngram"``
-    opts in on a server started without speculation)."""
+    or ``"sparse_self"`` opts in on a server started without speculation)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -44,6 +44,8 @@ class SpeculativeBody(BaseModel):
     num_speculative_tokens: Size | None = None
     ngram_prompt_lookup_min: Size | None = None
     ngram_prompt_lookup_max: Size | None = None
+    draft_sink_tokens: Size | None = None
+    draft_recent_tokens: Size | None = None
 
     def overrides(self) -> dict[str, Any]:
         """The fields the client gave; an explicit ``method: null`` is kept (opt-out)."""

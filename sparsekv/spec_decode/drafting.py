@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from sparsekv.engine.request import Request
 from sparsekv.spec_decode.ngram import propose_ngram
+from sparsekv.spec_decode.self_draft import SELF_DRAFT
 
 
 def max_draft_tokens(request: Request, token_budget: int) -> int:
@@ -37,7 +38,8 @@ def max_draft_tokens(request: Request, token_budget: int) -> int:
 
 
 def propose(request: Request, token_budget: int) -> list[int]:
-    """Draft tokens for ``request``'s next step (empty: it decodes one token).
+    """Draft tokens for ``request``'s next step (empty: it decodes one token); for
+    ``sparse_self``, placeholders the runner fills before the step's forward.
 
     Raises:
         ValueError: the request's speculative method has no drafter here.
@@ -51,4 +53,8 @@ def propose(request: Request, token_budget: int) -> list[int]:
         return propose_ngram(
             token_ids, num_tokens, spec.ngram_prompt_lookup_min, spec.ngram_prompt_lookup_max
         )
+    if spec.method == "sparse_self":
+        # The model drafts at the start of the step (``self_draft.fill_self_drafts``): the
+        # scheduler only sizes the step.
+        return [SELF_DRAFT] * num_tokens
     raise ValueError(f"speculative_method: no drafter for {spec.method!r}")

@@ -1,0 +1,95 @@
+"""Sparse self-speculation: the target model drafts its own next tokens over a sparse view of
+its own cache (``--speculative-method sparse_self``, docs/speculative.md).
+
+The scheduler decides how many drafts a request carries (``drafting.max_draft_tokens``) and
+allocates the verification step's ``k + 1`` slots as for any draft, with placeholder tokens.
+Before the step's forward the runner calls :func:`fill_self_drafts`: ``k`` batched
+single-token forwards over every ``sparse_self`` request of the step, forward ``j`` feeding
+each request's last token (``j = 0``) or its draft ``j - 1`` at position
+``num_computed_tokens + j`` and attending over the request's draft view
+(``sparse_view.DraftAttention``). The draft token is the argmax of the draft's logits. The
+verification then runs unchanged: greedy requests keep the drafts that match the target's
+argmax, sampled ones accept draft ``d`` with probability ``p(d)`` (a deterministic draft is a
+one-hot draft distribution, so rejection sampling stays exact whatever drafted ``d``).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from sparsekv.engine.scheduler_output import ScheduledRequest
+from sparsekv.kv_cache.manager import KVCacheManager
+from sparsekv.models.fused import ops as fused
+from sparsekv.spec_decode.sparse_view import DraftAttention, DraftRow
+
+# A draft token the runner proposes before the step's forward (never an embedding row: a
+# placeholder left unfilled fails the lookup instead of computing a wrong token).
+SELF_DRAFT = -1
+
+
+def is_self_drafting(item: ScheduledRequest) -> bool:
+    """True when ``item`` carries ``sparse_self`` placeholders to fill."""
+    return bool(item.draft_token_ids) and item.draft_token_ids[0] == SELF_DRAFT
+
+
+@torch.inference_mode()
+def fill_self_drafts(
+    model: torch.nn.Module,
+    kv: KVCacheManager,
+    scheduled: list[ScheduledRequest],
+    device: torch.device,
+    logit_softcap: float | None = None,
+) -> float:
+    """Replace the placeholders of the step's ``sparse_self`` requests by their drafts.
+
+    Args:
+        model: the target model (``forward(input_ids, positions, ctx)``, ``compute_logits``).
+        kv: the KV manager (storages, layer specs, request states).
+        scheduled: the step's requests; those with placeholders get their
+            ``draft_token_ids`` filled in place (others are not touched).
+        device: the model's device.
+        logit_softcap: the model's attention logit soft-cap, or ``None``.
+
+    Returns:
+        Seconds spent in the draft forwards (0 when no request drafts itself).
+    """
+    items = [item for item in scheduled if is_self_drafting(item)]
+    if not items:
+        return 0.0
+    start = time.perf_counter()
+    storages = [kv.storage(layer) for layer in range(kv.num_layers)]
+    num_steps = max(len(item.draft_token_ids) for item in items)
+    for j in range(num_steps):
+        active = [item for item in items if len(item.draft_token_ids) > j]
+        rows = [_row(kv, item, j) for item in active]
+        ctx = DraftAttention(storages, kv.layer_specs, rows, kv.block_size, device, logit_softcap)
+        ids = torch.tensor([_input_token(item, j) for item in active], device=device)
+        positions = [item.request.num_computed_tokens + j for item in active]
+        pos = torch.tensor(positions, dtype=torch.long, device=device)
+        with fused.native_scope():
+            hidden = model(ids, pos, ctx)
+        drafts = model.compute_logits(hidden).argmax(dim=-1).tolist()
+        for item, token in zip(active, drafts):
+            item.draft_token_ids[j] = token
+    return time.perf_counter() - start
+
+
+def _row(kv: KVCacheManager, item: ScheduledRequest, index: int) -> DraftRow:
+    spec = item.request.speculative
+    return DraftRow(
+        kv=kv.get(item.request.request_id),
+        layers=item.layers,
+        index=index,
+        sink_tokens=spec.draft_sink_tokens,
+        recent_tokens=spec.draft_recent_tokens,
+    )
+
+
+def _input_token(item: ScheduledRequest, index: int) -> int:
+    """Draft forward ``index``'s input: the request's last known token, then its drafts."""
+    if index > 0:
+        return item.draft_token_ids[index - 1]
+    first = item.request.num_computed_tokens
+    return item.request.token_slice(first, first + 1)[0]
