@@ -117,7 +117,7 @@ def sparsekv_decode(args: argparse.Namespace, weight_dtype: str) -> dict:
     from sparsekv.bench.throughput import run_single
 
     local = copy.copy(args)
-    local.weight_dtype = weight_dtype
+    local.model__weight_dtype = weight_dtype
     config = engine_config_from_args(local)
     checkpoint = common.load_checkpoint(config)
     engine = common.build_engine(config, checkpoint)
@@ -189,9 +189,10 @@ def run_compare(args: argparse.Namespace) -> dict:
         raise ValueError("context and repeats must be >= 1 and output_len >= 2")
     common.apply_threads(args.threads)
     load_start = common.load_average()
-    gguf_path = str(resolve_model(args.model))
+    config = engine_config_from_args(args)
+    gguf_path = str(resolve_model(config.model.model))
     if args.llama_bench and not gguf_path.endswith(".gguf"):
-        raise ValueError(f"model: llama-bench needs a GGUF file, {args.model} is {gguf_path}")
+        raise ValueError(f"model: llama-bench needs a GGUF file, got {gguf_path}")
     bandwidth = read_bandwidth(5, args.probe_mib)
     rows = []
     if args.llama_bench:
@@ -202,7 +203,6 @@ def run_compare(args: argparse.Namespace) -> dict:
     )  # probed before and after: the quieter one
     rows = [with_bound(row, bandwidth) for row in rows]
     settings = {k: v for k, v in vars(args).items() if "__" not in k}
-    config = engine_config_from_args(args)
     document = {
         "read_bandwidth_gb_s": bandwidth / 1e9,
         "model_file": gguf_path,

@@ -15,9 +15,11 @@ from sparsekv.bench.llama_bench import gguf_shape, run_llama_bench
 
 GGUF = Path(__file__).parents[1] / "model" / "fixtures" / "gguf" / "llama3.gguf"
 # The fixture: 2 layers, hidden 32, 4 heads (head_dim 8), 2 KV heads, MLP 48, vocab 320,
-# untied head; its linear weights and embedding are F16, its norms F32.
+# untied head; its linear weights and embedding are F16, its norms and llama3 rope factors
+# (head_dim / 2 values) F32.
 LINEAR_PARAMS = 2 * (32 * 32 + 2 * 16 * 32 + 32 * 32 + 3 * 48 * 32) + 320 * 32
 NORM_PARAMS = 2 * 2 * 32 + 32
+ROPE_FACTORS = 4
 
 
 @pytest.fixture(autouse=True)
@@ -53,7 +55,7 @@ def test_gguf_shape_counts_what_a_decode_step_reads():
     shape = gguf_shape(GGUF)
     assert (shape.num_layers, shape.num_kv_heads, shape.head_dim) == (2, 2, 8)
     # Untied head: the embedding is gathered, not read whole.
-    assert shape.weight_bytes == 2 * LINEAR_PARAMS + 4 * NORM_PARAMS
+    assert shape.weight_bytes == 2 * LINEAR_PARAMS + 4 * (NORM_PARAMS + ROPE_FACTORS)
     assert shape.kv_bytes(10) == 2 * 2 * 2 * 8 * 2 * 10
     assert shape.kv_bytes(10, "q8_0") == pytest.approx(2 * 2 * 2 * 8 * 10 * 34 / 32)
     with pytest.raises(ValueError, match="cache_type"):
