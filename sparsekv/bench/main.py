@@ -23,6 +23,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("sparsekv.bench.serve", "load generator against an OpenAI-compatible server"),
     "sweep": ("sparsekv.bench.sweep", "serving sweep over concurrency levels"),
     "roofline": ("sparsekv.bench.roofline", "decode step time vs its bandwidth bound"),
+    "decode-compare": (
+        "sparsekv.bench.decode_compare",
+        "batch-1 decode vs llama.cpp's llama-bench on the same GGUF",
+    ),
     "spec-decode": (
         "sparsekv.bench.spec_decode",
         "speculative decoding vs plain decoding on code-editing prompts",

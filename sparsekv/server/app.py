@@ -214,7 +214,11 @@ def serve(args: argparse.Namespace) -> int:
         ValueError: invalid flags or a missing model.
     """
     from sparsekv.cli_args import engine_config_from_args
+    from sparsekv.host_allocator import tune_host_allocator
 
+    # Before any other thread allocates: the engine steps in its own thread, which reuses
+    # freed activations only once every thread shares glibc's main arena (host_allocator).
+    tune_host_allocator()
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
