@@ -124,3 +124,19 @@ def _prefill_cost(args, config, checkpoint, cases, cells, protocols) -> list[dic
     rows = ruler_cost.prefill_seconds(engine, picked, cells, protocols)
     del engine
     return rows
+
+
+def report_partial(run_dir: Path, min_full_score: float = 30.0) -> list[Path]:
+    """Reports of a run still going or stopped, from its ``ruler_partial.jsonl`` (the rows of
+    every finished stage), written under ``run_dir / "partial"``.
+
+    Raises:
+        ValueError: no finished row yet.
+    """
+    lines = (Path(run_dir) / "ruler_partial.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines if line.strip()]
+    if not rows:
+        raise ValueError(f"run_dir: {run_dir} has no finished rows yet")
+    result = ruler_report.summarize(rows, min_full_score)
+    prov = {"partial": True, "num_rows": len(rows)}
+    return ruler_report.write(Path(run_dir) / "partial", rows, result, prov, min_full_score)

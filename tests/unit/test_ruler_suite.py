@@ -15,7 +15,14 @@ from long_context_eval.eval.synthetic import constants as ruler_metrics
 
 from sparsekv.config import CompressionConfig
 from sparsekv.evaluation import main as eval_main
-from sparsekv.evaluation import ruler_data, ruler_run, ruler_stats, ruler_tasks, runner
+from sparsekv.evaluation import (
+    ruler_data,
+    ruler_main,
+    ruler_run,
+    ruler_stats,
+    ruler_tasks,
+    runner,
+)
 from sparsekv.evaluation.scoring import score
 from tests.conftest import tiny_checkpoint, tiny_llama_config
 
@@ -204,6 +211,13 @@ def test_eval_suite_ruler_end_to_end(tmp_path, tiny):
     assert sorted(json.loads(line)["prediction"] for line in partial) == sorted(
         r["prediction"] for r in samples
     )
+    ruler_main.report_partial(tmp_path / "out")
+    again = json.loads((tmp_path / "out" / "partial" / "ruler.json").read_text())
+
+    def by_cell(summary):
+        return sorted(summary, key=lambda r: (r["protocol"], r["method"], r["ratio"]))
+
+    assert by_cell(again["tasks"]) == by_cell(result["tasks"])
     # Prefill cost: every cell timed once, SnapKV at 1.0 of itself.
     cost = {(r["method"], r["protocol"]): r for r in result["prefill_cost"]}
     assert set(cost) == {("none", "both")} | {
