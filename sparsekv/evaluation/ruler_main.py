@@ -126,9 +126,11 @@ def _prefill_cost(args, config, checkpoint, cases, cells, protocols) -> list[dic
     return rows
 
 
-def report_partial(run_dir: Path, min_full_score: float = 30.0) -> list[Path]:
+def report_partial(run_dir: Path, min_full_score: float = 30.0,
+                   provenance: dict | None = None) -> list[Path]:  # fmt: skip
     """Reports of a run still going or stopped, from its ``ruler_partial.jsonl`` (the rows of
-    every finished stage), written under ``run_dir / "partial"``.
+    every finished stage), written under ``run_dir / "partial"``; ``provenance`` (the run's
+    command, date, commit...) is recorded beside the row count.
 
     Raises:
         ValueError: no finished row yet.
@@ -138,5 +140,5 @@ def report_partial(run_dir: Path, min_full_score: float = 30.0) -> list[Path]:
     if not rows:
         raise ValueError(f"run_dir: {run_dir} has no finished rows yet")
     result = ruler_report.summarize(rows, min_full_score)
-    prov = {"partial": True, "num_rows": len(rows)}
+    prov = {"partial": True, "num_rows": len(rows), **(provenance or {})}
     return ruler_report.write(Path(run_dir) / "partial", rows, result, prov, min_full_score)
