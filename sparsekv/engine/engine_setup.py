@@ -201,12 +201,20 @@ def make_kv_manager(
     device: str,
     dtype: torch.dtype,
     num_pages: int | tuple[int, int],
+    max_model_len: int | None = None,
 ) -> KVCacheManager:
-    """The KV manager of ``model`` (its ``num_kv_heads`` per page) with ``num_pages`` pages;
-    prefix caching is turned off for models with sliding-window layers."""
+    """The KV manager of ``model`` (its ``num_kv_heads`` per page) with ``num_pages`` pages.
+
+    Prefix caching is turned off for models with sliding-window layers unless a step's token
+    budget (``max_num_batched_tokens``) covers ``max_model_len``: then a prompt that runs in
+    one step offers its pages before any sliding layer frees one (a chunked prompt offers
+    nothing, as the prefix cache checks), and the cache's references keep them for later hits.
+    """
     specs = model.layer_specs()
     prefix_caching = config.cache.enable_prefix_caching
-    if prefix_caching and any(spec.is_sliding for spec in specs):
+    one_step = max_model_len is not None
+    one_step = one_step and config.scheduler.max_num_batched_tokens >= max_model_len
+    if prefix_caching and any(spec.is_sliding for spec in specs) and not one_step:
         # A hit would need the pages sliding-window layers already freed.
         logger.info("prefix caching is off: the model has sliding-window layers")
         prefix_caching = False
@@ -271,7 +279,7 @@ def build_engine_parts(config: EngineConfig, checkpoint=None) -> EngineParts:
     num_pages = num_pool_pages(
         config, len(specs), model.num_heads, model.num_kv_heads, model.head_dim, dtype, memory_gib
     )
-    kv = make_kv_manager(config, model, backend, device, dtype, num_pages)
+    kv = make_kv_manager(config, model, backend, device, dtype, num_pages, max_model_len)
     tokenizer = checkpoint.tokenizer
     runner = ModelRunner(model, kv, torch.device(device), backend)
     if device.startswith("cuda") and not config.model.enforce_eager:

@@ -232,13 +232,17 @@ class Scheduler:
         if self.kv.prefix_cache is None or request.num_computed_tokens or kv.is_swapped:
             return None
         if request.context_len is not None:
-            # Scope "context": share the compressed context, or compute it from scratch.
-            if request.context_key is None:
-                return 0
-            request.num_computed_tokens = self.kv.attach_context(
-                request.request_id, request.context_key
-            )
-            return request.num_computed_tokens
+            # Scope "context": share the compressed context; on a miss, the uncompressed
+            # prefix of the context short of its observation window (whose queries score it).
+            num_hit = 0
+            if request.context_key is not None:
+                num_hit = self.kv.attach_context(request.request_id, request.context_key)
+            if not num_hit:
+                limit = request.context_len - request.compression.window
+                limit = min(limit, request.max_prefix_hit_tokens(may_compact=True))
+                num_hit = self.kv.attach_prefix(request.request_id, request.prompt_token_ids, limit)
+            request.num_computed_tokens = num_hit
+            return num_hit
         max_tokens = request.sampling_params.max_tokens
         may_compact = self.kv.may_compact(request.request_id, request.num_prompt_tokens, max_tokens)
         limit = request.max_prefix_hit_tokens(may_compact)

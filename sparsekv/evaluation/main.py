@@ -71,6 +71,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--min-full-score", type=float, default=30.0,
         help="--suite ruler: macro score over tasks the full cache scores at least this on",
     )  # fmt: skip
+    parser.add_argument(
+        "--share-group", type=int, default=2,
+        help="--suite ruler: one prefill per sample serves all its cells (prefix cache), this "
+        "many samples a stage; 0 = every request prefills its own prompt",
+    )  # fmt: skip
+    parser.add_argument(
+        "--prefill-cost", type=int, default=0,
+        help="--suite ruler: also time every cell's prefill alone (cold, max_tokens 1) on this "
+        "many samples spread over the tasks, before the grid",
+    )  # fmt: skip
     parser.add_argument("--output-dir", default="reports/eval")
     parser.add_argument("--quick", action="store_true", help="a couple of minutes on SmolLM2")
     parser.add_argument("--fidelity", action="store_true", help="also run bench fidelity")

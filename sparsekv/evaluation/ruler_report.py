@@ -32,6 +32,7 @@ def summarize(rows: Sequence[dict[str, Any]], min_full_score: float) -> dict[str
         tasks = dict.fromkeys(r["task"] for r in rows if r["length"] == length)
         excluded[length] = [t for t in tasks if t not in solved]
         macro += ruler_stats.macro_summary(rows, solved, length)
+    ruler_stats.add_effective(macro, rows)
     return {"tasks": summary, "macro": macro, "included": included, "excluded": excluded}
 
 
@@ -75,12 +76,18 @@ def write(out: Path, rows: list[dict[str, Any]], result: dict[str, Any],
     )
     facts = "\n".join(f"- {k}: `{json.dumps(v, default=str)}`" for k, v in prov.items())
     figures = "\n\n".join(f"![{p.stem}]({p.name})" for p in images)
+    cost = ""
+    if result.get("prefill_cost"):
+        cost = (
+            "## Prefill cost (time to first token alone, cold; median; relative to SnapKV)\n\n"
+            f"{markdown_table(result['prefill_cost'])}\n\n"
+        )
     (out / "ruler.md").write_text(
         "# RULER (official tasks), score 0-100\n\n"
         f"## Macro score over the tasks the full cache scores >= {min_full_score:g} on\n\n"
         f"{markdown_table(result['macro'])}\n\n{figures}\n\n"
         f"## Left out of the macro score (full cache below {min_full_score:g})\n\n{excluded}\n\n"
         f"## Per task (95% bootstrap intervals over samples)\n\n"
-        f"{markdown_table(result['tasks'])}\n\n## Provenance\n\n{facts}\n"
+        f"{markdown_table(result['tasks'])}\n\n{cost}## Provenance\n\n{facts}\n"
     )
     return files + images + [out / "ruler.md"]

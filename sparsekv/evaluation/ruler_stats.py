@@ -108,3 +108,33 @@ def macro_summary(rows: Sequence[dict[str, Any]], tasks: Sequence[str], length: 
             }
         )
     return out
+
+
+def add_effective(macro: list[dict[str, Any]], rows: Sequence[dict[str, Any]]) -> None:
+    """Add to each macro row ``kv_removed``, the whole-model share of the full cache's slots
+    the cell no longer holds (``1 - kept / kept of the full cache`` on the same sample, slots
+    averaged over layers, sliding windows counted in both: on a model whose ratio applies to a
+    few global layers it is far below the nominal ratio), and ``vs_full``, the macro score
+    over the full cache's at the same length and protocol. Rows without ``kv_tokens_kept``
+    give no ``kv_removed``."""
+    full_kept = {
+        (r["task"], r["length"], r["sample"]): r["kv_tokens_kept"]
+        for r in rows
+        if r["method"] == "none" and r.get("kv_tokens_kept")
+    }
+    removed: dict[tuple, list[float]] = {}
+    for r in rows:
+        full = full_kept.get((r["task"], r["length"], r["sample"]))
+        if full and "kv_tokens_kept" in r:
+            key = (r["length"], r["protocol"], r["method"], r["ratio"])
+            removed.setdefault(key, []).append(1 - r["kv_tokens_kept"] / full)
+    full_macro = {
+        (m["length"], m["protocol"]): m["macro_score"] for m in macro if m["method"] == "none"
+    }
+    for m in macro:
+        values = removed.get((m["length"], m["protocol"], m["method"], m["ratio"]))
+        if values:
+            m["kv_removed"] = round(statistics.fmean(values), 4)
+        full = full_macro.get((m["length"], m["protocol"]))
+        if full:
+            m["vs_full"] = round(m["macro_score"] / full, 4)

@@ -15,7 +15,14 @@ from long_context_eval.eval.synthetic import constants as ruler_metrics
 
 from sparsekv.config import CompressionConfig
 from sparsekv.evaluation import main as eval_main
-from sparsekv.evaluation import ruler_data, ruler_run, ruler_stats, ruler_tasks, runner
+from sparsekv.evaluation import (
+    ruler_data,
+    ruler_main,
+    ruler_run,
+    ruler_stats,
+    ruler_tasks,
+    runner,
+)
 from sparsekv.evaluation.scoring import score
 from tests.conftest import tiny_checkpoint, tiny_llama_config
 
@@ -175,7 +182,7 @@ def test_eval_suite_ruler_end_to_end(tmp_path, tiny):
     argv += ["--methods", "none,snapkv,expected_attention", "--ratios", "0.75"]
     argv += ["--kv-window", "8", "--kv-full-layers", "1", "--dtype", "float32", "--threads", "1"]
     argv += ["--kv-cache-memory", "0.05", "--no-progress", "--prompt-format", "completion"]
-    argv += ["--output-dir", str(tmp_path / "out")]
+    argv += ["--output-dir", str(tmp_path / "out"), "--prefill-cost", "1"]
     try:
         assert eval_main.main(argv, checkpoint=tiny) == 0
     finally:
@@ -196,3 +203,25 @@ def test_eval_suite_ruler_end_to_end(tmp_path, tiny):
     # A random model solves nothing: the task is reported apart, no macro row.
     assert result["excluded"] == {"1024": ["vt"]} and result["macro"] == []
     assert "Left out of the macro score" in (tmp_path / "out" / "ruler.md").read_text()
+    # One prefill serves the sample's 5 requests: each compressed one recomputes a tail only.
+    prefill = result["provenance"]["prefill"]
+    assert prefill["prefix_hit_tokens"] > 0
+    assert 1 < prefill["prefills_per_sample"] < 1.5
+    partial = (tmp_path / "out" / "ruler_partial.jsonl").read_text().splitlines()
+    assert sorted(json.loads(line)["prediction"] for line in partial) == sorted(
+        r["prediction"] for r in samples
+    )
+    ruler_main.report_partial(tmp_path / "out")
+    again = json.loads((tmp_path / "out" / "partial" / "ruler.json").read_text())
+
+    def by_cell(summary):
+        return sorted(summary, key=lambda r: (r["protocol"], r["method"], r["ratio"]))
+
+    assert by_cell(again["tasks"]) == by_cell(result["tasks"])
+    # Prefill cost: every cell timed once, SnapKV at 1.0 of itself.
+    cost = {(r["method"], r["protocol"]): r for r in result["prefill_cost"]}
+    assert set(cost) == {("none", "both")} | {
+        (m, p) for m in ("snapkv", "expected_attention") for p in ("aware", "agnostic")
+    }
+    assert all(r["prefill_s"] > 0 and r["num_runs"] == 1 for r in cost.values())
+    assert cost["snapkv", "aware"]["vs_snapkv"] == 1.0
