@@ -2,7 +2,7 @@
 
 A kernel *family* is a set of operators chosen together: ``decode`` (paged decode attention of
 every pool format and the window scores, ``ops.pick_isa``), ``prefill`` (causal prefill
-attention, ``ops.prefill_isa``) and ``window_fused`` (fused window scores and compaction
+attention, ``prefill_ops.prefill_isa``) and ``window_fused`` (fused window scores and compaction
 straight from the pages, ``window_fused.supports_window_fused``). Each family lists every
 variant it has, fastest first; :func:`family_status` says which of them this CPU runs (the
 CPUID features and, for AMX, the kernel's grant) and which one runs by default. Used by
@@ -14,11 +14,11 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from sparsekv.attention.cpu import build, ops, window_fused
+from sparsekv.attention.cpu import build, ops, prefill_ops, window_fused
 
 FAMILIES: dict[str, tuple[str, ...]] = {
     "decode": ("avx512_amx", "avx512", "avx2", "avx2_w16", "generic"),
-    "prefill": ops.PREFILL_VARIANTS,
+    "prefill": prefill_ops.PREFILL_VARIANTS,
     "window_fused": window_fused.VARIANTS,
 }
 
@@ -55,14 +55,14 @@ def _runnable(family: str) -> tuple[str, ...]:
     if family == "decode":
         return ops.available_isas()
     if family == "prefill":
-        return ops.prefill_isas()
+        return prefill_ops.prefill_isas()
     return window_fused.window_fused_isas()
 
 
 def _why_not(family: str, variant: str) -> str:
     ext = build.load_extension()
     if family != "decode" or variant == ops.PREFILL_ISA:  # the same CPU checks as prefill's
-        return ops.prefill_isa_status(variant)
+        return prefill_ops.prefill_isa_status(variant)
     if variant == "avx512":
         return "no AVX-512F"
     return "no AVX2 / FMA" if variant.startswith("avx2") else str(ext.amx_status())
@@ -74,7 +74,7 @@ def _default(family: str) -> tuple[str | None, str]:
     if family == "decode":
         chosen = ops.pick_isa(64)
     elif family == "prefill":
-        chosen = ops.prefill_isa()
+        chosen = prefill_ops.prefill_isa()
     else:
         chosen = window_fused.window_fused_isa()
     if chosen is None:
