@@ -121,7 +121,7 @@ def test_fused_slots_below_the_window_raise():
 
 @pytest.mark.kernel_variant("prefill")
 def test_list_prints_cpu_features_and_the_variant_of_each_family(capsys, monkeypatch):
-    from sparsekv.attention.cpu import ops, variants
+    from sparsekv.attention.cpu import ops, prefill_ops, variants
 
     monkeypatch.delenv(ops.ISA_ENV, raising=False)
     assert kernels.main(["--list"]) == 0
@@ -129,16 +129,16 @@ def test_list_prints_cpu_features_and_the_variant_of_each_family(capsys, monkeyp
     assert lines[0] == "CPU features: " + " ".join(variants.cpu_features())
     assert "avx2" in lines[0].split()  # every CI machine class has AVX2
     prefill = next(line for line in lines if line.startswith("prefill "))
-    runnable = ops.prefill_isas()
+    runnable = prefill_ops.prefill_isas()
     assert prefill == f"prefill      {runnable[0]} (the fastest this CPU runs); runs " + ", ".join(
         runnable
     )
-    for variant in set(ops.PREFILL_VARIANTS) - set(runnable):
-        assert f"               not {variant}: {ops.prefill_isa_status(variant)}" in lines
-    monkeypatch.setenv(ops.ISA_ENV, "generic")
+    for variant in set(prefill_ops.PREFILL_VARIANTS) - set(runnable):
+        assert f"               not {variant}: {prefill_ops.prefill_isa_status(variant)}" in lines
+    monkeypatch.setenv(ops.ISA_ENV, "avx2_w16")
     status = variants.family_status("prefill")
     assert status.chosen is None
-    assert status.reason == f"{ops.ISA_ENV}=generic names none of its variants: PyTorch fallback"
-    assert variants.family_status("decode").chosen == "generic"
+    assert status.reason == f"{ops.ISA_ENV}=avx2_w16 names none of its variants: PyTorch fallback"
+    assert variants.family_status("decode").chosen == "avx2_w16"
     with pytest.raises(ValueError, match="family must be one of"):
         variants.family_status("gemm")

@@ -39,13 +39,6 @@ def isas() -> tuple[str, ...]:
     return ops.available_isas()
 
 
-@pytest.fixture(scope="module")
-def amx(isas) -> str:
-    if "avx512_amx" not in isas:
-        pytest.skip(f"no AMX variant: {build.load_extension().amx_status()}")
-    return "avx512_amx"
-
-
 def make_paged(lens, num_kv_heads, block_size, head_dim, dtype, first_slots=None, seed=0):
     """Random pool with each request's held pages at shuffled, non-contiguous page ids."""
     gen = torch.Generator().manual_seed(seed)
@@ -273,8 +266,8 @@ def test_prefill_attention_equals_reference(dtype, num_queries):
     query = torch.randn(9, num_queries, 64).to(dtype)
     key, value = torch.randn(3, 300, 64).to(dtype), torch.randn(3, 300, 64).to(dtype)
     out, lse = backend.prefill_attention(query, key, value, 0.125)
-    # The fp32 oracle on the same values: bf16 runs on the native AMX kernel where the CPU has
-    # one (lse ~3e-6 from exact), else on PyTorch's bf16 flash kernel (lse up to ~7e-5 off).
+    # The fp32 oracle on the same values: both dtypes run on the native prefill kernel (bf16 lse
+    # ~3e-6 from exact on AMX; fp32 on its fp32-FMA variants within 1e-5).
     ref_out, ref_lse = torch_ref.attention_with_lse(
         query.float(), key.float(), value.float(), 0.125
     )
@@ -298,36 +291,51 @@ def test_kernel_variants_match_cpu_flags(isas):
         assert ops.pick_isa(64) == "avx512_amx" or ops.ISA_ENV in os.environ
 
 
-@pytest.mark.kernel_variant("decode", "avx512_amx")
-def test_amx_bf16_decode_softcap_window_and_mass(amx):
-    # The AMX path against the reference where its tiles meet ragged edges: unaligned first
-    # slots and sliding windows (masked row groups), odd tile lengths (value pairs padded with
-    # zero rows), soft-cap, and head_dim 256 (eight tile chunks).
+@pytest.mark.kernel_variant("decode")
+def test_bf16_decode_softcap_window_and_mass(isas):
+    # Every variant against the reference where its blocks meet ragged edges (on AMX, its
+    # tiles): unaligned first slots and sliding windows (masked row groups), odd tile lengths
+    # (value pairs padded with zero rows), soft-cap, and head_dim 256 (eight tile chunks).
     lens, first = [1, 17, 49, 1000, 777], [0, 0, 16, 496, 0]
     for head_dim in (64, 256):
         pool, tables, lens_t, first_t = make_paged(lens, 2, 16, head_dim, torch.bfloat16, first)
         query = (torch.randn(len(lens), 6, head_dim) * 2).to(torch.bfloat16)
         for window, softcap in ((None, None), (45, None), (None, 5.0), (301, 2.0)):
-            (out, lse, mass), (ref_out, ref_lse, ref_mass) = run_decode(
-                amx, query, pool, tables, lens_t, first_t, window, softcap
+            want = reference_decode(
+                query, pool, tables, lens_t, head_dim**-0.5, first_t, window, softcap
             )
-            check(out, ref_out, torch.bfloat16)
-            torch.testing.assert_close(lse, ref_lse, **FP32_TOL)
-            torch.testing.assert_close(mass, ref_mass, **FP32_TOL)
+            for isa in isas:
+                out, lse, mass = ops.paged_decode_attention(
+                    query,
+                    pool,
+                    tables,
+                    lens_t,
+                    head_dim**-0.5,
+                    first_t,
+                    window,
+                    softcap,
+                    True,
+                    isa=isa,
+                )
+                check(out, want[0], torch.bfloat16)
+                torch.testing.assert_close(lse, want[1], **FP32_TOL)
+                torch.testing.assert_close(mass, want[2], **FP32_TOL)
 
 
-@pytest.mark.kernel_variant("decode", "avx512_amx")
-def test_amx_fp32_and_mixed_dtypes_use_vector_kernels(amx):
-    # fp32 pools never go through bf16 tiles; fp32 window queries over a bf16 pool neither.
+@pytest.mark.kernel_variant("decode")
+def test_fp32_and_mixed_dtypes_on_every_variant(isas):
+    # fp32 pools never go through bf16 tiles on AMX; fp32 window queries over a bf16 pool
+    # neither; every other variant takes them on the same vector kernels.
     pool, tables, lens, _ = make_paged([300], 2, 16, 64, torch.float32)
     query = torch.randn(1, 6, 64)
-    (out, lse, _), (ref_out, ref_lse, _) = run_decode(amx, query, pool, tables, lens)
-    torch.testing.assert_close(out, ref_out, **FP32_TOL)
     queries, lse = torch.randn(6, 4, 64), torch.full((6, 4), 6.0)
     pool16 = pool.to(torch.bfloat16)
-    got = ops.window_scores_paged(queries, lse, pool16, tables[0], 300, 0.125, isa=amx)
     want = ref_window_scores(queries, lse, pool16.float(), tables[0], 300, 0.125)
-    torch.testing.assert_close(got, want, **FP32_TOL)
+    for isa in isas:
+        (out, _, _), (ref_out, _, _) = run_decode(isa, query, pool, tables, lens)
+        torch.testing.assert_close(out, ref_out, **FP32_TOL)
+        got = ops.window_scores_paged(queries, lse, pool16, tables[0], 300, 0.125, isa=isa)
+        torch.testing.assert_close(got, want, **FP32_TOL)
 
 
 @pytest.mark.kernel_variant("decode")

@@ -1,6 +1,7 @@
-"""Native causal prefill attention (``ops.prefill_attention``) against
+"""Native causal prefill attention (``prefill_ops.prefill_attention``) against
 ``torch_ref.attention_with_lse`` computed in fp32 from the same bf16 inputs, and the dispatch of
-``CpuNativeBackend.prefill_attention`` (the kernel for bf16, the PyTorch paths otherwise).
+``CpuNativeBackend.prefill_attention`` (the kernel for bf16 and fp32, the PyTorch paths
+otherwise). fp32 inputs: ``test_kernels_prefill_fp32.py``.
 
 Variants: the full case set runs on this CPU's default variant (``avx512_amx`` on AMX CPUs,
 ``avx512_bf16`` on AVX512-BF16 ones such as AMD Zen 4, ...); every other variant the CPU runs
@@ -24,7 +25,7 @@ import torch
 
 from sparsekv.attention import torch_ref
 from sparsekv.attention.backends.cpu_native import CpuNativeBackend
-from sparsekv.attention.cpu import build, ops
+from sparsekv.attention.cpu import build, ops, prefill_ops
 from tests import kernel_variants
 
 backend = CpuNativeBackend()
@@ -48,7 +49,7 @@ def kernel() -> str:
     assert not build.native_disabled(), "deselected when SPARSEKV_DISABLE_NATIVE is set"
     ext = build.load_extension()
     assert ext is not None, "the native extension failed to build"
-    assert ops.prefill_isa() == NATIVE
+    assert prefill_ops.prefill_isa() == NATIVE
     return NATIVE
 
 
@@ -77,8 +78,8 @@ def check(query, key, value, out, lse, scale, sliding_window=None):
 
 def run_kernel(query, key, value, sliding_window=None, isa=None):
     scale = query.shape[-1] ** -0.5
-    assert ops.supports_prefill(query, key, value)
-    out, lse = ops.prefill_attention(query, key, value, scale, sliding_window, isa=isa)
+    assert prefill_ops.supports_prefill(query, key, value)
+    out, lse = prefill_ops.prefill_attention(query, key, value, scale, sliding_window, isa=isa)
     check(query, key, value, out, lse, scale, sliding_window)
 
 
@@ -142,7 +143,7 @@ LSE_TIGHT = 2e-4
 @native_variant
 def test_prefill_lse_precision(kernel, num_queries, num_keys, std):
     query, key, value = make_qkv(9, 3, num_queries, num_keys, 64, seed=num_keys, std=std)
-    _, lse = ops.prefill_attention(query, key, value, 0.125)
+    _, lse = prefill_ops.prefill_attention(query, key, value, 0.125)
     _, ref_lse = torch_ref.attention_with_lse(
         query.float(), key.float(), value.float(), 0.125, None
     )
@@ -163,7 +164,7 @@ def test_prefill_lazy_max(kernel, rise, spike):
     key[..., 0] = torch.linspace(0.0, rise, num_keys).bfloat16()
     if spike is not None:
         key[:, 250, 0] = spike + rise
-    out, lse = ops.prefill_attention(query, key, value, 1.0)
+    out, lse = prefill_ops.prefill_attention(query, key, value, 1.0)
     check(query, key, value, out, lse, 1.0)
     _, ref_lse = torch_ref.attention_with_lse(query.float(), key.float(), value.float(), 1.0, None)
     torch.testing.assert_close(lse, ref_lse, atol=LSE_TIGHT * max(1.0, rise / 100), rtol=0)
@@ -191,22 +192,22 @@ def test_prefill_sliding_window_groups(kernel, num_heads, num_kv_heads):
 @native_variant
 def test_prefill_window_of_every_key_is_no_window(kernel):
     query, key, value = make_qkv(6, 2, 90, 120, 64)
-    plain = ops.prefill_attention(query, key, value, 0.125)
+    plain = prefill_ops.prefill_attention(query, key, value, 0.125)
     for window in (120, 121, 10_000):
-        windowed = ops.prefill_attention(query, key, value, 0.125, window)
+        windowed = prefill_ops.prefill_attention(query, key, value, 0.125, window)
         assert torch.equal(windowed[0], plain[0]) and torch.equal(windowed[1], plain[1])
 
 
 @native_variant
 def test_prefill_rejects_a_non_positive_window(kernel):
     with pytest.raises(ValueError, match="sliding_window"):
-        ops.prefill_attention(*make_qkv(6, 2, 10, 10, 64), 0.125, 0)
+        prefill_ops.prefill_attention(*make_qkv(6, 2, 10, 10, 64), 0.125, 0)
 
 
 @native_variant
 def test_prefill_no_queries(kernel):
     query, key, value = make_qkv(6, 2, 0, 5, 64)
-    out, lse = ops.prefill_attention(query, key, value, 0.125)
+    out, lse = prefill_ops.prefill_attention(query, key, value, 0.125)
     assert out.shape == (6, 0, 64) and lse.shape == (6, 0)
     out, lse = backend.prefill_attention(query, key, value, 0.125)
     assert out.shape == (6, 0, 64) and lse.shape == (6, 0)
@@ -215,35 +216,35 @@ def test_prefill_no_queries(kernel):
 @native_variant
 def test_prefill_rejects_bad_arguments(kernel):
     query, key, value = make_qkv(6, 2, 20, 10, 64)
-    assert not ops.supports_prefill(query, key, value)  # more queries than keys
+    assert not prefill_ops.supports_prefill(query, key, value)  # more queries than keys
     with pytest.raises(RuntimeError, match="more queries"):
-        ops.prefill_attention(query, key, value, 0.125)
+        prefill_ops.prefill_attention(query, key, value, 0.125)
     query, key, value = make_qkv(6, 4, 10, 10, 64)
-    assert not ops.supports_prefill(query, key, value)  # 6 heads over 4 KV heads
+    assert not prefill_ops.supports_prefill(query, key, value)  # 6 heads over 4 KV heads
     with pytest.raises(RuntimeError, match="multiple of num_kv_heads"):
-        ops.prefill_attention(query, key, value, 0.125)
+        prefill_ops.prefill_attention(query, key, value, 0.125)
     query, key, value = make_qkv(6, 2, 10, 10, 48)
-    assert not ops.supports_prefill(query, key, value)  # head_dim not a multiple of 32
+    assert not prefill_ops.supports_prefill(query, key, value)  # head_dim not a multiple of 32
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        ops.prefill_attention(query, key, value, 0.125)
+        prefill_ops.prefill_attention(query, key, value, 0.125)
     query, key, value = make_qkv(6, 2, 10, 10, 64)
-    assert not ops.supports_prefill(query.float(), key.float(), value.float())
-    with pytest.raises(RuntimeError, match="bfloat16"):
-        ops.prefill_attention(query.float(), key.float(), value.float(), 0.125)
+    assert not prefill_ops.supports_prefill(query.float(), key, value)  # mixed dtypes
+    with pytest.raises(RuntimeError, match="all bfloat16 or all float32"):
+        prefill_ops.prefill_attention(query.float(), key, value, 0.125)
 
 
 class _Spy:
-    """Counts calls of ``ops.prefill_attention`` made through the backend."""
+    """Counts calls of ``prefill_ops.prefill_attention`` made through the backend."""
 
     def __init__(self, monkeypatch):
         self.calls = 0
-        real = ops.prefill_attention
+        real = prefill_ops.prefill_attention
 
         def spy(*args, **kwargs):
             self.calls += 1
             return real(*args, **kwargs)
 
-        monkeypatch.setattr(ops, "prefill_attention", spy)
+        monkeypatch.setattr(prefill_ops, "prefill_attention", spy)
 
 
 @native_variant
@@ -258,17 +259,14 @@ def test_backend_picks_the_kernel_for_bf16(kernel, monkeypatch):
     check(query, key, value, out, lse, 0.125, sliding_window=24)
 
 
-def test_backend_falls_back_for_fp32_softcap_and_head_dim(monkeypatch):
-    # Runs with or without AMX: none of these may reach the kernel.
+def test_backend_falls_back_for_softcap_mixed_dtypes_and_head_dim(monkeypatch):
+    # Runs on any CPU: none of these may reach the kernel.
     spy = _Spy(monkeypatch)
     query, key, value = make_qkv(6, 2, 30, 30, 64)
-    out, lse = backend.prefill_attention(query.float(), key.float(), value.float(), 0.125)
+    out, lse = backend.prefill_attention(query.float(), key, value, 0.125)
     check(query, key, value, out.bfloat16(), lse, 0.125)
-    out, lse = backend.prefill_attention(
-        query.float(), key.float(), value.float(), 0.125, sliding_window=8
-    )
-    check(query, key, value, out.bfloat16(), lse, 0.125, sliding_window=8)
     backend.prefill_attention(query, key, value, 0.125, logit_softcap=30.0)
+    backend.prefill_attention(query.float(), key.float(), value.float(), 0.125, None, 30.0)
     query, key, value = make_qkv(6, 2, 30, 30, 48)  # head_dim the kernel does not take
     out, lse = backend.prefill_attention(query, key, value, 48**-0.5)
     check(query, key, value, out, lse, 48**-0.5)
@@ -278,7 +276,7 @@ def test_backend_falls_back_for_fp32_softcap_and_head_dim(monkeypatch):
 def test_backend_falls_back_when_native_is_disabled(monkeypatch):
     spy = _Spy(monkeypatch)
     monkeypatch.setenv("SPARSEKV_DISABLE_NATIVE", "1")
-    assert not ops.supports_prefill(*make_qkv(6, 2, 30, 30, 64))
+    assert not prefill_ops.supports_prefill(*make_qkv(6, 2, 30, 30, 64))
     query, key, value = make_qkv(6, 2, 30, 30, 64)
     out, lse = backend.prefill_attention(query, key, value, 0.125)
     check(query, key, value, out, lse, 0.125)
@@ -289,8 +287,8 @@ def test_backend_falls_back_when_native_is_disabled(monkeypatch):
 def test_backend_honours_a_forced_isa(kernel, monkeypatch):
     # A forced variant without a prefill kernel leaves prefill to PyTorch.
     spy = _Spy(monkeypatch)
-    monkeypatch.setenv(ops.ISA_ENV, "generic")
-    assert ops.prefill_isa() is None
+    monkeypatch.setenv(ops.ISA_ENV, "avx2_w16")
+    assert prefill_ops.prefill_isa() is None
     backend.prefill_attention(*make_qkv(6, 2, 30, 30, 64), 0.125)
     monkeypatch.setenv(ops.ISA_ENV, kernel)
     backend.prefill_attention(*make_qkv(6, 2, 30, 30, 64), 0.125)
@@ -317,7 +315,7 @@ def test_prefill_lower_variant(
 def test_prefill_lower_variant_forced_through_the_environment(isa, monkeypatch):
     spy = _Spy(monkeypatch)
     monkeypatch.setenv(ops.ISA_ENV, isa)
-    assert ops.prefill_isa() == isa
+    assert prefill_ops.prefill_isa() == isa
     query, key, value = make_qkv(9, 3, 70, 150, 64, std=3.0)
     out, lse = backend.prefill_attention(query, key, value, 0.125, sliding_window=90)
     assert spy.calls == 1
@@ -325,11 +323,11 @@ def test_prefill_lower_variant_forced_through_the_environment(isa, monkeypatch):
 
 
 def test_forcing_a_variant_this_cpu_lacks_warns_and_uses_the_default(monkeypatch):
-    missing = [isa for isa in ops.PREFILL_VARIANTS if isa not in ops.prefill_isas()]
+    missing = [isa for isa in prefill_ops.PREFILL_VARIANTS if isa not in prefill_ops.prefill_isas()]
     if not missing:  # an AMX CPU runs every variant
-        assert ops.prefill_isas() == ops.PREFILL_VARIANTS
+        assert prefill_ops.prefill_isas() == prefill_ops.PREFILL_VARIANTS
         return
     monkeypatch.setenv(ops.ISA_ENV, missing[0])
-    ops._warn_unusable_prefill_isa.cache_clear()
+    prefill_ops._warn_unusable_prefill_isa.cache_clear()
     with pytest.warns(RuntimeWarning, match=missing[0]):
-        assert ops.prefill_isa() == (ops.prefill_isas() or (None,))[0]
+        assert prefill_ops.prefill_isa() == (prefill_ops.prefill_isas() or (None,))[0]

@@ -1,8 +1,9 @@
 """The fused window-score kernels (``csrc/window_fused_amx.h`` on AMX tiles,
-``csrc/window_fused_bf16.h`` with AVX512-BF16 dot products): summed window attention and the
-window rows' log-sum-exps, dense and paged, against an fp64 reference. Every case runs on each
-variant this CPU runs (forced through ``SPARSEKV_KERNEL_ISA``); the others are deselected and
-named in the run's summary."""
+``csrc/window_fused_bf16.h`` with AVX512-BF16 dot products, ``csrc/window_fused_fma.h`` with
+fp32 FMAs): summed window attention and the window rows' log-sum-exps, dense and paged, against
+an fp64 reference. Every case runs on each variant this CPU runs (forced through
+``SPARSEKV_KERNEL_ISA``), in bf16 and, on the fp32-FMA variants (``avx2``, ``generic``), in
+fp32 (within 1e-5 too); the others are deselected and named in the run's summary."""
 
 from __future__ import annotations
 
@@ -25,6 +26,11 @@ def variant(request, monkeypatch) -> str:
     return request.param
 
 
+def dtypes(variant: str) -> tuple[torch.dtype, ...]:
+    """The input dtypes variant ``variant`` takes."""
+    return (torch.bfloat16, torch.float32) if variant in wf.FP32_VARIANTS else (torch.bfloat16,)
+
+
 def reference(queries, keys, scale, lse=None):
     """fp64 ``(scores [H, n], lse [H, w])`` of the causal window definition."""
     num_heads, w, _ = queries.shape
@@ -37,10 +43,10 @@ def reference(queries, keys, scale, lse=None):
     return torch.exp(logits - lse[..., None]).sum(1), lse
 
 
-def random_case(num_kv_heads, group, w, n, head_dim, seed):
+def random_case(num_kv_heads, group, w, n, head_dim, seed, dtype=torch.bfloat16):
     g = torch.Generator().manual_seed(seed)
-    queries = (2 * torch.randn(num_kv_heads * group, w, head_dim, generator=g)).bfloat16()
-    keys = torch.randn(num_kv_heads, n, head_dim, generator=g).bfloat16()
+    queries = (2 * torch.randn(num_kv_heads * group, w, head_dim, generator=g)).to(dtype)
+    keys = torch.randn(num_kv_heads, n, head_dim, generator=g).to(dtype)
     return queries, keys
 
 
@@ -56,8 +62,13 @@ SHAPES = [  # (num_kv_heads, group, w, n, head_dim)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-def test_dense_matches_fp64_reference(shape):
-    queries, keys = random_case(*shape, seed=sum(shape))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_dense_matches_fp64_reference(variant, shape, dtype):
+    if dtype not in dtypes(variant):  # a bf16-only variant: fp32 is refused
+        with pytest.raises(RuntimeError, match="bfloat16 only"):
+            wf.window_scores_fused(*random_case(1, 1, 1, 1, 32, 0, dtype), None, 1.0, variant)
+        return
+    queries, keys = random_case(*shape, seed=sum(shape), dtype=dtype)
     scale = shape[-1] ** -0.5
     scores, lse = wf.window_scores_fused(queries, keys, None, scale)
     expected, expected_lse = reference(queries, keys, scale)
@@ -74,21 +85,27 @@ def test_dense_matches_fp64_reference(shape):
     assert torch.equal(returned, given)
 
 
-def test_rows_sum_to_one_and_strided_keys():
-    queries, keys = random_case(3, 3, 32, 500, 64, seed=7)
-    wide = torch.zeros(3, 600, 64, dtype=torch.bfloat16)
-    wide[:, :500] = keys
-    strided = wide[:, :500]  # row stride 64, head stride 600 * 64
-    scores, _ = wf.window_scores_fused(queries, strided, None, 0.125)
-    dense, _ = wf.window_scores_fused(queries, keys, None, 0.125)
-    assert torch.equal(scores, dense)
-    # Every row's probabilities sum to 1, so each head's scores sum to w.
-    torch.testing.assert_close(scores.sum(1), torch.full((9,), 32.0), rtol=1e-5, atol=0)
+def test_rows_sum_to_one_and_strided_keys(variant):
+    for dtype in dtypes(variant):
+        queries, keys = random_case(3, 3, 32, 500, 64, seed=7, dtype=dtype)
+        wide = torch.zeros(3, 600, 64, dtype=dtype)
+        wide[:, :500] = keys
+        strided = wide[:, :500]  # row stride 64, head stride 600 * 64
+        scores, _ = wf.window_scores_fused(queries, strided, None, 0.125)
+        dense, _ = wf.window_scores_fused(queries, keys, None, 0.125)
+        assert torch.equal(scores, dense)
+        # Every row's probabilities sum to 1, so each head's scores sum to w.
+        torch.testing.assert_close(scores.sum(1), torch.full((9,), 32.0), rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize("block_size", [16, 32, 64])
 @pytest.mark.parametrize("n", [1, 16, 45, 1040])
-def test_paged_equals_dense_over_the_same_keys(block_size, n):
+def test_paged_equals_dense_over_the_same_keys(variant, block_size, n):
+    for dtype in dtypes(variant):
+        paged_equals_dense(block_size, n, dtype)
+
+
+def paged_equals_dense(block_size, n, dtype):
     num_layers, num_kv_heads, group, head_dim = 3, 3, 3, 64
     w = min(n, 32)
     g = torch.Generator().manual_seed(n + block_size)
@@ -96,12 +113,12 @@ def test_paged_equals_dense_over_the_same_keys(block_size, n):
     pool = torch.randn(
         num_layers * num_blocks + 5, 2, num_kv_heads, block_size, head_dim, generator=g
     )
-    pool = pool.bfloat16()
+    pool = pool.to(dtype)
     tables = torch.randperm(pool.shape[0], generator=g)[: num_layers * num_blocks]
     tables = tables.view(num_layers, num_blocks).contiguous()
-    queries = (
-        2 * torch.randn(num_layers * num_kv_heads * group, w, head_dim, generator=g)
-    ).bfloat16()
+    queries = (2 * torch.randn(num_layers * num_kv_heads * group, w, head_dim, generator=g)).to(
+        dtype
+    )
     scores, lse = wf.window_scores_fused_paged(queries, pool, tables, n, None, head_dim**-0.5)
     keys = pool[tables, 0].permute(0, 2, 1, 3, 4).reshape(num_layers * num_kv_heads, -1, head_dim)
     dense, dense_lse = wf.window_scores_fused(queries, keys[:, :n], None, head_dim**-0.5)
@@ -112,7 +129,7 @@ def test_bad_arguments_raise():
     queries, keys = random_case(1, 3, 8, 20, 64, seed=1)
     with pytest.raises(RuntimeError, match="window"):
         wf.window_scores_fused(queries, keys[:, :4], None, 0.1)  # w > n
-    with pytest.raises(RuntimeError, match="bfloat16"):
+    with pytest.raises(RuntimeError, match="bfloat16|dtype"):  # mixed bf16 and fp32
         wf.window_scores_fused(queries.float(), keys, None, 0.1)
     with pytest.raises(RuntimeError, match="lse"):
         wf.window_scores_fused(queries, keys, torch.zeros(3, 7), 0.1)
@@ -130,7 +147,11 @@ def test_support_check(variant, monkeypatch):
     pool = torch.zeros(2, 2, 1, 16, 64, dtype=torch.bfloat16)
     queries = torch.zeros(3, 4, 64, dtype=torch.bfloat16)
     assert wf.supports_window_fused(queries, pool)
-    assert not wf.supports_window_fused(queries.float(), pool.float())
+    fp32 = variant in wf.FP32_VARIANTS
+    assert wf.supports_window_fused(queries.float(), pool.float()) == fp32
+    assert wf.window_fused_isa(torch.float32) == (variant if fp32 else None)
+    assert not wf.supports_window_fused(queries.float(), pool)  # mixed dtypes
+    assert not wf.supports_window_fused(queries.half(), pool.half())
     assert not wf.supports_window_fused(queries, torch.zeros(2, 2, 1, 8, 64, dtype=torch.bfloat16))
     monkeypatch.setenv(ops.ISA_ENV, "avx512")
     assert not wf.supports_window_fused(queries, pool)

@@ -14,7 +14,7 @@ import torch
 from sparsekv.attention.backends import cpu_window
 from sparsekv.attention.backends.base import DecodeParams, DecodeResult
 from sparsekv.attention.backends.torch_backend import TorchBackend
-from sparsekv.attention.cpu import build, chunk_paged, kept_slots, window_fused
+from sparsekv.attention.cpu import build, chunk_paged, kept_slots, prefill_ops, window_fused
 from sparsekv.attention.cpu import ops as native
 from sparsekv.models.fused import ops as fused
 
@@ -64,13 +64,14 @@ class CpuNativeBackend(TorchBackend):
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Without soft-cap, bf16 inputs go to the native flash kernel (``ops.prefill_attention``:
-        AMX tiles, AVX512-BF16 dot products or fp32 FMAs, whichever this CPU runs fastest; GQA
-        without expanding K/V, causal blocks and blocks outside a sliding window skipped, any
-        number of queries up to the keys) where ``ops.supports_prefill`` says it runs; else
-        the reference backend's route."""
-        if logit_softcap is None and native.supports_prefill(query, key, value):
-            return native.prefill_attention(query, key, value, scale, sliding_window)
+        """Without soft-cap, bf16 and fp32 inputs go to the native flash kernel
+        (``prefill_ops.prefill_attention``: AMX tiles, AVX512-BF16 dot products or fp32 FMAs for
+        bf16, fp32 FMAs for fp32, whichever this CPU runs fastest; GQA without expanding K/V,
+        causal blocks and blocks outside a sliding window skipped, any number of queries up to
+        the keys) where ``prefill_ops.supports_prefill`` says it runs; else the reference
+        backend's route."""
+        if logit_softcap is None and prefill_ops.supports_prefill(query, key, value):
+            return prefill_ops.prefill_attention(query, key, value, scale, sliding_window)
         return super().prefill_attention(query, key, value, scale, sliding_window, logit_softcap)
 
     def prefill_attention_paged(
@@ -122,9 +123,9 @@ class CpuNativeBackend(TorchBackend):
     def window_scores(
         self, keys, window_queries, window_lse, scale, logit_softcap=None, reduce="sum"
     ):
-        """bf16 runs the fused kernel (``window_fused``: the LSE, when not given, and the sums
-        in one pass); other dtypes the paged window kernel (``cpu_window``) when it takes
-        the tensors; a soft-capped model, the ``max`` reduction (the kernels only sum) and the
+        """bf16, and fp32 on the fp32-FMA variants, run the fused kernel (``window_fused``: the
+        LSE, when not given, and the sums in one pass); the rest the paged window kernel
+        (``cpu_window``) when it takes the tensors; a soft-capped model, the ``max`` reduction (the kernels only sum) and the
         rest the reference (the kernels do not cap)."""
         if logit_softcap is not None or reduce != "sum":
             return super().window_scores(

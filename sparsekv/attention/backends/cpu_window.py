@@ -2,8 +2,9 @@
 
 The keys of a prefill step are activations, not pages: they are laid into a pool of
 ``POOL_BLOCK``-slot pages for the kernel, and a missing log-sum-exp comes from PyTorch's CPU
-flash kernel. The fused kernel (``window_fused``) takes bf16 where the CPU has one; the paged
-kernel (``ops.window_scores_paged``) the rest it supports.
+flash kernel. The fused kernel (``window_fused``) takes bf16, and fp32 on its fp32-FMA
+variants, where the CPU has one; the paged kernel (``ops.window_scores_paged``) the rest it
+supports.
 """
 
 from __future__ import annotations

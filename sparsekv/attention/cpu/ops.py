@@ -12,13 +12,7 @@ and per-slot scales) in place; its oracle is ``attention.reference.dequantize_po
 ``torch_ref.paged_decode_attention``. ``paged_decode_attention_int4`` does the same for KIVI int4
 pages (``kv_cache.storage.Int4Storage``), against ``attention.reference.dequantize_int4_pool``.
 
-``prefill_attention`` is the causal attention of a prompt, or of a chunk after its earlier keys
-(bf16 only; ``supports_prefill``), against ``torch_ref.attention_with_lse``. Its variants
-(``prefill_isas``): ``avx512_amx`` (AMX tiles), ``avx512_bf16`` (AVX512-BF16 dot products: AMD
-Zen 4, Intel Cooper Lake), ``avx512`` and ``avx2`` (fp32 FMAs on the bf16 inputs converted);
-``SPARSEKV_KERNEL_ISA`` picks one as for the decode kernels, and a forced variant without a
-prefill kernel (``avx2_w16``, ``generic``) leaves prefill to PyTorch. ``avx512_bf16`` names no
-decode variant of its own: forced, the decode kernels run ``avx512``.
+The causal prefill kernels have their own module, ``prefill_ops``.
 """
 
 from __future__ import annotations
@@ -441,84 +435,6 @@ PREFILL_ISA = "avx512_amx"  # the AMX-tile kernels (prefill, fused window scores
 BF16_ISA = "avx512_bf16"  # the AVX512-BF16 prefill kernel (CPUs without AMX)
 
 
-def prefill_isas() -> tuple[str, ...]:
-    """Prefill kernel variants this CPU runs, fastest first (empty without the extension)."""
-    ext = build.load_extension()
-    return _prefill_isas(ext) if ext is not None else ()
-
-
-@functools.cache
-def _prefill_isas(ext) -> tuple[str, ...]:
-    names = str(ext.prefill_isas())
-    return tuple(names.split(",")) if names else ()
-
-
-def prefill_isa_status(isa: str) -> str:
-    """``"ok"`` when this CPU runs prefill variant ``isa``, else why not (the missing CPU
-    feature, no AMX grant, no such variant, or no extension)."""
-    ext = build.load_extension()
-    return "native kernels unavailable" if ext is None else str(ext.prefill_isa_status(isa))
-
-
-def prefill_isa() -> str | None:
-    """The prefill variant :func:`prefill_attention` runs by default: the one
-    ``SPARSEKV_KERNEL_ISA`` names if this CPU runs it (with a warning the fastest where it
-    does not; ``None``, so PyTorch, where it names a variant without a prefill kernel), else
-    the fastest; ``None`` without the extension."""
-    isas = prefill_isas()
-    forced = os.environ.get(ISA_ENV, "").strip()  # read per call: tests set it
-    if forced in isas:
-        return forced
-    if forced and forced not in PREFILL_VARIANTS:
-        return None
-    if forced:
-        _warn_unusable_prefill_isa(forced)
-    return isas[0] if isas else None
-
-
-@functools.cache
-def _warn_unusable_prefill_isa(name: str) -> None:
-    warnings.warn(
-        f"{ISA_ENV}={name!r} is not a prefill kernel variant this CPU runs "
-        f"({prefill_isa_status(name)}); using the default",
-        RuntimeWarning,
-        stacklevel=5,
-    )
-
-
-PREFILL_VARIANTS = (PREFILL_ISA, BF16_ISA, "avx512", "avx2")
-
-
-def supports_prefill(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None = None
-) -> bool:
-    """True when :func:`prefill_attention` takes these tensors: CPU bf16 query
-    ``[num_heads, num_queries, head_dim]`` and key (and value, if given) ``[num_kv_heads,
-    num_keys, head_dim]`` with ``num_queries <= num_keys``, ``num_heads`` a multiple of
-    ``num_kv_heads`` (at most 64 query heads per KV head), ``head_dim`` a multiple of 32, no
-    autograd, and a prefill kernel variant (:func:`prefill_isa`).
-    """
-    tensors = (query, key) if value is None else (query, key, value)
-    if any(t.device.type != "cpu" or t.dtype != torch.bfloat16 or t.dim() != 3 for t in tensors):
-        return False
-    if value is not None and value.shape != key.shape:
-        return False
-    num_heads, num_queries, head_dim = query.shape
-    num_kv_heads, num_keys, key_dim = key.shape
-    if (
-        key_dim != head_dim
-        or head_dim == 0
-        or head_dim % 32
-        or num_kv_heads == 0
-        or num_heads % num_kv_heads
-        or num_heads // num_kv_heads > 64
-        or num_queries > num_keys
-        or any(t.requires_grad for t in tensors)
-    ):
-        return False
-    return prefill_isa() is not None
-
-
 def amx_tiles_enabled() -> bool:
     """True when the AMX-tile kernels (prefill attention, fused window scores: one compilation
     unit under one AMX grant) can run: the extension is built, the CPU and kernel grant AMX,
@@ -534,45 +450,3 @@ def amx_tiles_enabled() -> bool:
 def _prefill_available(ext) -> bool:
     # The AMX kernel is compiled and the CPU / kernel grant AMX; fixed per process.
     return bool(ext.prefill_available())
-
-
-def prefill_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-    isa: str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention of the last ``num_queries`` of ``num_keys`` positions, with the
-    log-sum-exp of every query row; the semantics of ``torch_ref.attention_with_lse`` without
-    soft-cap (query row ``i`` sits at key ``p = num_keys - num_queries + i`` and sees keys
-    ``j <= p``, with a sliding window ``w`` only ``j > p - w``; query head ``h`` reads KV head
-    ``h // (num_heads // num_kv_heads)``). A window skips the key blocks outside it, so a local
-    layer costs ``O(num_queries x w)``.
-
-    Args:
-        query: ``[num_heads, num_queries, head_dim]`` bf16 (any strides).
-        key, value: ``[num_kv_heads, num_keys, head_dim]`` bf16, ``num_keys >= num_queries``.
-        scale: softmax scale.
-        sliding_window: keys each row sees, itself included (Gemma 3 local layers); ``None``:
-            all earlier keys.
-        isa: prefill variant (default :func:`prefill_isa`; see :func:`prefill_isas`).
-
-    Returns:
-        out ``[num_heads, num_queries, head_dim]`` bf16, lse ``[num_heads, num_queries]`` fp32
-        (natural log). Logits are exact bf16 products summed in fp32; on ``avx512_amx`` and
-        ``avx512_bf16`` probabilities enter the value product rounded to bf16, on ``avx512``
-        and ``avx2`` in fp32.
-
-    Raises:
-        ValueError: ``sliding_window`` is not positive.
-        RuntimeError: the extension or the variant is unavailable, or it rejects the arguments
-            (see :func:`supports_prefill`).
-    """
-    if sliding_window is not None and sliding_window <= 0:
-        raise ValueError(f"sliding_window must be positive, got {sliding_window}")
-    window = 0 if sliding_window is None else int(sliding_window)
-    ext = _extension()
-    variant = isa or prefill_isa() or PREFILL_ISA
-    return ext.prefill_attention(query, key, value, float(scale), window, variant)

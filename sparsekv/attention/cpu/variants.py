@@ -2,7 +2,7 @@
 
 A kernel *family* is a set of operators chosen together: ``decode`` (paged decode attention of
 every pool format and the window scores, ``ops.pick_isa``), ``prefill`` (causal prefill
-attention, ``ops.prefill_isa``) and ``window_fused`` (fused window scores and compaction
+attention, ``prefill_ops.prefill_isa``), ``window_fused`` (fused window scores and compaction
 straight from the pages, ``window_fused.supports_window_fused``) and ``chunk_paged`` (short
 chunks of queries over the pages, ``chunk_paged.chunk_isa``). Each family lists every
 variant it has, fastest first; :func:`family_status` says which of them this CPU runs (the
@@ -15,11 +15,11 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from sparsekv.attention.cpu import build, chunk_paged, ops, window_fused
+from sparsekv.attention.cpu import build, chunk_paged, ops, prefill_ops, window_fused
 
 FAMILIES: dict[str, tuple[str, ...]] = {
     "decode": ("avx512_amx", "avx512", "avx2", "avx2_w16", "generic"),
-    "prefill": ops.PREFILL_VARIANTS,
+    "prefill": prefill_ops.PREFILL_VARIANTS,
     "window_fused": window_fused.VARIANTS,
     "chunk_paged": chunk_paged.VARIANTS,
 }
@@ -57,7 +57,7 @@ def _runnable(family: str) -> tuple[str, ...]:
     if family == "decode":
         return ops.available_isas()
     if family == "prefill":
-        return ops.prefill_isas()
+        return prefill_ops.prefill_isas()
     if family == "chunk_paged":
         return chunk_paged.chunk_isas()
     return window_fused.window_fused_isas()
@@ -68,7 +68,7 @@ def _why_not(family: str, variant: str) -> str:
     if family == "chunk_paged":
         return chunk_paged.chunk_isa_status(variant)
     if family != "decode" or variant == ops.PREFILL_ISA:  # the same CPU checks as prefill's
-        return ops.prefill_isa_status(variant)
+        return prefill_ops.prefill_isa_status(variant)
     if variant == "avx512":
         return "no AVX-512F"
     return "no AVX2 / FMA" if variant.startswith("avx2") else str(ext.amx_status())
@@ -80,7 +80,7 @@ def _default(family: str) -> tuple[str | None, str]:
     if family == "decode":
         chosen = ops.pick_isa(64)
     elif family == "prefill":
-        chosen = ops.prefill_isa()
+        chosen = prefill_ops.prefill_isa()
     elif family == "chunk_paged":
         chosen = chunk_paged.chunk_isa(64)
     else:

@@ -1,7 +1,9 @@
 """Prefill attention rows: ``torch_ref.attention_with_lse`` (explicit mask),
-``CpuNativeBackend.prefill_attention`` and, for bf16, each native prefill variant this CPU runs
-(``ops.prefill_isas``: ``avx512_amx``, ``avx512_bf16``, ``avx512``, ``avx2``) over one layer,
-against the FLOP bound of causal attention."""
+``CpuNativeBackend.prefill_attention``, ``TorchBackend.prefill_attention`` (PyTorch's flash
+kernel for a whole prompt) and each native prefill variant this CPU runs for the dtype
+(``prefill_ops.prefill_isas``: ``avx512_amx``, ``avx512_bf16``, ``avx512``, ``avx2``,
+``generic``; fp32 on the last three) over one layer, against the FLOP bound of causal
+attention."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ import torch
 
 from sparsekv.attention import torch_ref
 from sparsekv.attention.backends.cpu_native import CpuNativeBackend
-from sparsekv.attention.cpu import ops
+from sparsekv.attention.backends.torch_backend import TorchBackend
+from sparsekv.attention.cpu import prefill_ops
 from sparsekv.bench.kernels.probe import DTYPES, row, timed
 
 
@@ -34,12 +37,13 @@ def bench_prefill(args: argparse.Namespace, dtype_name: str, machine: dict) -> l
         row(
             f"prefill native {isa} {n} {dtype_name}",
             timed(
-                lambda isa=isa: ops.prefill_attention(query, key, value, scale, isa=isa), repeats
+                lambda isa=isa: prefill_ops.prefill_attention(query, key, value, scale, isa=isa),
+                repeats,
             ),
             bound,
             note,
         )
-        for isa in (ops.prefill_isas() if dtype == torch.bfloat16 else ())
+        for isa in prefill_ops.prefill_isas(dtype)
     ]
     return variants + [
         row(
@@ -49,8 +53,14 @@ def bench_prefill(args: argparse.Namespace, dtype_name: str, machine: dict) -> l
             note,
         ),
         row(
-            f"prefill backend (is_causal) {n} {dtype_name}",
+            f"prefill backend {n} {dtype_name}",
             timed(lambda: backend.prefill_attention(query, key, value, scale), repeats),
+            bound,
+            note,
+        ),
+        row(
+            f"prefill torch backend (flash, is_causal) {n} {dtype_name}",
+            timed(lambda: TorchBackend().prefill_attention(query, key, value, scale), repeats),
             bound,
             note,
         ),

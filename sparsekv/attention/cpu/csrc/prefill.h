@@ -1,7 +1,7 @@
 // Plain-C++ interface of the causal prefill (flash) attention kernels between the torch binding
 // and the ISA units: AMX tiles (isa_avx512_amx.cpp, prefill_amx.h), AVX512-BF16 dot products
-// (isa_avx512_bf16.cpp, prefill_bf16.h) and fp32 FMAs on AVX-512F or AVX2 (isa_avx512.cpp,
-// isa_avx2.cpp, prefill_fma.h);
+// (isa_avx512_bf16.cpp, prefill_bf16.h) and fp32 FMAs on AVX-512F, AVX2 or the compiler's
+// baseline ISA (isa_avx512.cpp, isa_avx2.cpp, isa_generic.cpp, prefill_fma.h);
 // plain structs and raw pointers only, for the reasons given in kernels.h.
 //
 // Layout. Query row i of head h sits at key index nk - nq + i and sees keys j <= nk - nq + i
@@ -15,8 +15,10 @@
 //   AVX512-BF16, bf16:
 //     key     [kvh][nkp][head_dim]                                     (rows as they are)
 //     value_t [kvh][nkp / 2][head_dim][2 keys]     (the rows of keys 2p and 2p + 1 interleaved)
-//   AVX-512F, AVX2 (key_f32, value_f32 instead, fp32):
+//   AVX-512F, AVX2, generic (key_f32, value_f32 instead, fp32):
 //     key_f32, value_f32 [kvh][nkp][head_dim]
+// The fp32 kernels also take fp32 queries and write fp32 outputs (query_f32, out_f32 set; the
+// bf16 query and out then unused): the prefill of fp32 models, exact fp32 throughout.
 #pragma once
 
 #include <stdint.h>
@@ -38,6 +40,8 @@ struct PrefillArgs {
   float* lse;     // [num_heads, nq] natural log
   const float* key_f32;    // fp32, as above (AVX-512F, AVX2)
   const float* value_f32;  // fp32, as above (AVX-512F, AVX2)
+  const float* query_f32;  // fp32 queries instead of `query` (same strides), or nullptr
+  float* out_f32;          // fp32 output instead of `out`, or nullptr (set with query_f32)
 };
 
 struct PrefillKernel {
@@ -53,5 +57,6 @@ extern const PrefillKernel kPrefillAmx;
 extern const PrefillKernel kPrefillBf16;
 extern const PrefillKernel kPrefillAvx512;
 extern const PrefillKernel kPrefillAvx2;
+extern const PrefillKernel kPrefillGeneric;
 
 }  // namespace sparsekv_cpu

@@ -2,6 +2,7 @@
 //   prefill_isas()                                   variants this CPU runs, fastest first
 //   prefill_isa_status(isa)                          "ok" or why the CPU does not run it
 //   prefill_attention(query, key, value, scale, window, isa) -> [out, lse]
+//                                                    bf16, or fp32 on the fp32 variants
 // and the CPU feature list of `sparsekv bench kernels --list`. Registered as a fragment of the
 // sparsekv_cpu library (binding.cpp holds the rest).
 #include <ATen/core/Tensor.h>
@@ -21,13 +22,16 @@ using skv::run_dynamic;
 
 namespace {
 
-// Source K and V of the prefill kernel: [kvh, nk, d] bf16 bits with element stride 1.
+// Source K and V of the prefill kernel: [kvh, nk, d] bf16 bits with element stride 1 (or fp32:
+// key_f32 and value_f32 set instead, same strides).
 struct PrefillSource {
   const uint16_t* key;
   int64_t key_s0, key_s1;
   const uint16_t* value;
   int64_t value_s0, value_s1;
   int64_t nk, nkp, d;
+  const float* key_f32;
+  const float* value_f32;
 };
 
 // Keys [k0, k0 + kPrefillKeyBlock) of KV head h into the kernel's tiles (prefill.h): key rows
@@ -69,17 +73,26 @@ void pack_bf16_block(const PrefillSource& s, int64_t h, int64_t k0, uint16_t* kp
   }
 }
 
-// The same block in fp32 for the AVX2 kernel (prefill.h): rows as they are; zero past nk.
+// The same block in fp32 for the FMA kernels (prefill.h): rows as they are; zero past nk.
 void pack_f32_block(const PrefillSource& s, int64_t h, int64_t k0, float* kp, float* vp) {
   const int64_t d = s.d;
   for (int64_t j = k0; j < k0 + skv::kPrefillKeyBlock; ++j) {
     float* kdst = kp + (h * s.nkp + j) * d;
     float* vdst = vp + (h * s.nkp + j) * d;
+    if (s.key_f32 != nullptr && j < s.nk) {
+      std::memcpy(kdst, s.key_f32 + h * s.key_s0 + j * s.key_s1, d * sizeof(float));
+      std::memcpy(vdst, s.value_f32 + h * s.value_s0 + j * s.value_s1, d * sizeof(float));
+      continue;
+    }
+    if (j >= s.nk) {
+      std::memset(kdst, 0, d * sizeof(float));
+      std::memset(vdst, 0, d * sizeof(float));
+      continue;
+    }
     const uint16_t* krow = s.key + h * s.key_s0 + j * s.key_s1;
     const uint16_t* vrow = s.value + h * s.value_s0 + j * s.value_s1;
     for (int64_t e = 0; e < d; ++e) {
-      const uint32_t kb = j < s.nk ? (uint32_t)krow[e] << 16 : 0;
-      const uint32_t vb = j < s.nk ? (uint32_t)vrow[e] << 16 : 0;
+      const uint32_t kb = (uint32_t)krow[e] << 16, vb = (uint32_t)vrow[e] << 16;
       std::memcpy(kdst + e, &kb, 4);
       std::memcpy(vdst + e, &vb, 4);
     }
@@ -99,6 +112,7 @@ const PrefillVariant kPrefillVariants[] = {  // fastest first
     {"avx512_bf16", &skv::kPrefillBf16, Packing::kBf16Pairs},
     {"avx512", &skv::kPrefillAvx512, Packing::kFloat32},
     {"avx2", &skv::kPrefillAvx2, Packing::kFloat32},
+    {"generic", &skv::kPrefillGeneric, Packing::kFloat32},
 };
 
 std::string variant_status(const PrefillVariant& v) {
@@ -142,9 +156,10 @@ void check_inputs(const at::Tensor& query, const at::Tensor& key, const at::Tens
               "query, key and value must be 3-D [heads, positions, head_dim]");
   TORCH_CHECK(query.device().is_cpu() && key.device().is_cpu() && value.device().is_cpu(),
               "query, key and value must be on CPU");
-  TORCH_CHECK(query.scalar_type() == at::kBFloat16 && key.scalar_type() == at::kBFloat16 &&
-                  value.scalar_type() == at::kBFloat16,
-              "query, key and value must be bfloat16");
+  const auto dtype = query.scalar_type();
+  TORCH_CHECK((dtype == at::kBFloat16 || dtype == at::kFloat) && key.scalar_type() == dtype &&
+                  value.scalar_type() == dtype,
+              "query, key and value must be all bfloat16 or all float32");
   TORCH_CHECK(key.sizes() == value.sizes(), "key and value shapes differ: ", key.sizes(), " vs ",
               value.sizes());
   const int64_t H = query.size(0), nq = query.size(1), d = query.size(2);
@@ -171,12 +186,22 @@ std::vector<at::Tensor> pack_keys(const PrefillVariant& v, const at::Tensor& key
   auto key_c = key.stride(2) == 1 ? key : key.contiguous();
   auto value_c = value.stride(2) == 1 ? value : value.contiguous();
   const bool f32 = v.packing == Packing::kFloat32;
-  auto options = f32 ? key.options().dtype(at::kFloat) : key.options();
+  const bool f32_in = key.scalar_type() == at::kFloat;
+  auto options = key.options().dtype(f32 ? at::kFloat : at::kBFloat16);
   auto kp = at::empty({kvh, nkp, d}, options);
   auto vp = at::empty({kvh, nkp, d}, options);
-  const PrefillSource src{reinterpret_cast<const uint16_t*>(key_c.data_ptr()), key_c.stride(0),
-                          key_c.stride(1), reinterpret_cast<const uint16_t*>(value_c.data_ptr()),
-                          value_c.stride(0), value_c.stride(1), nk, nkp, d};
+  const PrefillSource src{
+      f32_in ? nullptr : reinterpret_cast<const uint16_t*>(key_c.data_ptr()),
+      key_c.stride(0),
+      key_c.stride(1),
+      f32_in ? nullptr : reinterpret_cast<const uint16_t*>(value_c.data_ptr()),
+      value_c.stride(0),
+      value_c.stride(1),
+      nk,
+      nkp,
+      d,
+      f32_in ? key_c.data_ptr<float>() : nullptr,
+      f32_in ? value_c.data_ptr<float>() : nullptr};
   const int64_t kv_blocks = nkp / skv::kPrefillKeyBlock;
   // (work: ~8 multiply-adds worth per element moved, by its time)
   run_dynamic(kvh * kv_blocks, 16 * kvh * nkp * d, 0, [&](int64_t i, float*) {
@@ -202,8 +227,9 @@ std::vector<at::Tensor> pack_keys(const PrefillVariant& v, const at::Tensor& key
 }
 
 // Causal attention of the last nq of nk positions (prefill.h) on kernel variant `isa`; bf16
-// query [num_heads, nq, head_dim], key / value [num_kv_heads, nk, head_dim]; window > 0: each
-// row sees only its `window` most recent keys (itself included). Returns [out, lse].
+// (any variant) or fp32 (the fp32 variants) query [num_heads, nq, head_dim], key / value
+// [num_kv_heads, nk, head_dim]; window > 0: each row sees only its `window` most recent keys
+// (itself included). Returns [out (the inputs' dtype), lse].
 std::vector<at::Tensor> prefill_attention(const at::Tensor& query_in, const at::Tensor& key,
                                           const at::Tensor& value, double scale, int64_t window,
                                           c10::string_view isa) {
@@ -214,6 +240,9 @@ std::vector<at::Tensor> prefill_attention(const at::Tensor& query_in, const at::
   const std::string status = variant_status(*variant);
   TORCH_CHECK(status == "ok", "the ", variant->name, " prefill kernel is unavailable: ", status);
   check_inputs(query_in, key, value, window);
+  const bool f32_in = query_in.scalar_type() == at::kFloat;
+  TORCH_CHECK(!f32_in || variant->packing == Packing::kFloat32, "the ", variant->name,
+              " prefill kernel takes bfloat16 only; float32 runs on avx512, avx2 or generic");
   const int64_t H = query_in.size(0), nq = query_in.size(1), d = query_in.size(2);
   const int64_t kvh = key.size(0), nk = key.size(1);
   // Rows are read with their strides: the model's queries are a transposed view.
@@ -224,7 +253,13 @@ std::vector<at::Tensor> prefill_attention(const at::Tensor& query_in, const at::
 
   skv::PrefillArgs args{};
   const auto packed = pack_keys(*variant, key, value, args);
-  args.query = reinterpret_cast<const uint16_t*>(query.data_ptr());
+  if (f32_in) {
+    args.query_f32 = query.data_ptr<float>();
+    args.out_f32 = out.data_ptr<float>();
+  } else {
+    args.query = reinterpret_cast<const uint16_t*>(query.data_ptr());
+    args.out = reinterpret_cast<uint16_t*>(out.data_ptr());
+  }
   args.query_head_stride = query.stride(0);
   args.query_row_stride = query.stride(1);
   args.num_heads = H;
@@ -235,7 +270,6 @@ std::vector<at::Tensor> prefill_attention(const at::Tensor& query_in, const at::
   args.query_block = prefill_query_block(H / kvh);
   args.scale = (float)scale;
   args.window = window < nk ? window : 0;  // a window of every key is no window
-  args.out = reinterpret_cast<uint16_t*>(out.data_ptr());
   args.lse = lse.data_ptr<float>();
   // Items: (KV head, query block), KV head by KV head so that the threads share one head's
   // K and V in cache (interleaving the heads thrashed L2: 45 -> 39 ms on one thread at 4k

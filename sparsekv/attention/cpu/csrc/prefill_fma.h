@@ -1,6 +1,8 @@
 // Causal prefill (flash) attention in fp32 with FMAs, written once with GCC vector extensions
-// (W fp32 lanes; included by isa_avx2.cpp after kernel_impl.h, interface in prefill.h): the
-// fallback for CPUs without AVX512-BF16, reading K and V converted to fp32 by the binding.
+// (W fp32 lanes; included by isa_avx512.cpp, isa_avx2.cpp and isa_generic.cpp after
+// kernel_impl.h, interface in prefill.h): the fallback for CPUs without AVX512-BF16, reading K
+// and V converted to fp32 by the binding, and the kernel of fp32 models (fp32 queries and
+// outputs: no rounding anywhere, logits and probabilities fp32 end to end).
 //
 // The structure of the bf16 kernels (prefill_softmax.h): one work item is a block of query
 // rows of every query head of one KV head, transposed so that W query columns share a vector,
@@ -9,7 +11,11 @@
 //   S^T[key][W cols] += K[key][e] * Q^T[e][W cols]          (broadcast key element, FMA)
 //   O^T[dim][W cols] += V[key][dim] * P^T[key][W cols]      (broadcast value element, FMA)
 // in register blocks of kFmaRows rows by up to 3 column vectors (12 accumulators, within the 16
-// registers of AVX2). Logits are in base 2 (log2(e) folded into the query scale).
+// registers of AVX2). Logits are natural (the scale folded into the queries) and each
+// exponent is (logit - max) * log2(e), subtracted before the change of base: the difference of
+// two nearby logits is exact, so a logit of magnitude L carries only its own rounding
+// (L * 2^-24), not that of L * log2(e) as well (base-2 logits had 3x the fp32 reference's error
+// at L ~ 60).
 
 constexpr int64_t kFKeys = kPrefillKeyBlock;
 constexpr int kFmaRows = 4;
@@ -17,7 +23,7 @@ constexpr float kFmaNoMax = -1e30f;  // the running max before a key: see prefil
 
 // Scratch of one item; column col = h * BQ + r as in prefill_softmax.h, tiles of W columns.
 struct FmaScratch {
-  float* qt;    // [tiles][d][W] queries * scale * log2(e), transposed
+  float* qt;    // [tiles][d][W] queries * scale, transposed
   float* s;     // [tiles][kFKeys][W] logits, then probabilities, of the current key block
   float* o;     // [tiles][d][W] unnormalised output, transposed
   float* m;     // [cols] running max
@@ -44,18 +50,19 @@ static int64_t prefill_scratch_fma(const PrefillArgs& a) { return fma_layout(a, 
 // Transposed, scaled queries of the item (zero past nq) and each column's last visible key.
 static void fma_pack_queries(const PrefillArgs& a, int64_t kvh, int64_t q0, const FmaScratch& w) {
   const int64_t G = a.num_heads / a.num_kv_heads, BQ = a.query_block, d = a.head_dim;
-  const float scale2 = a.scale * kLog2e;
+  const float scale = a.scale;
   for (int64_t h = 0; h < G; ++h)
     for (int64_t r = 0; r < BQ; ++r) {
       const int64_t col = h * BQ + r, row = q0 + r;
       w.thr[col] = (int32_t)(row < a.nq ? a.nk - a.nq + row : a.nk - 1);
       float* dst = w.qt + col / W * d * W + col % W;
-      const uint16_t* src = a.query + (kvh * G + h) * a.query_head_stride + row * a.query_row_stride;
-      for (int64_t e = 0; e < d; ++e) {
-        uint32_t bits = row < a.nq ? (uint32_t)src[e] << 16 : 0;
-        float x;
-        __builtin_memcpy(&x, &bits, 4);
-        dst[e * W] = x * scale2;
+      const int64_t at = (kvh * G + h) * a.query_head_stride + row * a.query_row_stride;
+      if (row >= a.nq) {
+        for (int64_t e = 0; e < d; ++e) dst[e * W] = 0.0f;
+      } else if (a.query_f32 != nullptr) {
+        for (int64_t e = 0; e < d; ++e) dst[e * W] = a.query_f32[at + e] * scale;
+      } else {
+        for (int64_t e = 0; e < d; ++e) dst[e * W] = to_float(a.query[at + e]) * scale;
       }
     }
 }
@@ -139,11 +146,12 @@ static void fma_softmax(const PrefillArgs& a, int64_t k0, int t, int32_t reach,
     mx = see ? (x > mx ? x : mx) : mx;
   }
   const vf m_old = loadu(w.m + t * W), m_new = m_old > mx ? m_old : mx;
-  const vf alpha = vexp2(m_old - m_new);
+  const vf log2e = splat(kLog2e);
+  const vf alpha = vexp2((m_old - m_new) * log2e);
   vf sum = {};
   for (int64_t k = 0; k < kFKeys; ++k) {
     const vi see = (vu)(thr - (vi{} + (int32_t)(k0 + k))) <= reach_v;
-    const vf p = (vf)((vi)vexp2(loadu(s + k * W) - m_new) & see);
+    const vf p = (vf)((vi)vexp2((loadu(s + k * W) - m_new) * log2e) & see);
     storeu(s + k * W, p);
     sum += p;
   }
@@ -156,23 +164,23 @@ static void fma_softmax(const PrefillArgs& a, int64_t k0, int t, int32_t reach,
   for (int64_t e = 0; e < a.head_dim; ++e) storeu(o + e * W, loadu(o + e * W) * alpha);
 }
 
-// out = O / l (bf16, rounded to nearest even) and lse = (m + log2 l) * ln 2 of the item's rows.
+// out = O / l (fp32, or bf16 rounded to nearest even) and lse = m + ln l of the item's rows.
 static void fma_write_rows(const PrefillArgs& a, int64_t kvh, int64_t q0, int64_t rows,
                            const FmaScratch& w) {
   const int64_t G = a.num_heads / a.num_kv_heads, BQ = a.query_block, d = a.head_dim;
   for (int64_t h = 0; h < G; ++h)
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t col = h * BQ + r, head = kvh * G + h;
+      const int64_t col = h * BQ + r, head = kvh * G + h, at = (head * a.nq + q0 + r) * d;
       const float inv = 1.0f / w.l[col];
       const float* o = w.o + col / W * d * W + col % W;
-      uint16_t* dst = a.out + (head * a.nq + q0 + r) * d;
       for (int64_t e = 0; e < d; ++e) {
-        const float x = o[e * W] * inv;
-        uint32_t bits;
-        __builtin_memcpy(&bits, &x, 4);
-        dst[e] = (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+        if (a.out_f32 != nullptr) {
+          a.out_f32[at + e] = o[e * W] * inv;
+        } else {
+          from_float(o[e * W] * inv, a.out + at + e);
+        }
       }
-      a.lse[head * a.nq + q0 + r] = (w.m[col] + __builtin_log2f(w.l[col])) * kLn2;
+      a.lse[head * a.nq + q0 + r] = w.m[col] + __builtin_logf(w.l[col]);
     }
 }
 

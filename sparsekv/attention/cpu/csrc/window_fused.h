@@ -15,7 +15,8 @@
 //
 // Keys are read in blocks of 16 rows through a table of block pointers, so the same kernel
 // reads a dense [kv_heads, n, head_dim] tensor or paged K/V in place (one block per 16 slots
-// of a page's head run).
+// of a page's head run). The fp32-FMA kernels also take fp32 keys and queries (key_blocks_f32 and
+// query_f32 set instead of key_blocks and query): the scoring of fp32 models.
 #pragma once
 
 #include <stdint.h>
@@ -33,6 +34,8 @@ struct WindowFusedArgs {
   float scale;
   float* out;      // [num_heads, n]
   float* lse_out;  // [num_heads, w]
+  const float* const* key_blocks_f32;  // fp32 key blocks instead of key_blocks, or nullptr
+  const float* query_f32;  // fp32 queries instead of query (same strides), or nullptr
 };
 
 struct WindowFusedKernel {

@@ -3,8 +3,9 @@
 //   window_scores_fused_paged(queries, pool, tables, num_slots, lse?, scale, isa)  in pages
 //   window_fused_isas()   the variants this CPU runs (avx512_amx, avx512_bf16, avx2, generic),
 //                         fastest first
-// Both return [scores [num_heads, n] fp32, lse [num_heads, w] fp32]. Registered as a fragment
-// of the sparsekv_cpu library (binding.cpp holds the rest).
+// Both return [scores [num_heads, n] fp32, lse [num_heads, w] fp32]. Queries and keys are bf16
+// on every variant, or fp32 on the fp32-FMA ones (avx2, generic). Registered as a fragment of
+// the sparsekv_cpu library (binding.cpp holds the rest).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -49,12 +50,17 @@ std::string window_fused_isas() {  // comma-separated, fastest first
   return out;
 }
 
-const skv::WindowFusedKernel& kernel_for(c10::string_view isa) {
+// The kernel of variant `isa` for queries of `dtype` (fp32: the FMA variants only).
+const skv::WindowFusedKernel& kernel_for(c10::string_view isa, at::ScalarType dtype) {
   for (const Variant& v : kVariants) {
     if (isa != v.name) continue;
     const std::string status = variant_status(v);
     TORCH_CHECK(status == "ok", "the ", std::string(isa), " window kernel is unavailable: ",
                 status);
+    TORCH_CHECK(dtype != at::kFloat || v.kernel == &skv::kWindowFusedAvx2 ||
+                    v.kernel == &skv::kWindowFusedGeneric,
+                "the ", std::string(isa),
+                " window kernel takes bfloat16 only; float32 runs on avx2 or generic");
     return *v.kernel;
   }
   TORCH_CHECK(false, "no fused window kernel variant '", std::string(isa), "'");
@@ -62,8 +68,9 @@ const skv::WindowFusedKernel& kernel_for(c10::string_view isa) {
 
 void check_queries(const at::Tensor& queries, const std::optional<at::Tensor>& lse) {
   TORCH_CHECK(queries.dim() == 3, "queries must be [num_heads, window, head_dim]");
-  TORCH_CHECK(queries.device().is_cpu() && queries.scalar_type() == at::kBFloat16,
-              "queries must be bfloat16 on CPU");
+  TORCH_CHECK(queries.device().is_cpu() && (queries.scalar_type() == at::kBFloat16 ||
+                                            queries.scalar_type() == at::kFloat),
+              "queries must be bfloat16 or float32 on CPU");
   TORCH_CHECK(queries.size(2) > 0 && queries.size(2) % 32 == 0,
               "head_dim must be a multiple of 32, got ", queries.size(2));
   if (lse.has_value()) {
@@ -72,6 +79,28 @@ void check_queries(const at::Tensor& queries, const std::optional<at::Tensor>& l
                 "lse must be contiguous float32 [num_heads, window]");
   }
 }
+
+// Pointers to key blocks at element offsets of a bf16 or fp32 tensor, as WindowFusedArgs takes
+// them (key_blocks or key_blocks_f32).
+class KeyBlocks {
+ public:
+  KeyBlocks(const at::Tensor& t, const std::vector<int64_t>& offsets) {
+    if (t.scalar_type() == at::kFloat) {
+      for (int64_t o : offsets) f32_.push_back(t.data_ptr<float>() + o);
+    } else {
+      const auto* base = reinterpret_cast<const uint16_t*>(t.data_ptr());
+      for (int64_t o : offsets) bf16_.push_back(base + o);
+    }
+  }
+  void point(skv::WindowFusedArgs& a) const {
+    a.key_blocks = bf16_.empty() ? nullptr : bf16_.data();
+    a.key_blocks_f32 = f32_.empty() ? nullptr : f32_.data();
+  }
+
+ private:
+  std::vector<const uint16_t*> bf16_;
+  std::vector<const float*> f32_;
+};
 
 // Fills the shape fields, runs one item per KV head on the intra-op threads.
 std::vector<at::Tensor> run(const skv::WindowFusedKernel& kernel, skv::WindowFusedArgs& a,
@@ -84,7 +113,10 @@ std::vector<at::Tensor> run(const skv::WindowFusedKernel& kernel, skv::WindowFus
   auto q = queries.stride(2) == 1 ? queries : queries.contiguous();
   auto out = at::empty({num_heads, n}, queries.options().dtype(at::kFloat));
   auto lse_out = at::empty({num_heads, w}, queries.options().dtype(at::kFloat));
-  a.query = reinterpret_cast<const uint16_t*>(q.data_ptr());
+  if (q.scalar_type() == at::kFloat)
+    a.query_f32 = q.data_ptr<float>();
+  else
+    a.query = reinterpret_cast<const uint16_t*>(q.data_ptr());
   a.query_head_stride = q.stride(0);
   a.query_row_stride = q.stride(1);
   a.lse_in = lse.has_value() ? lse->data_ptr<float>() : nullptr;
@@ -116,20 +148,22 @@ std::vector<at::Tensor> run(const skv::WindowFusedKernel& kernel, skv::WindowFus
 std::vector<at::Tensor> window_scores_fused(const at::Tensor& queries, const at::Tensor& keys,
                                             const std::optional<at::Tensor>& lse, double scale,
                                             c10::string_view isa) {
-  const skv::WindowFusedKernel& kernel = kernel_for(isa);
+  const skv::WindowFusedKernel& kernel = kernel_for(isa, queries.scalar_type());
   check_queries(queries, lse);
-  TORCH_CHECK(keys.dim() == 3 && keys.device().is_cpu() && keys.scalar_type() == at::kBFloat16,
-              "keys must be bfloat16 [num_kv_heads, n, head_dim] on CPU");
+  TORCH_CHECK(keys.dim() == 3 && keys.device().is_cpu() &&
+                  keys.scalar_type() == queries.scalar_type(),
+              "keys must be [num_kv_heads, n, head_dim] on CPU, of the queries' dtype");
   TORCH_CHECK(keys.size(2) == queries.size(2), "head_dim of queries and keys differ");
   auto k = keys.stride(2) == 1 ? keys : keys.contiguous();
   const int64_t kvh = k.size(0), n = k.size(1), blocks = (n + 15) / 16;
-  std::vector<const uint16_t*> pointers(kvh * blocks);
-  const auto* base = reinterpret_cast<const uint16_t*>(k.data_ptr());
+  // Block starts as element offsets; the element type is the keys'.
+  std::vector<int64_t> offsets(kvh * blocks);
   for (int64_t h = 0; h < kvh; ++h)
     for (int64_t b = 0; b < blocks; ++b)
-      pointers[h * blocks + b] = base + h * k.stride(0) + b * 16 * k.stride(1);
+      offsets[h * blocks + b] = h * k.stride(0) + b * 16 * k.stride(1);
+  KeyBlocks blocks_of(k, offsets);
   skv::WindowFusedArgs a{};
-  a.key_blocks = pointers.data();
+  blocks_of.point(a);
   a.key_row_stride = k.stride(1);
   return run(kernel, a, queries, lse, kvh, n, scale);
 }
@@ -139,11 +173,12 @@ std::vector<at::Tensor> window_scores_fused_paged(const at::Tensor& queries,
                                                   const at::Tensor& tables, int64_t num_slots,
                                                   const std::optional<at::Tensor>& lse,
                                                   double scale, c10::string_view isa) {
-  const skv::WindowFusedKernel& kernel = kernel_for(isa);
+  const skv::WindowFusedKernel& kernel = kernel_for(isa, queries.scalar_type());
   check_queries(queries, lse);
   TORCH_CHECK(pool.dim() == 5 && pool.size(1) == 2 && pool.is_contiguous() &&
-                  pool.device().is_cpu() && pool.scalar_type() == at::kBFloat16,
-              "kv_pool must be contiguous bfloat16 [num_pages, 2, num_kv_heads, block, head_dim]");
+                  pool.device().is_cpu() && pool.scalar_type() == queries.scalar_type(),
+              "kv_pool must be contiguous [num_pages, 2, num_kv_heads, block, head_dim] of the "
+              "queries' dtype");
   TORCH_CHECK(pool.size(4) == queries.size(2), "head_dim of queries and kv_pool differ");
   const int64_t kvh = pool.size(2), bs = pool.size(3), d = pool.size(4);
   TORCH_CHECK(bs % 16 == 0, "block_size must be a multiple of 16, got ", bs);
@@ -152,18 +187,17 @@ std::vector<at::Tensor> window_scores_fused_paged(const at::Tensor& queries,
   const int64_t layers = tables.size(0), blocks = (num_slots + 15) / 16;
   TORCH_CHECK(tables.size(1) * bs >= num_slots, "tables cover fewer than num_slots slots");
   const int64_t* table = tables.data_ptr<int64_t>();
-  const auto* base = reinterpret_cast<const uint16_t*>(pool.data_ptr());
-  std::vector<const uint16_t*> pointers(layers * kvh * blocks);
+  std::vector<int64_t> offsets(layers * kvh * blocks);
   for (int64_t l = 0; l < layers; ++l)
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t page = table[l * tables.size(1) + b * 16 / bs];
       TORCH_CHECK(page >= 0 && page < pool.size(0), "page id ", page, " out of range");
       for (int64_t h = 0; h < kvh; ++h)
-        pointers[(l * kvh + h) * blocks + b] =
-            base + ((page * 2) * kvh + h) * bs * d + (b * 16 % bs) * d;
+        offsets[(l * kvh + h) * blocks + b] = ((page * 2) * kvh + h) * bs * d + (b * 16 % bs) * d;
     }
+  KeyBlocks blocks_of(pool, offsets);
   skv::WindowFusedArgs a{};
-  a.key_blocks = pointers.data();
+  blocks_of.point(a);
   a.key_row_stride = d;
   return run(kernel, a, queries, lse, layers * kvh, num_slots, scale);
 }

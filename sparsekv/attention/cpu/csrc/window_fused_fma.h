@@ -11,7 +11,16 @@
 // does. Keys and queries are both widened in the order load2 reads bf16 (even elements of a
 // 32-element chunk, then odd ones): the dot product is the same sum in another order. Logits
 // are exact bf16 products (16 significant bits fit fp32's 24) summed in fp32 in one fixed order
-// per (key, row), so the dense and paged calls give the same bits.
+// per (key, row), so the dense and paged calls give the same bits. fp32 keys and queries
+// (key_blocks_f32, query_f32) are staged as they are, in their own element order; their
+// logits are fp32 dot products, summed in the same fixed order per (key, row).
+
+// Element e's position in the staged rows: load2's order for bf16, the row's own for fp32.
+static inline int64_t window_fused_fma_pos(const WindowFusedArgs& a, int64_t e) {
+  if (a.query_f32 != nullptr) return e;
+  const int64_t base = e - e % 32, r = e % 32;
+  return base + ((r & 1) ? 16 + (r >> 1) : (r >> 1));
+}
 
 constexpr int64_t kFmaPrefetchBlocks = 4;  // key blocks fetched ahead, as the AMX kernel does
 constexpr int64_t kFmaKeys = 4;            // keys per register block (4 x 16 lanes)
@@ -21,24 +30,20 @@ static int64_t window_fused_scratch_fma(const WindowFusedArgs& a) {
          64;
 }
 
-// Position of element e of a row in the widened order (load2's: evens, then odds per chunk).
-static inline int64_t window_fused_fma_pos(int64_t e) {
-  const int64_t base = e - e % 32, r = e % 32;
-  return base + ((r & 1) ? 16 + (r >> 1) : (r >> 1));
-}
-
 // qf[(rb * head_dim + p) * 16 + c] = element at position p of row rb * 16 + c (0 for padding).
 static void window_fused_pack_queries_fma(const WindowFusedArgs& a, int64_t kvh, float* qf) {
   const int64_t d = a.head_dim, used = a.group * a.w;
   for (int64_t rb = 0; rb < a.rows / 16; ++rb)
     for (int64_t c = 0; c < 16; ++c) {
       const int64_t row = rb * 16 + c;
-      const uint16_t* q = nullptr;
-      if (row < used)
-        q = a.query + (kvh * a.group + row / a.w) * a.query_head_stride +
-            (row % a.w) * a.query_row_stride;
-      for (int64_t e = 0; e < d; ++e)
-        qf[(rb * d + window_fused_fma_pos(e)) * 16 + c] = q != nullptr ? to_float(q[e]) : 0.0f;
+      const int64_t at = (kvh * a.group + row / a.w) * a.query_head_stride +
+                         (row % a.w) * a.query_row_stride;
+      for (int64_t e = 0; e < d; ++e) {
+        float x = 0.0f;
+        if (row < used)
+          x = a.query_f32 != nullptr ? a.query_f32[at + e] : to_float(a.query[at + e]);
+        qf[(rb * d + window_fused_fma_pos(a, e)) * 16 + c] = x;
+      }
     }
 }
 
@@ -52,6 +57,14 @@ static inline void window_fused_widen_keys(const uint16_t* K, int64_t stride, in
       storeu(kf + i * d + ch, even);
       storeu(kf + i * d + ch + 16, odd);
     }
+}
+
+// The same for fp32 key rows: copied as they are.
+static inline void window_fused_stage_keys(const float* K, int64_t stride, int64_t nk, int64_t d,
+                                           float* kf) {
+  for (int64_t i = 0; i < 16; ++i)
+    for (int64_t e = 0; e < d; e += W)
+      storeu(kf + i * d + e, i < nk ? loadu(K + i * stride + e) : splat(0.0f));
 }
 
 // L[(b * 16 + i) * R + rb * 16 + c] = widened key i . row rb * 16 + c, for i in i0 .. i0 + 3.
@@ -72,16 +85,22 @@ static inline void window_fused_dot_fma(const float* kf, const float* qf, int64_
 static void window_fused_logits_fma(const WindowFusedArgs& a, int64_t kvh, const float* qf,
                                     float* L, float* kf, const float* thr, float* mx) {
   const int64_t d = a.head_dim, R = a.rows;
+  const bool f32 = a.key_blocks_f32 != nullptr;
   for (int64_t b = 0; b < a.num_blocks; ++b) {
-    const int64_t nk = a.n - b * 16 < 16 ? a.n - b * 16 : 16;
-    if (kvh * a.num_blocks + b + kFmaPrefetchBlocks < a.num_kv_heads * a.num_blocks) {
-      const char* ahead = reinterpret_cast<const char*>(
-          a.key_blocks[kvh * a.num_blocks + b + kFmaPrefetchBlocks]);
+    const int64_t nk = a.n - b * 16 < 16 ? a.n - b * 16 : 16, block = kvh * a.num_blocks + b;
+    const int64_t bytes = f32 ? 4 : 2;  // per element
+    if (block + kFmaPrefetchBlocks < a.num_kv_heads * a.num_blocks) {
+      const char* ahead =
+          f32 ? reinterpret_cast<const char*>(a.key_blocks_f32[block + kFmaPrefetchBlocks])
+              : reinterpret_cast<const char*>(a.key_blocks[block + kFmaPrefetchBlocks]);
       for (int64_t i = 0; i < 16; ++i)
-        for (int64_t o = 0; o < d * 2; o += 64)
-          __builtin_prefetch(ahead + i * a.key_row_stride * 2 + o, 0, 2);
+        for (int64_t o = 0; o < d * bytes; o += 64)
+          __builtin_prefetch(ahead + i * a.key_row_stride * bytes + o, 0, 2);
     }
-    window_fused_widen_keys(a.key_blocks[kvh * a.num_blocks + b], a.key_row_stride, nk, d, kf);
+    if (f32)
+      window_fused_stage_keys(a.key_blocks_f32[block], a.key_row_stride, nk, d, kf);
+    else
+      window_fused_widen_keys(a.key_blocks[block], a.key_row_stride, nk, d, kf);
     for (int64_t rb = 0; rb < R / 16; ++rb)
       for (int64_t i = 0; i < 16; i += kFmaKeys)
         window_fused_dot_fma(kf + i * d, qf + rb * d * 16, d, L + (b * 16 + i) * R + rb * 16, R);
