@@ -9,7 +9,8 @@
 #        LEVELS        concurrency levels (default "1 16")
 #        PER_SLOT      requests per level = PER_SLOT x concurrency (default 2)
 #        QUICK=1       proof run: concurrency 1, 2 requests (reports named *_quick_*)
-#        VLLM_DTYPE    vLLM --dtype (default bfloat16; float32 where bf16 fails)
+#        VLLM_DTYPE    vLLM --dtype (default float32: without AVX512-BF16 vLLM emulates bf16 matmuls)
+#        VLLM_THREADS  cores for vLLM's engine (default 0-1: both; by default it keeps one for its front end)
 #        SKIP_SPARSEKV=1 / SKIP_VLLM=1   run one side only
 # Writes OUTDIR/compare_sweep[_quick]_sparsekv.{json,md,png} and ..._vllm.*, and the servers' logs.
 set -euo pipefail
@@ -19,7 +20,8 @@ venv="${VLLM_VENV:-/work/vllm-venv}"
 hf="${HF_DIR:-./smollm2-hf}"
 levels="${LEVELS:-1 16}"
 per_slot="${PER_SLOT:-2}"
-dtype="${VLLM_DTYPE:-bfloat16}"
+dtype="${VLLM_DTYPE:-float32}"
+bind="${VLLM_THREADS:-0-1}"
 port="${VLLM_PORT:-8100}"
 stem="compare_sweep"
 sizes=(--prompts-per-slot "$per_slot")
@@ -44,12 +46,12 @@ if [[ "${SKIP_VLLM:-0}" != 1 ]]; then
     [[ -d "$hf" ]] || sparsekv convert smollm2-135m-instruct "$hf"
     echo "vLLM, load: $(uptime)"
     # VLLM_CPU_KVCACHE_SPACE is in GiB: the same 1 GiB as --kv-cache-memory 1.
-    VLLM_CPU_KVCACHE_SPACE=1 "$venv/bin/python" -m vllm.entrypoints.openai.api_server \
+    VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND="$bind" "$venv/bin/python" -m vllm.entrypoints.openai.api_server \
         --model "$hf" --served-model-name smollm2-135m-instruct --dtype "$dtype" \
         --max-model-len 8192 --port "$port" > "$out/${stem}_vllm_server.log" 2>&1 &
     server=$!
     trap 'kill "$server" 2>/dev/null || true' EXIT
-    for _ in $(seq 900); do
+    for _ in $(seq 2400); do  # its model compile takes minutes on 2 cores
         curl -sf "http://127.0.0.1:$port/health" > /dev/null && break
         kill -0 "$server" 2>/dev/null || { tail -30 "$out/${stem}_vllm_server.log"; exit 1; }
         sleep 1

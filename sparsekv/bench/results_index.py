@@ -42,6 +42,8 @@ COMMANDS = {
     "--server-args '--kv-compression none' --dataset shared-prefix --input-len 1600 "
     "--prefix-len 1536 --num-prefixes 7 --output-len 32 --concurrency 4 "
     "--num-prompts-per-level 35 --kv-cache-memory 0.5",
+    "compare_decode": "sparsekv bench decode-compare --threads 2 "
+    '--llama-bench "$(scripts/build_llama_bench.sh)"',
     "s1": _S1,
     "s1_second_run": _S1,
     "s1_third_run": _S1,
