@@ -359,7 +359,10 @@ def test_abort_sampling_and_stops(make_engine, smollm2_checkpoint, smollm2_token
     other = _prompt(smollm2_tokenizer, "The history of the printing press begins in Mainz. ", 8)
     sampled = SamplingParams(n=2, max_tokens=50, temperature=0.8, seed=7, ignore_eos=True)
     greedy = SamplingParams(max_tokens=60, **GREEDY)
-    stop_params = SamplingParams(max_tokens=60, stop=["together"], **GREEDY)
+    # "assistant" ends the greedy text of this prompt ~27 tokens in ("The story of the sea is a
+    # tale of love, loss, and the power of the sea to heal." then a new chat turn), past the
+    # first compaction; the text depends on bf16 rounding, so a kernel change may move it.
+    stop_params = SamplingParams(max_tokens=60, stop=["assistant"], **GREEDY)
 
     def build():
         return _cached_engine(make_engine, smollm2_checkpoint, policy)
@@ -388,5 +391,5 @@ def test_abort_sampling_and_stops(make_engine, smollm2_checkpoint, smollm2_token
     samples = fast["n2"][0]
     assert len(samples) == 2 and samples[0][0] != samples[1][0]
     assert "doomed" not in fast or fast["doomed"][0][0][1] == "abort"
-    # The stop string ends "stop" after its first compaction (about 22 tokens in).
+    # The stop string ends "stop" after its first compaction.
     assert fast["stop"][0][0][1] == "stop" and "stop" in {rid for rid, _, _ in recorder.calls}
