@@ -75,14 +75,16 @@ def _run(checkpoint, policy, static: bool, monkeypatch, params=None, engine=None
 
         monkeypatch.setattr(StaticDecodeRunner, "run", checked)
     kept = []
-    select = SnapKVCompressor.select
+    keep_top = SnapKVCompressor.keep_top
 
-    def recording(self, view, budget, window):
-        chosen = select(self, view, budget, window)
+    # Every selection (prefill, decode-time from gathered rows or straight from the pages)
+    # ranks its scores through ``keep_top``.
+    def recording(self, scores, budget, window, backend):
+        chosen = keep_top(self, scores, budget, window, backend)
         kept.append(chosen.clone())
         return chosen
 
-    monkeypatch.setattr(SnapKVCompressor, "select", recording)
+    monkeypatch.setattr(SnapKVCompressor, "keep_top", recording)
     params = params or SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
     requests, outputs = {}, {}
     for i, prompt in enumerate(prompts or PROMPTS):
