@@ -4,9 +4,9 @@ A step with several verifying requests (speculative decoding: K + 1 rows each) o
 prefill chunks puts each of them on the general path; those whose chunk reads its earlier keys
 from the pages in place (``PagedAttention._chunk_from_pages``) need nothing but attention over
 held slots plus themselves, so they are handed together as a ragged batch to the backend's
-optional ``prefill_attention_paged_batch`` (``CpuNativeBackend``: one native call per layer
-instead of one per request). The rest, and every request where the backend has no batched
-kernel or declines the tensors, stay on the per-request path.
+``prefill_attention_paged_batch`` (``CpuNativeBackend``: one native call per layer instead of
+one per request). The rest, and every request where the backend has no batched route (the
+base default) or declines the tensors, stay on the per-request path.
 """
 
 from __future__ import annotations
@@ -41,14 +41,13 @@ def attend_chunk_batch(
     Returns:
         The requests left for the per-request path (all of them when nothing was batched).
     """
-    batched = getattr(attention.backend, "prefill_attention_paged_batch", None)
     storage = attention.storages[layer]
     chosen = [
         r
         for r in requests
         if attention._chunk_from_pages(r, r.layers[layer], r.kv.layers[layer], storage)
     ]
-    if batched is None or len(chosen) < 2:
+    if len(chosen) < 2:
         return requests
     rows = torch.cat([torch.arange(r.start, r.start + r.num_rows) for r in chosen]).to(q.device)
     new_k, new_v = (t[rows].transpose(0, 1).to(storage.dtype) for t in (k, v))
@@ -59,7 +58,7 @@ def attend_chunk_batch(
     for i, p in enumerate(pages):
         tables[i, : len(p)] = p
     lengths = torch.tensor([0] + [r.num_rows for r in chosen])
-    result = batched(
+    result = attention.backend.prefill_attention_paged_batch(
         q[rows].transpose(0, 1), new_k, new_v, storage.tensors[0], tables.to(q.device),
         lengths.cumsum(0).to(q.device), torch.tensor(held, device=q.device), scale, window,
         attention.logit_softcap,

@@ -7,7 +7,8 @@ Before the step's forward the runner calls :func:`fill_self_drafts`: ``k`` batch
 single-token forwards over every ``sparse_self`` request of the step, forward ``j`` feeding
 each request's last token (``j = 0``) or its draft ``j - 1`` at position
 ``num_computed_tokens + j`` and attending over the request's draft view
-(``sparse_view.DraftAttention``). The draft token is the argmax of the draft's logits. The
+(``sparse_view.DraftAttention``, one per step: each layer's tables are built once). The
+draft token is the argmax of the draft's logits. The
 verification then runs unchanged: greedy requests keep the drafts that match the target's
 argmax, sampled ones accept draft ``d`` with probability ``p(d)`` (a deterministic draft is a
 one-hot draft distribution, so rejection sampling stays exact whatever drafted ``d``).
@@ -60,11 +61,11 @@ def fill_self_drafts(
         return 0.0
     start = time.perf_counter()
     storages = [kv.storage(layer) for layer in range(kv.num_layers)]
-    num_steps = max(len(item.draft_token_ids) for item in items)
-    for j in range(num_steps):
-        active = [item for item in items if len(item.draft_token_ids) > j]
-        rows = [_row(kv, item, j) for item in active]
-        ctx = DraftAttention(storages, kv.layer_specs, rows, kv.block_size, device, logit_softcap)
+    rows = [_row(kv, item) for item in items]
+    ctx = DraftAttention(storages, kv.layer_specs, rows, kv.block_size, device, logit_softcap)
+    for j in range(max(row.num_drafts for row in rows)):
+        active = [item for item, row in zip(items, rows) if row.num_drafts > j]
+        ctx.begin(j)
         ids = torch.tensor([_input_token(item, j) for item in active], device=device)
         positions = [item.request.num_computed_tokens + j for item in active]
         pos = torch.tensor(positions, dtype=torch.long, device=device)
@@ -76,12 +77,12 @@ def fill_self_drafts(
     return time.perf_counter() - start
 
 
-def _row(kv: KVCacheManager, item: ScheduledRequest, index: int) -> DraftRow:
+def _row(kv: KVCacheManager, item: ScheduledRequest) -> DraftRow:
     spec = item.request.speculative
     return DraftRow(
         kv=kv.get(item.request.request_id),
         layers=item.layers,
-        index=index,
+        num_drafts=len(item.draft_token_ids),
         sink_tokens=spec.draft_sink_tokens,
         recent_tokens=spec.draft_recent_tokens,
     )

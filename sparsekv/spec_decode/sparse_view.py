@@ -62,38 +62,58 @@ def view_table(
 
 @dataclass
 class DraftRow:
-    """One request's row in a draft forward.
+    """One request's row in a step's draft forwards.
 
     Attributes:
         kv: the request's KV state.
         layers: its verification step's per-layer plans (their tables cover the draft slots).
-        index: the draft position ``j`` (its K/V go to held slot ``num_held + j``).
+        num_drafts: draft positions it runs this step (its ``j``-th K/V go to held slot
+            ``num_held + j``).
         sink_tokens: the request's ``draft_sink_tokens``.
         recent_tokens: the request's ``draft_recent_tokens``.
     """
 
     kv: RequestKV
     layers: list[LayerStep]
-    index: int
+    num_drafts: int
     sink_tokens: int
     recent_tokens: int
 
 
+@dataclass
+class _LayerTables:
+    """One layer's draft tensors for the whole step (rows in batch order)."""
+
+    slots: torch.Tensor  # [rows, max drafts] int64 pool slot of draft position j
+    tables: torch.Tensor  # [rows, pages] int64 view pages, covering every draft slot
+    seq_lens: torch.Tensor  # [rows] int64 slots read at draft position 0
+    first_slots: torch.Tensor  # [rows] int64
+    num_read: np.ndarray  # [rows] slots each row reads at draft position 0
+    window: int | None  # the layer's sliding window (caps the slots read)
+
+
 class DraftAttention:
-    """The attention context of one draft forward (an argument of the model's forward, like
-    ``runner.paged_attention.PagedAttention``): one row per drafting request, each layer one
-    batched paged decode over the rows' views.
+    """The attention context of a step's draft forwards (an argument of the model's forward,
+    like ``runner.paged_attention.PagedAttention``): one row per drafting request, each layer
+    one batched paged decode over the rows' views.
+
+    Draft forward ``j`` (:meth:`begin`) runs the rows with more than ``j`` drafts. A layer's
+    tables are built once per step, at its first draft forward: the view is that of draft
+    position 0, and position ``j`` reads it plus the ``j`` draft slots written since (the
+    recent part does not slide within a step, so later positions read at most ``j`` more
+    slots than ``draft_recent_tokens``).
 
     Args:
         storages: the page storage of every layer.
         layer_specs: per-layer cache spec (sliding windows).
-        rows: the forward's rows, in batch order.
+        rows: the step's drafting rows, in batch order.
         block_size: slots per page.
         device: where the tables go.
         logit_softcap: the model's attention logit soft-cap, or ``None``.
 
     Attributes:
-        view_slots: per layer attended, the slots the rows' views hold (bytes-read figures).
+        view_slots: per layer attended, the slots the active rows' views hold in the current
+            draft forward (bytes-read figures).
     """
 
     def __init__(
@@ -112,6 +132,21 @@ class DraftAttention:
         self.device = device
         self.logit_softcap = logit_softcap
         self.view_slots: dict[int, int] = {}
+        self._layers: dict[int, _LayerTables] = {}
+        self.index = 0
+        self._active: list[DraftRow] = list(rows)
+        self._active_rows: torch.Tensor | None = None  # None: every row
+
+    def begin(self, index: int) -> list[DraftRow]:
+        """Start draft forward ``index``; returns its rows (those with more drafts), whose
+        order is the forward's batch order."""
+        self.index = index
+        picked = [i for i, row in enumerate(self.rows) if row.num_drafts > index]
+        self._active = [self.rows[i] for i in picked]
+        full = len(picked) == len(self.rows)
+        self._active_rows = None if full else torch.tensor(picked, device=self.device)
+        self.view_slots = {}
+        return self._active
 
     def attend(
         self,
@@ -122,7 +157,7 @@ class DraftAttention:
         scale: float,
         sliding_window: int | None = None,
     ) -> torch.Tensor:
-        """Write the rows' new K/V into their draft slots and attend over the views.
+        """Write the active rows' new K/V into their draft slots and attend over the views.
 
         Args:
             layer: layer index.
@@ -138,9 +173,18 @@ class DraftAttention:
         window = sliding_window
         if window is None:
             window = self.layer_specs[layer].sliding_window
-        slots, tables, seq_lens, first_slots = self._tables(layer, window)
+        built = self._layers.get(layer)
+        if built is None:
+            built = self._layers[layer] = self._build(layer, window)
+        slots, tables = built.slots[:, self.index], built.tables
+        seq_lens, first_slots = built.seq_lens + self.index, built.first_slots
+        if self._active_rows is not None:
+            picked = self._active_rows
+            slots, tables = slots[picked], tables[picked]
+            seq_lens, first_slots = seq_lens[picked], first_slots[picked]
+        self.view_slots[layer] = self._num_read(built)
         storage = self.storages[layer]
-        states = [row.kv.layers[layer] for row in self.rows]
+        states = [row.kv.layers[layer] for row in self._active]
         storage.write_decode(slots, states, k, v)
         params = DecodeParams(
             block_tables=tables,
@@ -153,28 +197,44 @@ class DraftAttention:
         out, _, _ = storage.decode_attention(q, params, states)
         return out
 
-    def _tables(self, layer: int, window: int | None) -> tuple[torch.Tensor, ...]:
-        """``slot_mapping``, ``block_tables``, ``seq_lens``, ``first_slots`` of one layer."""
+    def _build(self, layer: int, window: int | None) -> _LayerTables:
+        """The layer's tensors for every row and draft position of the step."""
         bs = self.block_size
-        slots, tables, seq_lens, first_slots = [], [], [], []
-        num_read = 0
-        for row in self.rows:
+        width = max(row.num_drafts for row in self.rows)
+        slots = np.zeros((len(self.rows), width), dtype=np.int64)
+        tables, seq_lens, first_slots, num_read = [], [], [], []
+        for i, row in enumerate(self.rows):
             step = row.layers[layer]
-            held = step.num_held + row.index  # the draft slot, relative to first_slot
-            slots.append(step.block_table[held // bs] * bs + held % bs)
+            held = step.num_held  # draft position 0's slot, relative to first_slot
+            for j in range(row.num_drafts):
+                slot = held + j
+                slots[i, j] = step.block_table[slot // bs] * bs + slot % bs
+            last_page = cdiv(held + row.num_drafts, bs)  # the page of the last draft slot
             if window is not None:
-                tables.append(step.block_table[: held // bs + 1])
+                tables.append(step.block_table[:last_page])
                 seq_lens.append(step.first_slot + held + 1)
                 first_slots.append(step.first_slot)
-                num_read += min(window, held + 1)
+                num_read.append(held + 1)
                 continue
             pages, num_slots = view_table(
                 step.block_table, held + 1, bs, row.sink_tokens, row.recent_tokens
             )
+            pages = pages + step.block_table[cdiv(held + 1, bs) : last_page]
             tables.append(pages)
             seq_lens.append(num_slots)
             first_slots.append(0)
-            num_read += num_slots
-        self.view_slots[layer] = num_read
-        arrays = (np.array(slots), padded_tables(tables), np.array(seq_lens), np.array(first_slots))
-        return tuple(torch.from_numpy(a.astype(np.int64)).to(self.device) for a in arrays)
+            num_read.append(num_slots)
+        arrays = (slots, padded_tables(tables), np.array(seq_lens), np.array(first_slots))
+        slots_t, tables_t, lens_t, firsts_t = (
+            torch.from_numpy(a.astype(np.int64)).to(self.device) for a in arrays
+        )
+        return _LayerTables(slots_t, tables_t, lens_t, firsts_t, np.array(num_read), window)
+
+    def _num_read(self, built: _LayerTables) -> int:
+        """Slots the active rows read in this draft forward."""
+        reads = built.num_read + self.index
+        if len(self._active) != len(self.rows):
+            reads = reads[[row.num_drafts > self.index for row in self.rows]]
+        if built.window is not None:
+            reads = np.minimum(reads, built.window)
+        return int(reads.sum())

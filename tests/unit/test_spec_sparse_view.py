@@ -60,8 +60,9 @@ def test_a_draft_reads_only_its_view_and_writes_the_verification_slot():
         storage.tensors[0][page] = float("nan")
     step = LayerStep(block_table=TABLE, first_slot=0, num_held=21, num_new=4)
     kv = SimpleNamespace(layers=[None])
-    row = DraftRow(kv=kv, layers=[step], index=1, sink_tokens=4, recent_tokens=6)
+    row = DraftRow(kv=kv, layers=[step], num_drafts=2, sink_tokens=4, recent_tokens=6)
     ctx = DraftAttention([storage], [LayerSpec()], [row], 4, torch.device("cpu"))
+    assert ctx.begin(1) == [row]
     generator = torch.Generator().manual_seed(1)
     q = torch.randn(1, 4, 8, generator=generator)
     k, v = torch.randn(2, 1, 2, 8, generator=generator)
@@ -77,10 +78,11 @@ def test_a_draft_reads_only_its_view_and_writes_the_verification_slot():
 def test_a_sliding_layer_reads_its_window():
     storage = _storage(seed=2)
     step = LayerStep(block_table=TABLE, first_slot=0, num_held=18, num_new=3)
-    row = DraftRow(kv=SimpleNamespace(layers=[None]), layers=[step], index=0, sink_tokens=0,
-                   recent_tokens=0)  # fmt: skip
+    row = DraftRow(kv=SimpleNamespace(layers=[None]), layers=[step], num_drafts=1,
+                   sink_tokens=0, recent_tokens=0)  # fmt: skip
     spec = LayerSpec(kind="sliding", sliding_window=6)
     ctx = DraftAttention([storage], [spec], [row], 4, torch.device("cpu"))
+    ctx.begin(0)
     generator = torch.Generator().manual_seed(3)
     q = torch.randn(1, 4, 8, generator=generator)
     k, v = torch.randn(2, 1, 2, 8, generator=generator)
@@ -88,3 +90,41 @@ def test_a_sliding_layer_reads_its_window():
     keys, values = _slots(storage, list(range(13, 19)))  # the new slot 18 and the 5 before
     torch.testing.assert_close(out, _reference(q, keys, values, 0.35), atol=1e-5, rtol=1e-5)
     assert ctx.view_slots == {0: 6}
+
+
+def test_one_context_serves_every_draft_forward_of_the_step():
+    """Tables are built once: a row's later draft positions read the first position's view plus
+    the draft slots written since (here across a page boundary), and a row with fewer drafts
+    leaves the batch."""
+    storage = _storage(seed=4)
+    for page in (1, 7):  # outside both views
+        storage.tensors[0][page] = float("nan")
+    long_row = DraftRow(
+        kv=SimpleNamespace(layers=[None]),
+        layers=[LayerStep(block_table=TABLE, first_slot=0, num_held=18, num_new=4)],
+        num_drafts=3,
+        sink_tokens=4,
+        recent_tokens=6,
+    )
+    short_table = [4, 0, 5, 6]  # a second request's pages (5, 6 shared read-only: no matter)
+    short_row = DraftRow(
+        kv=SimpleNamespace(layers=[None]),
+        layers=[LayerStep(block_table=short_table, first_slot=0, num_held=6, num_new=2)],
+        num_drafts=1,
+        sink_tokens=4,
+        recent_tokens=6,
+    )
+    ctx = DraftAttention([storage], [LayerSpec()], [long_row, short_row], 4, torch.device("cpu"))
+    generator = torch.Generator().manual_seed(5)
+    for j, rows, read in ((0, 2, 11 + 7), (1, 1, 12), (2, 1, 13)):
+        assert ctx.begin(j) == [long_row, short_row][:rows]
+        q = torch.randn(rows, 4, 8, generator=generator)
+        k, v = torch.randn(2, rows, 2, 8, generator=generator)
+        out = ctx.attend(0, q, k, v, scale=0.35)
+        slot = 18 + j  # the long row's draft slot: pages 6 (16..19), then 3 (20..23)
+        torch.testing.assert_close(storage.tensors[0][TABLE[slot // 4], 0, :, slot % 4], k[0])
+        # View of 19 slots: sink page 5 (0..3), recent pages from slot 12 (page 2) on.
+        keys, values = _slots(storage, [0, 1, 2, 3, *range(12, slot + 1)])
+        torch.testing.assert_close(out[:1], _reference(q[:1], keys, values, 0.35), atol=1e-5,
+                                   rtol=1e-5)  # fmt: skip
+        assert ctx.view_slots == {0: read}

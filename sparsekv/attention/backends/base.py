@@ -250,6 +250,38 @@ class AttentionBackend(abc.ABC):
         values = torch.cat([cached_v, value.to(kv_pool.dtype)], dim=1)
         return self.prefill_attention(query, keys, values, scale, sliding_window, logit_softcap)
 
+    def prefill_attention_paged_batch(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_pool: torch.Tensor,
+        block_tables: torch.Tensor,
+        row_starts: torch.Tensor,
+        num_cached: torch.Tensor,
+        scale: float,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """:meth:`prefill_attention_paged` of several sequences' chunks in one call, or ``None``
+        where this backend has no batched route for these tensors (the caller then calls
+        :meth:`prefill_attention_paged` per sequence). This default has none.
+
+        Args:
+            query: ``[num_heads, total_rows, head_dim]`` the chunks' queries, sequence by
+                sequence; key, value: ``[num_kv_heads, total_rows, head_dim]``.
+            kv_pool: as :meth:`prefill_attention_paged`.
+            block_tables: ``[num_seqs, max_blocks]`` int64 page ids (zero-padded).
+            row_starts: ``[num_seqs + 1]`` int64 row offsets of each sequence's chunk.
+            num_cached: ``[num_seqs]`` int64 held slots before each chunk.
+            scale, sliding_window, logit_softcap: as :meth:`prefill_attention`.
+
+        Returns:
+            out ``[num_heads, total_rows, head_dim]`` in the query dtype and lse
+            ``[num_heads, total_rows]`` fp32, or ``None``.
+        """
+        return None
+
     # ------------------------------------------------------------------ scoring
     @abc.abstractmethod
     def window_scores(
