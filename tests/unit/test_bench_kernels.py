@@ -142,3 +142,19 @@ def test_list_prints_cpu_features_and_the_variant_of_each_family(capsys, monkeyp
     assert variants.family_status("decode").chosen == "avx2_w16"
     with pytest.raises(ValueError, match="family must be one of"):
         variants.family_status("gemm")
+
+
+@pytest.mark.kernel_variant("packed_weights")
+def test_list_names_the_packed_weight_variant(capsys, monkeypatch):
+    from sparsekv.models.quant import ops as quant_ops
+
+    monkeypatch.delenv(quant_ops.ISA_ENV, raising=False)
+    runs = quant_ops.available_isas()
+    assert kernels.main(["--list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert f"packed       {runs[0]} (the fastest this CPU runs; runs {', '.join(runs)})" in lines
+    assert ("avx512_bf16" in runs) != any("not avx512_bf16" in line for line in lines)
+    monkeypatch.setenv(quant_ops.ISA_ENV, "avx2")
+    assert kernels.main(["--list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert f"packed       avx2 ({quant_ops.ISA_ENV}=avx2; runs {', '.join(runs)})" in lines

@@ -7,7 +7,9 @@ width, on each kernel variant this CPU runs, both called directly and forced thr
 ``SPARSEKV_KERNEL_ISA``. The dequantized values equal ``gguf.quants.dequantize`` bit for bit;
 products accumulate in fp32 in the kernel's own order, so each output is within
 ``1e-5 * sum_j |x_j W_ij|`` of the exact (fp64) product of the dequantized weight (measured:
-below 2e-7 of that sum).
+below 2e-7 of that sum). bf16 activations (the ``avx512_bf16`` variant's kernels for Q4_0 /
+Q4_1 / Q8_0, an fp32 conversion inside the op elsewhere) meet the same bound against the fp64
+product of ``x.float()``, and bf16 results are that fp32 result (bias added) rounded once.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from sparsekv.models.quant.formats import (
     quantize_int8,
 )
 from sparsekv.models.quant.linear import QuantizedLinear
+from tests.kernel_variants import PACKED_VARIANTS
 
-VARIANTS = ("avx2", "generic")
+VARIANTS = PACKED_VARIANTS
 BLOCK_FORMATS = {
     "q4_0": "Q4_0",
     "q4_1": "Q4_1",
@@ -125,14 +128,20 @@ def test_matmul_every_row_count(isa, fmt, shape):
         assert_close_to_exact(y, x[:rows], dense)
 
 
-def test_matmul_writes_only_its_columns(isa):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_matmul_writes_only_its_columns(isa, dtype, rows):
     weight = random_weight("q4_1", 9, 64)
-    x = torch.randn(3, 64)
-    y = torch.full((3, 20), 7.0)
+    x = torch.randn(rows, 64).to(dtype)
+    y = torch.full((rows, 20), 7.0, dtype=dtype)
     _ext().matmul_(x, weight.data, FORMATS["q4_1"].code, 64, y, 4, isa)
-    assert torch.equal(y[:, :4], torch.full((3, 4), 7.0))
-    assert torch.equal(y[:, 13:], torch.full((3, 7), 7.0))
-    assert_close_to_exact(y[:, 4:13], x, dequantize_reference(weight))
+    assert torch.equal(y[:, :4], torch.full((rows, 4), 7.0, dtype=dtype))
+    assert torch.equal(y[:, 13:], torch.full((rows, 7), 7.0, dtype=dtype))
+    if dtype == torch.float32:
+        assert_close_to_exact(y[:, 4:13], x, dequantize_reference(weight))
+    else:  # bf16 results: checked to the bit in the bf16 tests below
+        exact = x.double() @ dequantize_reference(weight).double().T
+        torch.testing.assert_close(y[:, 4:13].double(), exact, rtol=2**-7, atol=1e-3)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 64])
@@ -162,6 +171,72 @@ def test_kernel_rejects_bad_arguments():
         _ext().matmul_(torch.randn(1, 64), weight.data, 1, 64, torch.empty(1, 3), 0, "")
     with pytest.raises(RuntimeError, match="float32"):
         _ext().matmul_(torch.randn(1, 64).double(), weight.data, 1, 64, torch.empty(1, 4), 0, "")
+
+
+BF16_FORMATS = ("q4_0", "q4_1", "q8_0")  # the avx512_bf16 variant's bf16-x kernels
+
+
+def bf16_ulp(value: torch.Tensor) -> torch.Tensor:
+    """The spacing of bf16 numbers at ``value`` (fp64; 8 significant bits)."""
+    exponent = torch.frexp(value.double())[1]  # |value| in [2^(e-1), 2^e)
+    return torch.ldexp(torch.ones_like(value, dtype=torch.float64), exponent - 8)
+
+
+@pytest.mark.parametrize("fmt", BF16_FORMATS)
+@pytest.mark.parametrize("in_features", [64, 576, 1536])
+def test_bf16_x_equals_fp64_reference(isa, fmt, in_features):
+    # bf16 x, fp32 and bf16 y, with and without bias; 37 weight rows: ragged groups of 4.
+    weight = random_weight(fmt, 37, in_features, seed=in_features)
+    dense, code = dequantize_reference(weight).double(), FORMATS[fmt].code
+    x = torch.randn(70, in_features, generator=torch.Generator().manual_seed(2)).bfloat16()
+    bias = torch.randn(37, generator=torch.Generator().manual_seed(3))
+    for rows in (1, 2, 3, 5, 17, 64, 70):  # 70: two passes of 64 rows through the small GEMM
+        xr = x[:rows]
+        y32, y32_bias = torch.empty(rows, 37), torch.empty(rows, 37)
+        y16, y16_bias = (torch.empty(rows, 37, dtype=torch.bfloat16) for _ in range(2))
+        _ext().matmul_(xr, weight.data, code, in_features, y32, 0, isa)
+        _ext().matmul_(xr, weight.data, code, in_features, y32_bias, 0, isa, bias)
+        _ext().matmul_(xr, weight.data, code, in_features, y16, 0, isa)
+        _ext().matmul_(xr, weight.data, code, in_features, y16_bias, 0, isa, bias)
+        assert_close_to_exact(y32, xr.float(), dense)
+        # The bias is added in fp32, then the sum is rounded once to nearest even.
+        assert torch.equal(y32_bias, y32 + bias)
+        assert torch.equal(y16, y32.bfloat16()) and torch.equal(y16_bias, y32_bias.bfloat16())
+        # Within one bf16 ulp of the exact product rounded to bf16, plus the fp32 accumulation
+        # error bound (a result that nearly cancels to 0 has ulps far below that bound).
+        exact = xr.double() @ dense.T
+        error = (y16.double() - exact.bfloat16().double()).abs()
+        bound = bf16_ulp(exact) + RTOL * (xr.double().abs() @ dense.abs().T)
+        assert (error <= bound).all(), f"{rows} rows: max excess {(error - bound).max():.2e}"
+
+
+@pytest.mark.parametrize("rows", [1, 9])
+def test_bf16_x_through_ops_and_forced_variant(isa, rows, monkeypatch):
+    monkeypatch.setenv(ops.ISA_ENV, isa)
+    # A bf16-kernel format next to ones the variant converts x to fp32 for (Q4_K, int8 rows).
+    parts = [random_weight("q4_1", 12, 256, 1), random_weight("q4_k", 6, 256, 2)]
+    parts += [random_weight("q8_0", 6, 256, 3), random_weight("int8", 5, 256, 4)]
+    bias = torch.randn(29)
+    x = torch.randn(rows, 256).bfloat16()
+    y = ops.matmul(x, parts, bias)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, 29)
+    expected = torch.cat([ops.matmul(x.float(), [p]) for p in parts], dim=-1) + bias
+    dense = torch.cat([dequantize_reference(p) for p in parts]).double()
+    assert_close_to_exact(expected - bias, x.float(), dense)
+    torch.testing.assert_close(y.double(), expected.double(), rtol=2**-8, atol=1e-4)
+
+
+@pytest.mark.kernel_variant("packed_weights")
+def test_kernel_rejects_bad_dtypes():
+    weight, x = random_weight("q8_0", 4, 64), torch.randn(2, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="x must be a CPU float32 or bfloat16"):
+        _ext().matmul_(x.half(), weight.data, 2, 64, torch.empty(2, 4), 0, "")
+    with pytest.raises(RuntimeError, match="y must be a CPU float32 or bfloat16"):
+        _ext().matmul_(x, weight.data, 2, 64, torch.empty(2, 4, dtype=torch.float16), 0, "")
+    with pytest.raises(RuntimeError, match=r"bias must be a contiguous CPU float32 \[4\]"):
+        _ext().matmul_(x, weight.data, 2, 64, torch.empty(2, 4), 0, "", torch.zeros(4).bfloat16())
+    with pytest.raises(RuntimeError, match=r"bias must be a contiguous CPU float32 \[4\]"):
+        _ext().matmul_(x, weight.data, 2, 64, torch.empty(2, 4), 0, "", torch.zeros(5))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

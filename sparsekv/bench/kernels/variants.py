@@ -1,10 +1,13 @@
 """``sparsekv bench kernels --list``: the CPU's kernel-relevant features and, for every native
-kernel family, the variant it runs and why, and why each other variant does not run here."""
+kernel family (attention, the fused model ops, the packed-weight linears), the variant it runs
+and why, and why each other variant does not run here."""
 
 from __future__ import annotations
 
 from sparsekv.attention.cpu import variants
 from sparsekv.models.fused import build as fused_build
+from sparsekv.models.quant import build as quant_build
+from sparsekv.models.quant import ops as quant_ops
 
 
 def _fused_lines() -> list[str]:
@@ -23,6 +26,21 @@ def _fused_lines() -> list[str]:
     ]
 
 
+def _packed_lines() -> list[str]:
+    # The packed-weight linears (--weight-dtype gguf / int8 / bf16rows) and their variants.
+    if quant_build.native_disabled():
+        return ["packed       PyTorch dequantization (native kernels are disabled)"]
+    runs = quant_ops.available_isas()
+    if not runs:
+        return ["packed       PyTorch dequantization (the packed-weight kernels failed to build)"]
+    forced = quant_ops.kernel_isa()
+    why = f"{quant_ops.ISA_ENV}={forced}" if forced else "the fastest this CPU runs"
+    lines = [f"packed       {forced or runs[0]} ({why}; runs {', '.join(runs)})"]
+    if "avx512_bf16" not in runs:
+        lines.append(f"{'':<12}   not avx512_bf16: needs AVX-512 F/BW/VL and AVX512-BF16")
+    return lines
+
+
 def variant_lines() -> list[str]:
     """The lines :func:`print_variants` prints."""
     lines = [
@@ -37,7 +55,7 @@ def variant_lines() -> list[str]:
         lines.append(line)
         for variant, why in info.unavailable.items():
             lines.append(f"{'':<12}   not {variant}: {why}")
-    return lines + _fused_lines()
+    return lines + _fused_lines() + _packed_lines()
 
 
 def print_variants() -> None:

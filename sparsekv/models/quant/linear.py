@@ -28,8 +28,9 @@ class QuantizedLinear(nn.Module):
         ValueError: no parts, or parts of different ``in_features``.
 
     ``forward``: ``x`` ``[..., in_features]`` fp32 or bf16 -> ``[..., out_features]`` in ``x``'s
-    dtype. Up to ``ops.SMALL_M_MAX_ROWS`` rows accumulate in fp32 on the packed weight and round
-    once to ``x``'s dtype; more rows multiply densely in ``x``'s dtype.
+    dtype. Up to ``ops.SMALL_M_MAX_ROWS`` rows accumulate in fp32 on the packed weight, add the
+    bias in fp32 and round once to ``x``'s dtype inside the kernel op (bf16 ``x`` is read as it
+    is, with no conversion copies); more rows multiply densely in ``x``'s dtype.
     """
 
     def __init__(self, parts: list[PackedTensor], bias: torch.Tensor | None = None) -> None:
@@ -60,10 +61,7 @@ class QuantizedLinear(nn.Module):
         lead = x.shape[:-1]
         rows = x.reshape(-1, self.in_features)
         if rows.shape[0] <= ops.SMALL_M_MAX_ROWS:
-            y = ops.matmul(rows, self.parts)
-            if self.bias is not None:
-                y += self.bias
-            y = y.to(x.dtype)
+            y = ops.matmul(rows, self.parts, self.bias)
         else:
             y = ops.dense_matmul(rows, self.parts)
             if self.bias is not None:

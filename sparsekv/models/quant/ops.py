@@ -3,12 +3,14 @@ dense matmul on the weight dequantized in PyTorch.
 
 Decode-sized inputs (1 to :data:`SMALL_M_MAX_ROWS` rows) go through the native kernels, which
 read the packed weight once and dequantize it in registers (one row: the GEMV; more: a tiled
-GEMM that dequantizes each tile of 4 weight rows once for all rows of ``x``). Larger inputs
+GEMM that dequantizes each tile of 4 weight rows once for all rows of ``x``); on CPUs with
+AVX512-BF16 the ``avx512_bf16`` variant multiplies bf16 ``x`` with Q4_0 / Q4_1 / Q8_0 codes
+expanded to bf16 (``vdpbf16ps``, fp32 accumulation). Larger inputs
 (prefill) dequantize the weight in slices of :data:`DEQUANT_SLICE_ROWS` output features and
 multiply densely in ``x``'s dtype, so they keep the dense path's speed.
 
-``SPARSEKV_KERNEL_ISA`` forces a variant as for the other native kernels (``avx2`` or
-``generic``); naming one this CPU does not run, or one these kernels do not have, uses the
+``SPARSEKV_KERNEL_ISA`` forces a variant as for the other native kernels (``avx512_bf16``,
+``avx2`` or ``generic``); naming one this CPU does not run, or one these kernels do not have, uses the
 fastest with a warning.
 """
 
@@ -60,27 +62,41 @@ def _warn_unusable(name: str) -> None:
     )
 
 
-def matmul(x: torch.Tensor, parts: list[PackedTensor]) -> torch.Tensor:
-    """``x W^T`` for ``W`` the row concatenation of ``parts``, in fp32.
+def matmul(
+    x: torch.Tensor, parts: list[PackedTensor], bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x W^T + bias`` for ``W`` the row concatenation of ``parts``, accumulated in fp32.
+
+    fp32 and bf16 ``x`` go to the kernels as they are (bf16 runs the ``avx512_bf16`` kernels
+    on Q4_0 / Q4_1 / Q8_0 parts, and is converted to fp32 inside the op for the others); the
+    result is rounded once to ``x``'s dtype after the bias is added in fp32. Other dtypes are
+    cast to fp32 and the result back.
 
     Args:
-        x: ``[rows, in_features]``, any float dtype (cast to fp32).
+        x: ``[rows, in_features]``, any float dtype.
         parts: packed weights with ``x``'s ``in_features``, possibly of different formats.
+        bias: ``[sum of out_features]`` or ``None``.
 
     Returns:
-        fp32 ``[rows, sum of out_features]``.
+        ``[rows, sum of out_features]`` in ``x``'s dtype.
     """
     ext = build.load_extension()
     rows = x.shape[0]
     if ext is None or rows > SMALL_M_MAX_ROWS:
-        return torch.cat([_dense(x.float(), part) for part in parts], dim=-1)
-    xf = x.to(torch.float32).contiguous()
-    out = torch.empty(rows, sum(part.shape[0] for part in parts), dtype=torch.float32)
+        y = torch.cat([_dense(x.float(), part) for part in parts], dim=-1)
+        return (y if bias is None else y + bias.float()).to(x.dtype)
+    native = x.dtype in (torch.float32, torch.bfloat16)
+    xk = (x if native else x.float()).contiguous()
+    out = torch.empty(rows, sum(part.shape[0] for part in parts), dtype=xk.dtype)
+    bias32 = None if bias is None else bias.to(torch.float32)
     isa, col = kernel_isa(), 0
     for part in parts:
-        ext.matmul_(xf, part.data, FORMATS[part.format].code, part.in_features, out, col, isa)
-        col += part.shape[0]
-    return out
+        n = part.shape[0]
+        part_bias = None if bias32 is None else bias32[col : col + n]
+        code = FORMATS[part.format].code
+        ext.matmul_(xk, part.data, code, part.in_features, out, col, isa, part_bias)
+        col += n
+    return out if native else out.to(x.dtype)
 
 
 def dense_matmul(x: torch.Tensor, parts: list[PackedTensor]) -> torch.Tensor:

@@ -26,6 +26,16 @@ bool has_avx2() {
 #endif
 }
 
+bool has_avx512_bf16() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
 bool always() { return true; }
 
 struct Variant {
@@ -35,6 +45,7 @@ struct Variant {
 };
 
 const Variant kVariants[] = {  // fastest first
+    {"avx512_bf16", &qk::kQuantAvx512Bf16, has_avx512_bf16},
     {"avx2", &qk::kQuantAvx2, has_avx2},
     {"generic", &qk::kQuantGeneric, always},
 };
@@ -103,39 +114,101 @@ int64_t grain_rows(int64_t row_bytes, int64_t multiple) {
   return (rows + multiple - 1) / multiple * multiple;
 }
 
-// y[:, col : col + n] = x [m, k] W^T for the packed W [n, k]; x and y fp32, y's last
-// dimension contiguous. One row of x goes through the GEMV, more through the tiled GEMM.
-void matmul_(const at::Tensor& x, const at::Tensor& w, int64_t format, int64_t k,
-             const at::Tensor& y, int64_t col, c10::string_view isa) {
-  check_weight(w, format, k);
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
+// [m, k / 32] fp32 sums of each block of 32 of x's rows (x fp32 or bf16; the 4-bit formats'
+// offsets factor out of the dot product on them).
+std::vector<float> block_sums(const at::Tensor& x, int64_t m, int64_t k) {
+  const int64_t blocks = k / qk::kBlock;
+  std::vector<float> sums(m * blocks);
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  for (int64_t r = 0; r < m; ++r) {
+    const float* xf = bf16 ? nullptr : x.const_data_ptr<float>() + r * x.stride(0);
+    const auto* xh = bf16 ? x.const_data_ptr<at::BFloat16>() + r * x.stride(0) : nullptr;
+    for (int64_t b = 0; b < blocks; ++b) {
+      float s = 0.0f;
+      for (int j = 0; j < qk::kBlock; ++j)
+        s += bf16 ? static_cast<float>(xh[b * qk::kBlock + j]) : xf[b * qk::kBlock + j];
+      sums[r * blocks + b] = s;
+    }
+  }
+  return sums;
+}
+
+void check_matmul_args(const at::Tensor& x, int64_t k, int64_t n, const at::Tensor& y,
+                       int64_t col, const c10::optional<at::Tensor>& bias) {
+  const auto xt = x.scalar_type(), yt = y.scalar_type();
+  TORCH_CHECK(x.device().is_cpu() && (xt == at::kFloat || xt == at::kBFloat16) && x.dim() == 2 &&
                   x.size(1) == k && (x.stride(1) == 1 || k <= 1),
-              "x must be a CPU float32 [m, ", k, "] with a contiguous last dimension");
-  const int64_t m = x.size(0), n = w.size(0);
-  TORCH_CHECK(y.device().is_cpu() && y.scalar_type() == at::kFloat && y.dim() == 2 &&
+              "x must be a CPU float32 or bfloat16 [m, ", k,
+              "] with a contiguous last dimension, got ", xt, " ", x.sizes());
+  const int64_t m = x.size(0);
+  TORCH_CHECK(y.device().is_cpu() && (yt == at::kFloat || yt == at::kBFloat16) && y.dim() == 2 &&
                   y.size(0) == m && (y.stride(1) == 1 || y.size(1) <= 1),
-              "y must be a CPU float32 [", m, ", cols] with a contiguous last dimension");
+              "y must be a CPU float32 or bfloat16 [", m,
+              ", cols] with a contiguous last dimension, got ", yt, " ", y.sizes());
   TORCH_CHECK(col >= 0 && col + n <= y.size(1), "columns ", col, " + ", n,
               " do not fit in y's ", y.size(1));
+  if (bias.has_value())
+    TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == at::kFloat &&
+                    bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous(),
+                "bias must be a contiguous CPU float32 [", n, "], got ", bias->scalar_type(),
+                " ", bias->sizes());
+}
+
+// Runs `kernel` over the n weight rows in tasks of about 4 MiB of packed weights.
+void run_rows(const qk::MatmulArgs& args, int64_t n,
+              void (*kernel)(const qk::MatmulArgs&, int64_t, int64_t)) {
+  at::parallel_for(0, n, grain_rows(args.row_bytes, 4),
+                   [&](int64_t begin, int64_t end) { kernel(args, begin, end); });
+}
+
+// y[:, col : col + n] = x [m, k] W^T (+ bias) for the packed W [n, k]; x and y fp32 or bf16
+// (bf16 y: the fp32 result rounded once), bias fp32 [n], last dimensions contiguous. One row of
+// x goes through the GEMV, more through the tiled GEMM. bf16 x runs the variant's bf16 kernels
+// where it has them for `format`, else is converted to fp32 for its fp32 kernels, whose bias
+// and bf16 rounding are applied here.
+void matmul_(const at::Tensor& x, const at::Tensor& w, int64_t format, int64_t k,
+             const at::Tensor& y, int64_t col, c10::string_view isa,
+             const c10::optional<at::Tensor>& bias) {
+  check_weight(w, format, k);
+  const int64_t m = x.size(0), n = w.size(0);
+  check_matmul_args(x, k, n, y, col, bias);
   if (m == 0 || n == 0) return;
   const auto& table = table_for(isa);
+  const bool y_bf16 = y.scalar_type() == at::kBFloat16;
   qk::MatmulArgs args{w.const_data_ptr<uint8_t>(), w.size(1), static_cast<int>(format),
-                      x.const_data_ptr<float>(), m, k, x.stride(0), nullptr,
-                      y.mutable_data_ptr<float>(), y.stride(0), col};
+                      nullptr, m, k, x.stride(0), nullptr, nullptr, y.stride(0), col};
   std::vector<float> sums;
-  if (m == 1 && (format == qk::kQ4_0 || format == qk::kQ4_1 || format == qk::kQ4_K)) {
-    sums.resize(k / qk::kBlock);
-    const float* xp = args.x;
-    for (int64_t b = 0; b < k / qk::kBlock; ++b) {
-      float s = 0.0f;
-      for (int j = 0; j < qk::kBlock; ++j) s += xp[b * qk::kBlock + j];
-      sums[b] = s;
+  if (x.scalar_type() == at::kBFloat16 && (table.bf16_formats >> format & 1u)) {
+    args.x_bf16 = reinterpret_cast<const uint16_t*>(x.const_data_ptr<at::BFloat16>());
+    if (y_bf16) {
+      args.y_bf16 = reinterpret_cast<uint16_t*>(y.mutable_data_ptr<at::BFloat16>());
+    } else {
+      args.y = y.mutable_data_ptr<float>();
     }
+    args.bias = bias.has_value() ? bias->const_data_ptr<float>() : nullptr;
+    if (format == qk::kQ4_1) {
+      sums = block_sums(x, m, k);
+      args.x_block_sums = sums.data();
+    }
+    run_rows(args, n, m == 1 ? table.gemv_bf16 : table.gemm_bf16);
+    return;
+  }
+  const at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
+  // fp32 results land in y's columns, or in a scratch [m, n] when y is bf16.
+  const at::Tensor yf = y_bf16 ? at::empty({m, n}, y.options().dtype(at::kFloat)) : y;
+  args.x = xf.const_data_ptr<float>();
+  args.x_stride = xf.stride(0);
+  args.y = yf.mutable_data_ptr<float>();
+  args.y_stride = yf.stride(0);
+  args.col = y_bf16 ? 0 : col;
+  if (m == 1 && (format == qk::kQ4_0 || format == qk::kQ4_1 || format == qk::kQ4_K)) {
+    sums = block_sums(xf, 1, k);
     args.x_block_sums = sums.data();
   }
-  const auto kernel = m == 1 ? table.gemv : table.gemm;
-  at::parallel_for(0, n, grain_rows(w.size(1), 4),
-                   [&](int64_t begin, int64_t end) { kernel(args, begin, end); });
+  run_rows(args, n, m == 1 ? table.gemv : table.gemm);
+  at::Tensor out = y_bf16 ? yf : y.narrow(1, col, n);
+  if (bias.has_value()) out.add_(*bias);
+  if (y_bf16) y.narrow(1, col, n).copy_(out);
 }
 
 // W [n, k] dequantized to a new fp32 tensor (prefill-sized matmuls run densely on it).
@@ -160,7 +233,7 @@ TORCH_LIBRARY(sparsekv_quant, m) {
   m.def("available_isas", &available_isas);
   m.def(
       "matmul_(Tensor x, Tensor weight, int format, int in_features, Tensor(a!) y, int col, "
-      "str isa=\"\") -> ()",
+      "str isa=\"\", Tensor? bias=None) -> ()",
       &matmul_);
   m.def("dequantize(Tensor weight, int format, int in_features, str isa=\"\") -> Tensor",
         &dequantize);

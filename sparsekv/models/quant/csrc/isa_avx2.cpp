@@ -16,10 +16,10 @@ namespace isa_avx2 {
 }  // namespace isa_avx2
 
 const QuantTable kQuantAvx2 = {"avx2", 8, &isa_avx2::gemv, &isa_avx2::gemm,
-                               &isa_avx2::dequantize};
+                               &isa_avx2::dequantize, 0, nullptr, nullptr};
 }  // namespace sparsekv_quant
 #else
 namespace sparsekv_quant {
-const QuantTable kQuantAvx2 = {"avx2", 0, nullptr, nullptr, nullptr};
+const QuantTable kQuantAvx2 = {"avx2", 0, nullptr, nullptr, nullptr, 0, nullptr, nullptr};
 }  // namespace sparsekv_quant
 #endif

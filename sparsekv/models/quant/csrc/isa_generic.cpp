@@ -10,5 +10,5 @@ namespace isa_generic {
 }  // namespace isa_generic
 
 const QuantTable kQuantGeneric = {"generic", 4, &isa_generic::gemv, &isa_generic::gemm,
-                                  &isa_generic::dequantize};
+                                  &isa_generic::dequantize, 0, nullptr, nullptr};
 }  // namespace sparsekv_quant

@@ -34,19 +34,24 @@ enum Format : int {
 // Nibbles of a 4-bit block: byte j holds element j (low nibble) and element j + 16 (high).
 constexpr int kBlock = 32;
 
-// y[r, col + i] = sum_j W[i, j] * x[r, j] for weight rows i in [begin, end) and all m rows r
-// of x; fp32 activations and results, fp32 accumulation.
+// y[r, col + i] = sum_j W[i, j] * x[r, j] (+ bias[i]) for weight rows i in [begin, end) and all
+// m rows r of x, with fp32 accumulation. The fp32 kernels (`gemv`, `gemm`) read `x` and write
+// `y`; the bf16-activation kernels (`gemv_bf16`, `gemm_bf16`) read `x_bf16` and write `y` or,
+// when set, `y_bf16` (the fp32 result rounded once to nearest even), adding `bias` first.
 struct MatmulArgs {
   const uint8_t* w;  // [n, row_bytes]
   int64_t row_bytes;
   int format;
-  const float* x;  // [m, k], row stride x_stride
+  const float* x;  // [m, k] fp32, row stride x_stride (nullptr for bf16 x)
   int64_t m, k, x_stride;
   // [m, k / 32] sums of x over each block of 32 (the Q4_0 / Q4_1 / Q4_K offsets factor out of
   // the dot product: sum (d q + c) x = d sum q x + c sum x), or nullptr for the other formats.
   const float* x_block_sums;
-  float* y;  // [m, y_stride]; this call writes columns col + [begin, end)
+  float* y;  // [m, y_stride] fp32; this call writes columns col + [begin, end)
   int64_t y_stride, col;
+  const uint16_t* x_bf16 = nullptr;  // [m, k] bf16 bit patterns, row stride x_stride
+  uint16_t* y_bf16 = nullptr;        // [m, y_stride] bf16 bit patterns, instead of y
+  const float* bias = nullptr;       // [n] fp32 (bf16 kernels only), or nullptr
 };
 
 struct QuantTable {
@@ -60,8 +65,14 @@ struct QuantTable {
   // out [n, k] fp32 <- weight rows [begin, end) dequantized (the prefill path's tiles).
   void (*dequantize)(const uint8_t* w, int64_t row_bytes, int format, int64_t k, float* out,
                      int64_t begin, int64_t end);
+  // Formats whose bf16-activation kernels exist (bit 1 << format), and those kernels: one row
+  // of x / a few rows. Q4_1 reads x_block_sums [m, k / 32]. 0 and nullptr: convert x to fp32.
+  unsigned bf16_formats;
+  void (*gemv_bf16)(const MatmulArgs&, int64_t begin, int64_t end);
+  void (*gemm_bf16)(const MatmulArgs&, int64_t begin, int64_t end);
 };
 
+extern const QuantTable kQuantAvx512Bf16;
 extern const QuantTable kQuantAvx2;
 extern const QuantTable kQuantGeneric;
 
