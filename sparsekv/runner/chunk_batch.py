@@ -5,8 +5,8 @@ prefill chunks puts each of them on the general path; those whose chunk reads it
 from the pages in place (``PagedAttention._chunk_from_pages``) need nothing but attention over
 held slots plus themselves, so they are handed together as a ragged batch to the backend's
 ``prefill_attention_paged_batch`` (``CpuNativeBackend``: one native call per layer instead of
-one per request). The rest, and every request where the backend has no batched route (the
-base default) or declines the tensors, stay on the per-request path.
+one per request). The rest, and every request where the backend has no batched route
+(``batches_paged_chunks`` False) or declines the tensors, stay on the per-request path.
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ def attend_chunk_batch(
     Returns:
         The requests left for the per-request path (all of them when nothing was batched).
     """
+    if not attention.backend.batches_paged_chunks:
+        return requests
     storage = attention.storages[layer]
     chosen = [
         r

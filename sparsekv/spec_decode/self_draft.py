@@ -64,8 +64,7 @@ def fill_self_drafts(
     rows = [_row(kv, item) for item in items]
     ctx = DraftAttention(storages, kv.layer_specs, rows, kv.block_size, device, logit_softcap)
     for j in range(max(row.num_drafts for row in rows)):
-        active = [item for item, row in zip(items, rows) if row.num_drafts > j]
-        ctx.begin(j)
+        active = [items[i] for i in ctx.begin(j)]
         ids = torch.tensor([_input_token(item, j) for item in active], device=device)
         positions = [item.request.num_computed_tokens + j for item in active]
         pos = torch.tensor(positions, dtype=torch.long, device=device)

@@ -86,10 +86,11 @@ class _LayerTables:
 
     slots: torch.Tensor  # [rows, max drafts] int64 pool slot of draft position j
     tables: torch.Tensor  # [rows, pages] int64 view pages, covering every draft slot
-    seq_lens: torch.Tensor  # [rows] int64 slots read at draft position 0
+    # [rows, max drafts] int64 the kernel's length at draft position j: view slots, or for a
+    # sliding layer the logical length first_slot + held + 1 + j (the window bounds the read)
+    seq_lens: torch.Tensor
     first_slots: torch.Tensor  # [rows] int64
-    num_read: np.ndarray  # [rows] slots each row reads at draft position 0
-    window: int | None  # the layer's sliding window (caps the slots read)
+    num_read: np.ndarray  # [rows, max drafts] slots each row reads at draft position j
 
 
 class DraftAttention:
@@ -99,9 +100,8 @@ class DraftAttention:
 
     Draft forward ``j`` (:meth:`begin`) runs the rows with more than ``j`` drafts. A layer's
     tables are built once per step, at its first draft forward: the view is that of draft
-    position 0, and position ``j`` reads it plus the ``j`` draft slots written since (the
-    recent part does not slide within a step, so later positions read at most ``j`` more
-    slots than ``draft_recent_tokens``).
+    position 0 (its recent part reaching back to a page start) and position ``j`` reads it
+    plus the ``j`` draft slots written since: the recent part does not slide within a step.
 
     Args:
         storages: the page storage of every layer.
@@ -112,8 +112,7 @@ class DraftAttention:
         logit_softcap: the model's attention logit soft-cap, or ``None``.
 
     Attributes:
-        view_slots: per layer attended, the slots the active rows' views hold in the current
-            draft forward (bytes-read figures).
+        index: the current draft position ``j``.
     """
 
     def __init__(
@@ -131,22 +130,36 @@ class DraftAttention:
         self.block_size = block_size
         self.device = device
         self.logit_softcap = logit_softcap
-        self.view_slots: dict[int, int] = {}
         self._layers: dict[int, _LayerTables] = {}
+        self._attended: list[int] = []  # layers of the current draft forward
         self.index = 0
+        self._picked = list(range(len(rows)))
         self._active: list[DraftRow] = list(rows)
         self._active_rows: torch.Tensor | None = None  # None: every row
 
-    def begin(self, index: int) -> list[DraftRow]:
-        """Start draft forward ``index``; returns its rows (those with more drafts), whose
-        order is the forward's batch order."""
+    def begin(self, index: int) -> list[int]:
+        """Start draft forward ``index``.
+
+        Returns:
+            Indices into ``rows`` of the rows it runs (those with more than ``index``
+            drafts), in the forward's batch order.
+        """
         self.index = index
-        picked = [i for i, row in enumerate(self.rows) if row.num_drafts > index]
-        self._active = [self.rows[i] for i in picked]
-        full = len(picked) == len(self.rows)
-        self._active_rows = None if full else torch.tensor(picked, device=self.device)
-        self.view_slots = {}
-        return self._active
+        self._picked = [i for i, row in enumerate(self.rows) if row.num_drafts > index]
+        self._active = [self.rows[i] for i in self._picked]
+        full = len(self._picked) == len(self.rows)
+        self._active_rows = None if full else torch.tensor(self._picked, device=self.device)
+        self._attended = []
+        return self._picked
+
+    @property
+    def view_slots(self) -> dict[int, int]:
+        """Per layer attended in the current draft forward, the slots its rows read (the
+        window-capped count on sliding layers): bytes-read figures."""
+        return {
+            layer: int(self._layers[layer].num_read[self._picked, self.index].sum())
+            for layer in self._attended
+        }
 
     def attend(
         self,
@@ -177,12 +190,12 @@ class DraftAttention:
         if built is None:
             built = self._layers[layer] = self._build(layer, window)
         slots, tables = built.slots[:, self.index], built.tables
-        seq_lens, first_slots = built.seq_lens + self.index, built.first_slots
+        seq_lens, first_slots = built.seq_lens[:, self.index], built.first_slots
         if self._active_rows is not None:
             picked = self._active_rows
             slots, tables = slots[picked], tables[picked]
             seq_lens, first_slots = seq_lens[picked], first_slots[picked]
-        self.view_slots[layer] = self._num_read(built)
+        self._attended.append(layer)
         storage = self.storages[layer]
         states = [row.kv.layers[layer] for row in self._active]
         storage.write_decode(slots, states, k, v)
@@ -200,9 +213,9 @@ class DraftAttention:
     def _build(self, layer: int, window: int | None) -> _LayerTables:
         """The layer's tensors for every row and draft position of the step."""
         bs = self.block_size
-        width = max(row.num_drafts for row in self.rows)
-        slots = np.zeros((len(self.rows), width), dtype=np.int64)
-        tables, seq_lens, first_slots, num_read = [], [], [], []
+        steps = np.arange(max(row.num_drafts for row in self.rows))  # draft positions j
+        slots = np.zeros((len(self.rows), len(steps)), dtype=np.int64)
+        tables, first_lens, first_slots, first_reads = [], [], [], []
         for i, row in enumerate(self.rows):
             step = row.layers[layer]
             held = step.num_held  # draft position 0's slot, relative to first_slot
@@ -212,29 +225,23 @@ class DraftAttention:
             last_page = cdiv(held + row.num_drafts, bs)  # the page of the last draft slot
             if window is not None:
                 tables.append(step.block_table[:last_page])
-                seq_lens.append(step.first_slot + held + 1)
+                first_lens.append(step.first_slot + held + 1)
                 first_slots.append(step.first_slot)
-                num_read.append(held + 1)
+                first_reads.append(held + 1)
                 continue
             pages, num_slots = view_table(
                 step.block_table, held + 1, bs, row.sink_tokens, row.recent_tokens
             )
-            pages = pages + step.block_table[cdiv(held + 1, bs) : last_page]
-            tables.append(pages)
-            seq_lens.append(num_slots)
+            tables.append(pages + step.block_table[cdiv(held + 1, bs) : last_page])
+            first_lens.append(num_slots)
             first_slots.append(0)
-            num_read.append(num_slots)
-        arrays = (slots, padded_tables(tables), np.array(seq_lens), np.array(first_slots))
+            first_reads.append(num_slots)
+        seq_lens = np.array(first_lens)[:, None] + steps  # [rows, max drafts]
+        num_read = np.array(first_reads)[:, None] + steps
+        if window is not None:
+            num_read = np.minimum(num_read, window)
+        arrays = (slots, padded_tables(tables), seq_lens, np.array(first_slots))
         slots_t, tables_t, lens_t, firsts_t = (
             torch.from_numpy(a.astype(np.int64)).to(self.device) for a in arrays
         )
-        return _LayerTables(slots_t, tables_t, lens_t, firsts_t, np.array(num_read), window)
-
-    def _num_read(self, built: _LayerTables) -> int:
-        """Slots the active rows read in this draft forward."""
-        reads = built.num_read + self.index
-        if len(self._active) != len(self.rows):
-            reads = reads[[row.num_drafts > self.index for row in self.rows]]
-        if built.window is not None:
-            reads = np.minimum(reads, built.window)
-        return int(reads.sum())
+        return _LayerTables(slots_t, tables_t, lens_t, firsts_t, num_read)

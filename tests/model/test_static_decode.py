@@ -79,7 +79,7 @@ def _run(checkpoint, policy, static: bool, monkeypatch, params=None, engine=None
 
     # Every selection (prefill, decode-time from gathered rows or straight from the pages)
     # ranks its scores through ``keep_top``.
-    def recording(self, scores, budget, window, backend):
+    def recording(self, scores, budget, window, backend=None):
         chosen = keep_top(self, scores, budget, window, backend)
         kept.append(chosen.clone())
         return chosen

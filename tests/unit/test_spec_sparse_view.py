@@ -62,7 +62,7 @@ def test_a_draft_reads_only_its_view_and_writes_the_verification_slot():
     kv = SimpleNamespace(layers=[None])
     row = DraftRow(kv=kv, layers=[step], num_drafts=2, sink_tokens=4, recent_tokens=6)
     ctx = DraftAttention([storage], [LayerSpec()], [row], 4, torch.device("cpu"))
-    assert ctx.begin(1) == [row]
+    assert ctx.begin(1) == [0]
     generator = torch.Generator().manual_seed(1)
     q = torch.randn(1, 4, 8, generator=generator)
     k, v = torch.randn(2, 1, 2, 8, generator=generator)
@@ -117,7 +117,7 @@ def test_one_context_serves_every_draft_forward_of_the_step():
     ctx = DraftAttention([storage], [LayerSpec()], [long_row, short_row], 4, torch.device("cpu"))
     generator = torch.Generator().manual_seed(5)
     for j, rows, read in ((0, 2, 11 + 7), (1, 1, 12), (2, 1, 13)):
-        assert ctx.begin(j) == [long_row, short_row][:rows]
+        assert ctx.begin(j) == [0, 1][:rows]
         q = torch.randn(rows, 4, 8, generator=generator)
         k, v = torch.randn(2, rows, 2, 8, generator=generator)
         out = ctx.attend(0, q, k, v, scale=0.35)
@@ -127,4 +127,33 @@ def test_one_context_serves_every_draft_forward_of_the_step():
         keys, values = _slots(storage, [0, 1, 2, 3, *range(12, slot + 1)])
         torch.testing.assert_close(out[:1], _reference(q[:1], keys, values, 0.35), atol=1e-5,
                                    rtol=1e-5)  # fmt: skip
+        if rows == 2:  # the short row: its 7 slots are its whole table (pages 4, 0)
+            pool = storage.tensors[0]
+            held = [pool[short_table[s // 4], :, :, s % 4] for s in range(7)]
+            keys, values = (torch.stack([h[i] for h in held], dim=1) for i in (0, 1))
+            torch.testing.assert_close(out[1:], _reference(q[1:], keys, values, 0.35),
+                                       atol=1e-5, rtol=1e-5)  # fmt: skip
         assert ctx.view_slots == {0: read}
+
+
+def test_a_sliding_layer_reads_its_window_at_every_draft_position():
+    """Three drafts from held slot 14 (pages 2, then 3 from slot 16): each position reads the 6
+    slots up to its own, across the page boundary."""
+    storage = _storage(seed=6)
+    storage.tensors[0][5] = float("nan")  # slots 0..3: outside every window
+    step = LayerStep(block_table=TABLE, first_slot=0, num_held=14, num_new=4)
+    row = DraftRow(kv=SimpleNamespace(layers=[None]), layers=[step], num_drafts=3,
+                   sink_tokens=0, recent_tokens=0)  # fmt: skip
+    spec = LayerSpec(kind="sliding", sliding_window=6)
+    ctx = DraftAttention([storage], [spec], [row], 4, torch.device("cpu"))
+    generator = torch.Generator().manual_seed(7)
+    for j in range(3):
+        assert ctx.begin(j) == [0]
+        q = torch.randn(1, 4, 8, generator=generator)
+        k, v = torch.randn(2, 1, 2, 8, generator=generator)
+        out = ctx.attend(0, q, k, v, scale=0.35)
+        slot = 14 + j
+        torch.testing.assert_close(storage.tensors[0][TABLE[slot // 4], 1, :, slot % 4], v[0])
+        keys, values = _slots(storage, list(range(slot - 5, slot + 1)))
+        torch.testing.assert_close(out, _reference(q, keys, values, 0.35), atol=1e-5, rtol=1e-5)
+        assert ctx.view_slots == {0: 6}

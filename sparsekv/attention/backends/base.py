@@ -84,6 +84,9 @@ class AttentionBackend(abc.ABC):
     """
 
     name: ClassVar[str] = ""
+    # True when :meth:`prefill_attention_paged_batch` has a batched route (callers skip
+    # building its arguments otherwise).
+    batches_paged_chunks: ClassVar[bool] = False
 
     def prepare(self) -> bool:
         """Build or load this backend's kernels now (engine start, never on a request).
@@ -265,7 +268,8 @@ class AttentionBackend(abc.ABC):
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """:meth:`prefill_attention_paged` of several sequences' chunks in one call, or ``None``
         where this backend has no batched route for these tensors (the caller then calls
-        :meth:`prefill_attention_paged` per sequence). This default has none.
+        :meth:`prefill_attention_paged` per sequence). This default has none
+        (:attr:`batches_paged_chunks` is False).
 
         Args:
             query: ``[num_heads, total_rows, head_dim]`` the chunks' queries, sequence by

@@ -25,6 +25,7 @@ class CpuNativeBackend(TorchBackend):
     and kept-index selection."""
 
     name = "cpu"
+    batches_paged_chunks = True
 
     def prepare(self) -> bool:
         return build.load_extension() is not None

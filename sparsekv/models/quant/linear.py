@@ -22,7 +22,8 @@ class QuantizedLinear(nn.Module):
     Args:
         parts: the weight's row blocks, in output-feature order, all with the same
             ``in_features``.
-        bias: ``[out_features]`` or ``None``.
+        bias: ``[out_features]`` or ``None``; kept in fp32 (exact for a bf16 bias), the dtype
+            the kernel op adds it in.
 
     Raises:
         ValueError: no parts, or parts of different ``in_features``.
@@ -30,7 +31,8 @@ class QuantizedLinear(nn.Module):
     ``forward``: ``x`` ``[..., in_features]`` fp32 or bf16 -> ``[..., out_features]`` in ``x``'s
     dtype. Up to ``ops.SMALL_M_MAX_ROWS`` rows accumulate in fp32 on the packed weight, add the
     bias in fp32 and round once to ``x``'s dtype inside the kernel op (bf16 ``x`` is read as it
-    is, with no conversion copies); more rows multiply densely in ``x``'s dtype.
+    is by the ``avx512_bf16`` kernels of Q4_0 / Q4_1 / Q8_0; other formats and variants convert
+    it to fp32 inside the op); more rows multiply densely in ``x``'s dtype.
     """
 
     def __init__(self, parts: list[PackedTensor], bias: torch.Tensor | None = None) -> None:
@@ -42,7 +44,8 @@ class QuantizedLinear(nn.Module):
         self.formats = tuple(p.format for p in parts)
         for i, part in enumerate(parts):
             self.register_buffer(f"packed_{i}", part.data)
-        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        bias = None if bias is None else bias.detach().to(torch.float32, copy=True)
+        self.register_buffer("bias", bias)
 
     @property
     def parts(self) -> list[PackedTensor]:

@@ -10,8 +10,8 @@ expanded to bf16 (``vdpbf16ps``, fp32 accumulation). Larger inputs
 multiply densely in ``x``'s dtype, so they keep the dense path's speed.
 
 ``SPARSEKV_KERNEL_ISA`` forces a variant as for the other native kernels (``avx512_bf16``,
-``avx2`` or ``generic``); naming one this CPU does not run, or one these kernels do not have, uses the
-fastest with a warning.
+``avx2`` or ``generic``); naming one this CPU does not run, or one these kernels do not have,
+uses the fastest with a warning.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def matmul(
     native = x.dtype in (torch.float32, torch.bfloat16)
     xk = (x if native else x.float()).contiguous()
     out = torch.empty(rows, sum(part.shape[0] for part in parts), dtype=xk.dtype)
-    bias32 = None if bias is None else bias.to(torch.float32)
+    bias32 = None if bias is None else bias.to(torch.float32)  # no copy for an fp32 bias
     isa, col = kernel_isa(), 0
     for part in parts:
         n = part.shape[0]

@@ -27,7 +27,7 @@ bool has_avx2() {
 }
 
 bool has_avx512_bf16() {
-#if defined(__x86_64__)
+#if defined(__x86_64__) && !defined(__clang__) && __GNUC__ >= 10  // as isa_avx512_bf16.cpp
   __builtin_cpu_init();
   return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");

@@ -5,7 +5,9 @@
 
 #include "quant.h"
 
-#if defined(__x86_64__)
+// GCC 10 or later knows the avx512bf16 target; other compilers get the empty table below, so
+// the extension still builds with its avx2 and generic variants.
+#if defined(__x86_64__) && !defined(__clang__) && __GNUC__ >= 10
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")
 // Intrinsics are gnu_inline, never emitted out of line: safe here, unlike standard-library
 // headers (see quant.h).
@@ -18,9 +20,14 @@ namespace isa_avx512_bf16 {
 #undef QK_AVX2
 }  // namespace isa_avx512_bf16
 
-const QuantTable kQuantAvx512Bf16 = {
-    "avx512_bf16",   8, &isa_avx512_bf16::gemv, &isa_avx512_bf16::gemm, &isa_avx512_bf16::dequantize,
-    isa_avx512_bf16::kBf16Formats, &isa_avx512_bf16::gemv_bf16, &isa_avx512_bf16::gemm_bf16};
+const QuantTable kQuantAvx512Bf16 = {"avx512_bf16",
+                                     8,
+                                     &isa_avx512_bf16::gemv,
+                                     &isa_avx512_bf16::gemm,
+                                     &isa_avx512_bf16::dequantize,
+                                     isa_avx512_bf16::kBf16Formats,
+                                     &isa_avx512_bf16::gemv_bf16,
+                                     &isa_avx512_bf16::gemm_bf16};
 }  // namespace sparsekv_quant
 #else
 namespace sparsekv_quant {
