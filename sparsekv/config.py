@@ -204,7 +204,7 @@ class CompressionConfig:
     compression_ratio: float | None = None
     window: int = 32
     pooling: str = "max"
-    kernel_size: int = 7
+    kernel_size: int = 15
     gqa_agg: str = "mean"
     full_layers: int = 2
     layer_budgets: tuple[int, ...] | None = None

@@ -140,7 +140,7 @@ class Compressor(abc.ABC):
 
     window: int = 32
     pooling: str = "max"
-    kernel_size: int = 7
+    kernel_size: int = 15
     gqa_agg: str = "mean"
 
     @classmethod

@@ -62,7 +62,14 @@ def _engine_kept(checkpoint, prompt, max_len, monkeypatch):
 
 def _reference_kept(engine, prompt, budgets, softcap):
     reference = DenseMaskedAttention(
-        len(budgets), budgets, WINDOW_Q, 4, len(prompt), 7, "max", logit_softcap=softcap
+        len(budgets),
+        budgets,
+        WINDOW_Q,
+        4,
+        len(prompt),
+        CompressionConfig().kernel_size,
+        "max",
+        logit_softcap=softcap,
     )
     with torch.inference_mode():
         engine.parts.model(torch.tensor(prompt), torch.arange(len(prompt)), reference)

@@ -40,7 +40,9 @@ def test_kept_indices_equal_the_brute_force_reference(
     num_layers = len(engine.kv.layer_specs)
     budgets = layer_budgets(policy, num_layers, len(prompt), [True] * num_layers)
     assert budgets[:2] == [None, None] and len(kept) == num_layers - 2
-    reference = DenseMaskedAttention(num_layers, budgets, 32, 16, len(prompt), 7, "max")
+    reference = DenseMaskedAttention(
+        num_layers, budgets, 32, 16, len(prompt), policy.kernel_size, "max"
+    )
     with torch.inference_mode():
         engine.parts.model(torch.tensor(prompt), torch.arange(len(prompt)), reference)
     for layer, chosen in zip(range(2, num_layers), kept):
