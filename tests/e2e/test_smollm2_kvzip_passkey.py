@@ -1,6 +1,6 @@
 """KVzip on the real SmolLM2-135M: the ~900-token passkey asked as a plain chat question (no
-answer prefix), 10 depths, 75% removed. Measured: 10/10 (the full cache 10/10; SnapKV with the
-default kernel 7 2/10); the test asserts 9/10."""
+answer prefix), 10 depths, 75% removed. Measured: 10/10 (the full cache 10/10; SnapKV with a
+max-pool kernel of 7 2/10, with the default 15 10/10); the test asserts 9/10."""
 
 from __future__ import annotations
 
