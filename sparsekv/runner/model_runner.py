@@ -216,8 +216,8 @@ class ModelRunner:
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        # The fused ops' and packed matmuls' checks once per step, not per call.
-        with fused.native_scope(), quant_ops.native_scope():
+        # The fused ops', packed matmuls' and attention kernels' checks once per step.
+        with fused.native_scope(), quant_ops.native_scope(), self.backend.step_scope():
             hidden = self.model(ids, pos, ctx)
             ctx.finish()
         return hidden

@@ -191,7 +191,8 @@ class StaticDecodeRunner:
         """The bucket's forward over the static tensors as they are: ``[bucket, vocab]``
         fp32 logits (the captured graph's output on CUDA with ``capture``)."""
         if not self.capture:
-            with fused.native_scope(), quant_ops.native_scope():
+            backend = self._contexts[bucket].backend
+            with fused.native_scope(), quant_ops.native_scope(), backend.step_scope():
                 return self._forward(bucket)
         if bucket not in self.graphs:
             self._capture(bucket)
