@@ -62,10 +62,8 @@ def _isa_for(ext, setting: str) -> str:
 class native_scope:
     """Within the ``with`` block, packed matmuls use the extension and the variant resolved on
     entry instead of reading the environment and the build's state on every call (a decode step
-    makes ~120 of them). Reentrant.
-
-    Raises:
-        Nothing on entry; a disabled or failed extension resolves to the PyTorch fallback.
+    makes ~120 of them). Reentrant; a disabled or failed extension resolves to the PyTorch
+    fallback for the whole block.
     """
 
     __slots__ = ("_saved",)
