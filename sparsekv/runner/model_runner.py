@@ -18,6 +18,7 @@ from sparsekv.engine.request import Request
 from sparsekv.engine.scheduler_output import SchedulerOutput
 from sparsekv.kv_cache.manager import KVCacheManager, LayerStep
 from sparsekv.models.fused import ops as fused
+from sparsekv.models.quant import ops as quant_ops
 from sparsekv.outputs import Logprob
 from sparsekv.runner.metadata import BlockTableCache, RequestSlice, build_metadata
 from sparsekv.runner.paged_attention import PagedAttention
@@ -215,7 +216,8 @@ class ModelRunner:
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        with fused.native_scope():  # the fused ops' checks once per step, not per call
+        # The fused ops', packed matmuls' and attention kernels' checks once per step.
+        with fused.native_scope(), quant_ops.native_scope(), self.backend.step_scope():
             hidden = self.model(ids, pos, ctx)
             ctx.finish()
         return hidden

@@ -353,6 +353,31 @@ def test_isa_env_forces_each_variant(isas, monkeypatch):
         assert ops.pick_isa(64) == next(i for i in isas if i != "avx2_w16")
 
 
+@pytest.mark.kernel_variant("decode")
+def test_step_scope_reads_the_environment_on_entry(isas, monkeypatch):
+    pool, tables, lens, _ = make_paged([70], 2, 16, 64, torch.bfloat16)
+    query = torch.randn(1, 6, 64).to(torch.bfloat16)
+    params = DecodeParams(tables, lens, 0.125)
+    want = backend.paged_decode(query, pool, params)[0]
+    first, last = isas[0], isas[-1]
+    monkeypatch.setenv(ops.ISA_ENV, first)
+    with backend.step_scope():
+        monkeypatch.setenv(ops.ISA_ENV, last)  # not seen until the scope ends
+        assert ops.pick_isa(64) == first
+        with backend.step_scope():
+            assert ops.pick_isa(64) == last
+        assert ops.pick_isa(64) == first
+        assert torch.equal(backend.paged_decode(query, pool, params)[0], want)
+    assert ops._scope is None and ops.pick_isa(64) == last
+    monkeypatch.setenv("SPARSEKV_DISABLE_NATIVE", "1")
+    with backend.step_scope():  # resolved without the extension: the reference route
+        assert ops.pick_isa(64) is None
+        got = backend.paged_decode(query, pool, params)[0]
+    check(
+        got, torch_ref.paged_decode_attention(query, pool, tables, lens, 0.125)[0], torch.bfloat16
+    )
+
+
 def test_disable_env_falls_back_to_reference(monkeypatch):
     monkeypatch.setenv("SPARSEKV_DISABLE_NATIVE", "1")
     assert build.load_extension() is None and not backend.prepare()

@@ -259,6 +259,59 @@ def test_quantized_linear_mixed_parts_with_bias(dtype):
             torch.testing.assert_close(y.float(), expected, rtol=1.6e-2, atol=1e-2 * rows**0.5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_linear_merges_adjacent_parts_bit_identically(isa, dtype, monkeypatch):
+    # Runs of one format become one kernel call; row counts not multiples of 4 shift the later
+    # parts' rows into other groups of the GEMV / GEMM tiles, which must not change a bit.
+    monkeypatch.setenv(ops.ISA_ENV, isa)
+    parts = [random_weight("q4_1", 13, 64, 1), random_weight("q4_1", 7, 64, 2)]
+    parts += [random_weight("q4_1", 8, 64, 3), random_weight("q8_0", 6, 64, 4)]
+    parts += [random_weight("q8_0", 5, 64, 5), random_weight("q4_0", 9, 64, 6)]
+    bias = torch.randn(48)
+    layer = QuantizedLinear(parts, bias)
+    calls, _ = layer.kernel_calls()
+    assert [(code, n) for _, code, _, n in calls] == [(1, 28), (2, 11), (0, 9)]
+    assert layer.formats == ("q4_1",) * 3 + ("q8_0",) * 2 + ("q4_0",)
+    assert all(torch.equal(a.data, b.data) for a, b in zip(layer.parts, parts))
+    for rows in (1, 3, 17, ops.SMALL_M_MAX_ROWS):
+        x = torch.randn(rows, 64).to(dtype)
+        separate = ops.matmul(x, parts, bias)  # one kernel call per part
+        assert torch.equal(layer(x), separate)
+
+
+def test_quantized_linear_rebuilds_its_calls_when_buffers_change():
+    parts = [random_weight("q4_0", 8, 64, 1), random_weight("q4_0", 4, 64, 2)]
+    layer = QuantizedLinear(parts, torch.randn(12))
+    x = torch.randn(2, 64)
+    assert torch.equal(layer(x), ops.matmul(x, parts, layer.bias))
+    other = random_weight("q4_0", 4, 64, 7)
+    layer.packed_1 = other.data  # no longer the rows after packed_0's: two calls
+    assert len(layer.kernel_calls()[0]) == 2
+    assert torch.equal(layer(x), ops.matmul(x, [parts[0], other], layer.bias))
+    layer.bfloat16()  # the bias buffer becomes bf16; the kernels still get it in fp32
+    assert layer.bias.dtype == torch.bfloat16
+    assert layer.kernel_calls()[1].dtype == torch.float32
+    assert torch.equal(layer(x), ops.matmul(x, [parts[0], other], layer.bias.float()))
+
+
+def test_native_scope_resolves_the_variant_once(monkeypatch):
+    monkeypatch.setenv(ops.ISA_ENV, "generic")
+    with ops.native_scope():
+        monkeypatch.setenv(ops.ISA_ENV, "avx2")  # read on entry only
+        assert ops._resolved() == (_ext(), "generic")
+        with ops.native_scope():
+            assert ops._resolved() == (_ext(), "avx2")
+        assert ops._resolved() == (_ext(), "generic")
+    assert ops._scope is None and ops._resolved() == (_ext(), "avx2")
+    monkeypatch.setenv("SPARSEKV_DISABLE_NATIVE", "1")
+    with ops.native_scope():
+        assert ops._resolved() == (None, "")
+        layer = QuantizedLinear([random_weight("q8_0", 4, 32)])
+        x = torch.randn(1, 32)
+        expected = x @ dequantize_reference(layer.parts[0]).T
+        torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_quantized_linear_keeps_leading_dimensions():
     layer = QuantizedLinear([random_weight("q8_0", 10, 32)])
     x = torch.randn(2, 3, 32)

@@ -21,6 +21,7 @@ a quantized pool is dequantized page by page and decoded with ``paged_decode``).
 from __future__ import annotations
 
 import abc
+import contextlib
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -96,6 +97,13 @@ class AttentionBackend(abc.ABC):
             fallbacks only (it still works).
         """
         return True
+
+    def step_scope(self) -> contextlib.AbstractContextManager:
+        """A context manager around one step's forward within which the backend may resolve
+        once what its kernels otherwise check per call (build state, a variant forced through
+        the environment); the environment is not re-read inside it. The default resolves
+        nothing."""
+        return contextlib.nullcontext()
 
     # ------------------------------------------------------------------ decode
     @abc.abstractmethod

@@ -30,6 +30,11 @@ class CpuNativeBackend(TorchBackend):
     def prepare(self) -> bool:
         return build.load_extension() is not None
 
+    def step_scope(self) -> native.native_scope:
+        """The extension and ``SPARSEKV_KERNEL_ISA`` resolved once for the step (a decode step
+        picks a variant for each of its layers)."""
+        return native.native_scope()
+
     def paged_decode(
         self, query: torch.Tensor, kv_pool: torch.Tensor, params: DecodeParams
     ) -> DecodeResult:

@@ -30,8 +30,35 @@ QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn)  # codes of the int8 and fp
 ISA_ENV = "SPARSEKV_KERNEL_ISA"
 
 
+class native_scope:
+    """Within the ``with`` block the kernels use the extension and the ``SPARSEKV_KERNEL_ISA``
+    setting read on entry instead of checking the build and the environment on every call
+    (twice per layer of a decode step). Reentrant."""
+
+    __slots__ = ("_saved",)
+
+    def __enter__(self) -> native_scope:
+        global _scope
+        self._saved = _scope
+        _scope = (build.load_extension(), os.environ.get(ISA_ENV, "").strip())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _scope
+        _scope = self._saved
+
+
+# (extension or None, forced variant setting) of the innermost native_scope; None outside.
+_scope: tuple | None = None
+
+
+def _loaded():
+    """The extension: the enclosing :class:`native_scope`'s, else checked now."""
+    return _scope[0] if _scope is not None else build.load_extension()
+
+
 def _extension():
-    ext = build.load_extension()
+    ext = _loaded()
     if ext is None:
         raise RuntimeError("sparsekv native CPU kernels are not available")
     return ext
@@ -63,11 +90,14 @@ def pick_isa(head_dim: int, quantized: bool = False) -> str | None:
     """Variant for ``head_dim`` (a multiple of twice the variant's fp32 lane count, as for int4
     pages too; four times for int8 / fp8 pools: ``quantized``): the one ``SPARSEKV_KERNEL_ISA``
     names if this CPU runs it, else the fastest that fits."""
-    ext = build.load_extension()
+    if _scope is not None:
+        ext, forced = _scope
+    else:
+        # The environment is read per call (tests change it); the choice is cached per setting.
+        ext, forced = build.load_extension(), os.environ.get(ISA_ENV, "").strip()
     if ext is None:
         return None
-    # The environment is read per call (tests change it); the choice is cached per setting.
-    return _pick_isa(ext, head_dim, quantized, os.environ.get(ISA_ENV, "").strip())
+    return _pick_isa(ext, head_dim, quantized, forced)
 
 
 @functools.cache

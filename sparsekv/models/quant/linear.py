@@ -5,6 +5,12 @@ concatenation of several packed parts (the fused QKV and gate/up projections of 
 whose q, k, v tensors were stored separately, possibly in different formats). Decode-sized
 inputs run the native kernels on the packed bytes; prefill-sized ones dequantize tiles for a
 dense matmul (``ops``).
+
+Adjacent parts of one format are stored as row slices of one tensor and multiplied by one
+kernel call (a fused QKV of three Q4_1 tensors is one call, not three): every output row is
+the same dot product either way (the kernels compute rows independently), so results are
+unchanged. The arguments of those calls are built once, not per forward (a decode step runs
+~120 of these layers, each in a few microseconds of kernel time).
 """
 
 from __future__ import annotations
@@ -42,8 +48,10 @@ class QuantizedLinear(nn.Module):
         self.in_features = parts[0].in_features
         self.out_features = sum(p.shape[0] for p in parts)
         self.formats = tuple(p.format for p in parts)
-        for i, part in enumerate(parts):
-            self.register_buffer(f"packed_{i}", part.data)
+        # (kernel calls, fp32 bias) of a decode-sized forward, built on first use.
+        self._calls: tuple[tuple[ops.KernelPart, ...], torch.Tensor | None] | None = None
+        for i, data in enumerate(_adjacent_rows(parts)):
+            self.register_buffer(f"packed_{i}", data)
         bias = None if bias is None else bias.detach().to(torch.float32, copy=True)
         self.register_buffer("bias", bias)
 
@@ -60,19 +68,82 @@ class QuantizedLinear(nn.Module):
         """Bytes of packed weight data (bias excluded)."""
         return sum(p.nbytes for p in self.parts)
 
+    def kernel_calls(self) -> tuple[tuple[ops.KernelPart, ...], torch.Tensor | None]:
+        """The native calls of a decode-sized forward (``ops.kernel_parts``; adjacent parts of
+        one format that share a tensor merged into one) and the bias in fp32 (``None`` without
+        one); built on first use and again after the buffers change (``to()``, assignment)."""
+        if self._calls is None:
+            calls: list[ops.KernelPart] = []
+            for data, code, k, n in ops.kernel_parts(self.parts):
+                if calls and _follows(calls[-1], data, code):
+                    first, _, _, rows = calls[-1]
+                    width = first.shape[1]
+                    span = first.as_strided((rows + n, width), (width, 1))
+                    calls[-1] = (span, code, k, rows + n)
+                else:
+                    calls.append((data, code, k, n))
+            bias = self.bias
+            self._calls = (tuple(calls), None if bias is None else bias.to(torch.float32))
+        return self._calls
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        rows = x.reshape(-1, self.in_features)
+        flat = x.dim() == 2  # the decoder's [num_tokens, features]: no reshapes (~1 us each)
+        rows = x if flat else x.reshape(-1, self.in_features)
         if rows.shape[0] <= ops.SMALL_M_MAX_ROWS:
-            y = ops.matmul(rows, self.parts, self.bias)
+            calls, bias32 = self._calls or self.kernel_calls()
+            y = ops.matmul_kernel_parts(rows, calls, self.out_features, bias32)
         else:
             y = ops.dense_matmul(rows, self.parts)
             if self.bias is not None:
                 y += self.bias.to(y.dtype)
-        return y.reshape(*lead, self.out_features)
+        return y if flat else y.reshape(*x.shape[:-1], self.out_features)
+
+    def _apply(self, fn, recurse=True):
+        # Buffers may be replaced (moved, converted): the prepared calls would hold the old ones.
+        self._calls = None
+        return super()._apply(fn, recurse)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name.startswith("packed_") or name == "bias":
+            self.__dict__["_calls"] = None
+        super().__setattr__(name, value)
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"formats={'+'.join(self.formats)}, bias={self.bias is not None}"
         )
+
+
+def _adjacent_rows(parts: list[PackedTensor]) -> list[torch.Tensor]:
+    """Each part's rows, those of adjacent parts of one format copied into one tensor (each
+    returned tensor a row slice of it) so that one kernel call reads them all."""
+    out: list[torch.Tensor] = []
+    start = 0
+    while start < len(parts):
+        end = start + 1
+        while end < len(parts) and parts[end].format == parts[start].format:
+            end += 1
+        if end - start == 1:
+            out.append(parts[start].data)
+        else:
+            merged = torch.cat([p.data for p in parts[start:end]])
+            out += list(merged.split([p.shape[0] for p in parts[start:end]]))
+        start = end
+    return out
+
+
+def _follows(call: ops.KernelPart, data: torch.Tensor, code: int) -> bool:
+    """True when ``data`` holds the rows right after ``call``'s in the same tensor, in the same
+    format: one kernel call may read both."""
+    prev = call[0]
+    return (
+        code == call[1]
+        and data.dtype == prev.dtype
+        and data.device == prev.device
+        and data.shape[1] == prev.shape[1]
+        and data.is_contiguous()
+        and prev.is_contiguous()
+        and data.untyped_storage().data_ptr() == prev.untyped_storage().data_ptr()
+        and data.data_ptr() == prev.data_ptr() + prev.numel() * prev.element_size()
+    )

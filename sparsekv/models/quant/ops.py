@@ -42,14 +42,54 @@ def available_isas() -> tuple[str, ...]:
 
 def kernel_isa() -> str:
     """The variant to run: ``SPARSEKV_KERNEL_ISA`` where it names one this CPU runs, else
-    ``""`` (the fastest). Read per call: tests set it."""
-    forced = os.environ.get(ISA_ENV, "").strip()
+    ``""`` (the fastest). The environment is read per call (tests set it); the choice is cached
+    per setting."""
+    return _isa_for(build.load_extension(), os.environ.get(ISA_ENV, ""))
+
+
+@functools.cache
+def _isa_for(ext, setting: str) -> str:
+    # Keyed on the extension too: without it (disabled, failed build) no variant is runnable.
+    forced = setting.strip()
     if not forced:
         return ""
     if forced in available_isas():
         return forced
     _warn_unusable(forced)
     return ""
+
+
+class native_scope:
+    """Within the ``with`` block, packed matmuls use the extension and the variant resolved on
+    entry instead of reading the environment and the build's state on every call (a decode step
+    makes ~120 of them). Reentrant; a disabled or failed extension resolves to the PyTorch
+    fallback for the whole block.
+    """
+
+    __slots__ = ("_saved",)
+
+    def __enter__(self) -> native_scope:
+        global _scope
+        self._saved = _scope
+        ext = build.load_extension()
+        _scope = (ext, kernel_isa() if ext is not None else "")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _scope
+        _scope = self._saved
+
+
+# (extension, variant) resolved by the innermost native_scope, or None outside any.
+_scope: tuple | None = None
+
+
+def _resolved() -> tuple:
+    """``(extension or None, variant)``: the enclosing :class:`native_scope`'s, else read now."""
+    if _scope is not None:
+        return _scope
+    ext = build.load_extension()
+    return ext, kernel_isa() if ext is not None else ""
 
 
 @functools.cache
@@ -60,6 +100,16 @@ def _warn_unusable(name: str) -> None:
         RuntimeWarning,
         stacklevel=4,
     )
+
+
+# One native call of a packed matmul: (packed rows uint8 [n, row_bytes], format code,
+# in_features, n). ``QuantizedLinear`` builds its tuple of these once.
+KernelPart = tuple[torch.Tensor, int, int, int]
+
+
+def kernel_parts(parts: list[PackedTensor]) -> tuple[KernelPart, ...]:
+    """The native calls that compute ``parts``, one per part."""
+    return tuple((p.data, FORMATS[p.format].code, p.in_features, p.shape[0]) for p in parts)
 
 
 def matmul(
@@ -80,23 +130,49 @@ def matmul(
     Returns:
         ``[rows, sum of out_features]`` in ``x``'s dtype.
     """
-    ext = build.load_extension()
-    rows = x.shape[0]
-    if ext is None or rows > SMALL_M_MAX_ROWS:
+    ext, _ = _resolved()
+    if ext is None or x.shape[0] > SMALL_M_MAX_ROWS:
         y = torch.cat([_dense(x.float(), part) for part in parts], dim=-1)
         return (y if bias is None else y + bias.float()).to(x.dtype)
+    out_features = sum(part.shape[0] for part in parts)
+    bias32 = None if bias is None else bias.to(torch.float32)  # no copy for an fp32 bias
+    return matmul_kernel_parts(x, kernel_parts(parts), out_features, bias32)
+
+
+def matmul_kernel_parts(
+    x: torch.Tensor,
+    calls: tuple[KernelPart, ...],
+    out_features: int,
+    bias32: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`matmul`'s native path on prepared calls (:func:`kernel_parts`): one kernel call
+    per entry, each writing its columns of one output.
+
+    Args:
+        x: ``[rows, in_features]``, ``rows <= SMALL_M_MAX_ROWS``, any float dtype.
+        calls: the weight's row blocks in output order; their ``n`` sum to ``out_features``.
+        out_features: columns of the result.
+        bias32: fp32 ``[out_features]`` or ``None``.
+
+    Returns:
+        ``[rows, out_features]`` in ``x``'s dtype; without the extension the PyTorch fallback.
+    """
+    ext, isa = _resolved()
+    if ext is None:
+        parts = [PackedTensor(_FORMAT_NAMES[code], k, data) for data, code, k, _ in calls]
+        return matmul(x, parts, bias32)
     native = x.dtype in (torch.float32, torch.bfloat16)
     xk = (x if native else x.float()).contiguous()
-    out = torch.empty(rows, sum(part.shape[0] for part in parts), dtype=xk.dtype)
-    bias32 = None if bias is None else bias.to(torch.float32)  # no copy for an fp32 bias
-    isa, col = kernel_isa(), 0
-    for part in parts:
-        n = part.shape[0]
+    out = torch.empty(xk.shape[0], out_features, dtype=xk.dtype)
+    op, col = ext.matmul_.default, 0  # the single overload: skips overload resolution
+    for data, code, in_features, n in calls:
         part_bias = None if bias32 is None else bias32[col : col + n]
-        code = FORMATS[part.format].code
-        ext.matmul_(xk, part.data, code, part.in_features, out, col, isa, part_bias)
+        op(xk, data, code, in_features, out, col, isa, part_bias)
         col += n
     return out if native else out.to(x.dtype)
+
+
+_FORMAT_NAMES = {f.code: name for name, f in FORMATS.items()}
 
 
 def dense_matmul(x: torch.Tensor, parts: list[PackedTensor]) -> torch.Tensor:
