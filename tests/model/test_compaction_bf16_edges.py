@@ -354,7 +354,8 @@ def test_int8_with_full_precision_layers(
 
 
 def test_abort_sampling_and_stops(make_engine, smollm2_checkpoint, smollm2_tokenizer, monkeypatch):
-    policy = CompressionConfig(method="snapkv", budget=48, window=16, full_layers=2)
+    # The pooling kernel is pinned: the stop string below was found in this policy's text.
+    policy = CompressionConfig(method="snapkv", budget=48, window=16, full_layers=2, kernel_size=7)
     story = _prompt(smollm2_tokenizer, "Once upon a time in a small village by the sea, ", 10)
     other = _prompt(smollm2_tokenizer, "The history of the printing press begins in Mainz. ", 8)
     sampled = SamplingParams(n=2, max_tokens=50, temperature=0.8, seed=7, ignore_eos=True)

@@ -42,7 +42,7 @@ def resolve(config, overrides=None, kv=None, n=200, max_tokens=10, **kw) -> Comp
 def test_flat_budget():
     policy = resolve(engine_config(budget=64, window=8, full_layers=1))
     assert policy.settings == CompressionConfig(budget=64, window=8, full_layers=1)
-    assert policy.compressor == SnapKVCompressor(8, "max", 7, "mean")
+    assert policy.compressor == SnapKVCompressor(8, "max", 15, "mean")
     assert policy.layer_budgets == (None, 64, 64, 64)
     assert policy.head_budgets is None
     assert policy.kv == KVPolicy(decode_eviction=True, bounded_chunks=False)
