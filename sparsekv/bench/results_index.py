@@ -88,6 +88,38 @@ COMMANDS = {
     "--lengths 4096,8192,16384 --methods none,snapkv,pyramidkv,streaming_llm "
     "--ratios 0.5,0.75,0.9 --samples 5 --threads 2 --kv-cache-memory 1",
 }
+_PASSKEY = (
+    "sparsekv eval --tasks passkey --lengths 900 --samples 10 --methods none,snapkv "
+    "--prompt-format chat-plain --kv-scope prompt --threads 1 "
+)
+# The measurements behind the default SnapKV settings (docs/compression.md).
+COMMANDS.update(
+    {
+        f"defaults_zen4/passkey_{name}/eval": _PASSKEY + flags
+        for name, flags in {
+            "k7": "--ratios 0.75 --kv-kernel-size 7",
+            "k11": "--ratios 0.75 --kv-kernel-size 11",
+            "k15": "--ratios 0.75 --kv-kernel-size 15",
+            "k21": "--ratios 0.75 --kv-kernel-size 21",
+            "k15w64": "--ratios 0.75 --kv-kernel-size 15 --kv-window 64",
+            "k15avg": "--ratios 0.75 --kv-kernel-size 15 --kv-pooling avg",
+            "r90k7": "--ratios 0.9 --kv-kernel-size 7",
+            "r90k15": "--ratios 0.9 --kv-kernel-size 15",
+        }.items()
+    }
+)
+COMMANDS.update(
+    {
+        f"defaults_zen4/fidelity_k{k}": "sparsekv bench fidelity --methods snapkv --ratios "
+        f"0.75,0.9 --num-texts 8 --kv-kernel-size {k} --threads 1"
+        for k in (7, 15)
+    }
+)
+COMMANDS["ruler_gemma3_4k/ruler"] = (
+    "sparsekv eval --suite ruler --model gemma3-270m --prompt-format completion --samples 20 "
+    "--methods 'none,snapkv,snapkv:kernel_size=15,expected_attention' --ratios 0.75 "
+    "--protocol both --share-group 1 --kv-cache-memory 1 --threads 1 (default kernel then 7)"
+)
 
 
 def markdown_provenance(text: str) -> dict | None:

@@ -4,7 +4,7 @@ A spec is ``method`` or ``method:key=value[:key=value...]``; the settings overri
 policy (the engine's ``--kv-*`` flags) for that method's cells only, so variants of one method
 share a run (and its prefills):
 
-* ``kernel_size=15``, ``window=64``, ``pooling=avg``...: any ``CompressionConfig`` field;
+* ``kernel_size=7``, ``window=64``, ``pooling=avg``...: any ``CompressionConfig`` field;
 * ``budgets=FILE``: a budgets file (``sparsekv calibrate``); ``{ratio}`` in ``FILE`` is replaced
   by the cell's ratio (``cal_{ratio}.json`` -> ``cal_0.75.json``), as a calibration is made
   for one ratio. The file's budgets replace the ratio; the cell keeps the ratio as its label.

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from sparsekv.config import CompressionConfig
+
 
 class DenseMaskedAttention:
     """Attention context for ``model.forward`` of ONE request, run one step at a time.
@@ -36,7 +38,7 @@ class DenseMaskedAttention:
         window,
         block_size,
         num_prompt_tokens,
-        kernel_size=7,
+        kernel_size=CompressionConfig().kernel_size,
         pooling="max",
         logit_softcap=None,
     ):

@@ -144,14 +144,14 @@ def test_cells_from_method_specs(tmp_path):
     specs = [
         "none",
         "snapkv",
-        "snapkv:kernel_size=15",
+        "snapkv:kernel_size=7",
         f"snapkv:budgets={tmp_path}/cal_{{ratio}}.json",
     ]
     cells = ruler_cells.grid_cells(specs, [0.75], CompressionConfig(budget=None))
     assert [(c.method, c.ratio) for c in cells] == [
         ("none", 0.0), ("snapkv", 0.75), (specs[2], 0.75), (specs[3], 0.75)
     ]  # fmt: skip
-    assert [c.policy.kernel_size for c in cells[1:]] == [15, 15, 15]
+    assert [c.policy.kernel_size for c in cells[1:]] == [15, 7, 15]
     assert cells[3].policy.layer_fractions == (1.0, 0.25, 0.5)
     assert cells[3].policy.method == "snapkv" and cells[3].policy.compression_ratio == 0.75
     with pytest.raises(ValueError, match="key=value"):

@@ -302,7 +302,7 @@ def test_native_scope_resolves_the_variant_once(monkeypatch):
         with ops.native_scope():
             assert ops._resolved() == (_ext(), "avx2")
         assert ops._resolved() == (_ext(), "generic")
-    assert ops._scope is None and ops._resolved() == (_ext(), "avx2")
+    assert ops._scope.get() is None and ops._resolved() == (_ext(), "avx2")
     monkeypatch.setenv("SPARSEKV_DISABLE_NATIVE", "1")
     with ops.native_scope():
         assert ops._resolved() == (None, "")
@@ -310,6 +310,20 @@ def test_native_scope_resolves_the_variant_once(monkeypatch):
         x = torch.randn(1, 32)
         expected = x @ dequantize_reference(layer.parts[0]).T
         torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_native_scope_builds_nothing_before_the_extension_is_loaded(monkeypatch):
+    # A model without packed weights enters the scope every step: it must not build the kernels.
+    from sparsekv.models.quant import build
+
+    def no_build():
+        raise AssertionError("native_scope built the extension")
+
+    monkeypatch.setattr(build, "is_loaded", lambda: False)
+    monkeypatch.setattr(build, "load_extension", no_build)
+    with ops.native_scope():
+        assert ops._scope.get() is None  # per-call reads, as outside any scope
+    assert ops._scope.get() is None
 
 
 def test_quantized_linear_keeps_leading_dimensions():

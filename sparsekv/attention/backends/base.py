@@ -101,8 +101,8 @@ class AttentionBackend(abc.ABC):
     def step_scope(self) -> contextlib.AbstractContextManager:
         """A context manager around one step's forward within which the backend may resolve
         once what its kernels otherwise check per call (build state, a variant forced through
-        the environment); the environment is not re-read inside it. The default resolves
-        nothing."""
+        the environment). The CPU backend resolves its paged-decode kernels there; prefill,
+        chunk and window-score kernels still check per call. The default resolves nothing."""
         return contextlib.nullcontext()
 
     # ------------------------------------------------------------------ decode

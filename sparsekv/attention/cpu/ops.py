@@ -17,6 +17,7 @@ The causal prefill kernels have their own module, ``prefill_ops``.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import os
 import warnings
@@ -33,28 +34,29 @@ ISA_ENV = "SPARSEKV_KERNEL_ISA"
 class native_scope:
     """Within the ``with`` block the kernels use the extension and the ``SPARSEKV_KERNEL_ISA``
     setting read on entry instead of checking the build and the environment on every call
-    (twice per layer of a decode step). Reentrant."""
+    (twice per layer of a decode step). Reentrant, per thread and task (a context variable)."""
 
-    __slots__ = ("_saved",)
+    __slots__ = ("_token",)
 
     def __enter__(self) -> native_scope:
-        global _scope
-        self._saved = _scope
-        _scope = (build.load_extension(), os.environ.get(ISA_ENV, "").strip())
+        resolved = (build.load_extension(), os.environ.get(ISA_ENV, "").strip())
+        self._token = _scope.set(resolved)
         return self
 
     def __exit__(self, *exc) -> None:
-        global _scope
-        _scope = self._saved
+        _scope.reset(self._token)
 
 
 # (extension or None, forced variant setting) of the innermost native_scope; None outside.
-_scope: tuple | None = None
+_scope: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
+    "sparsekv_attention_scope", default=None
+)
 
 
 def _loaded():
     """The extension: the enclosing :class:`native_scope`'s, else checked now."""
-    return _scope[0] if _scope is not None else build.load_extension()
+    scoped = _scope.get()
+    return scoped[0] if scoped is not None else build.load_extension()
 
 
 def _extension():
@@ -90,8 +92,9 @@ def pick_isa(head_dim: int, quantized: bool = False) -> str | None:
     """Variant for ``head_dim`` (a multiple of twice the variant's fp32 lane count, as for int4
     pages too; four times for int8 / fp8 pools: ``quantized``): the one ``SPARSEKV_KERNEL_ISA``
     names if this CPU runs it, else the fastest that fits."""
-    if _scope is not None:
-        ext, forced = _scope
+    scoped = _scope.get()
+    if scoped is not None:
+        ext, forced = scoped
     else:
         # The environment is read per call (tests change it); the choice is cached per setting.
         ext, forced = build.load_extension(), os.environ.get(ISA_ENV, "").strip()

@@ -75,6 +75,12 @@ def load_extension() -> ModuleType | None:
         return _load_once()
 
 
+def is_loaded() -> bool:
+    """Whether :func:`load_extension` has already built, loaded or failed to build the
+    extension in this process (so calling it now costs no build)."""
+    return _load_once.cache_info().currsize > 0
+
+
 if __name__ == "__main__":
     print(
         "packed-weight kernel variants on this CPU:",

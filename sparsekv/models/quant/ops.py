@@ -16,6 +16,7 @@ uses the fastest with a warning.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import os
 import warnings
@@ -62,32 +63,38 @@ def _isa_for(ext, setting: str) -> str:
 class native_scope:
     """Within the ``with`` block, packed matmuls use the extension and the variant resolved on
     entry instead of reading the environment and the build's state on every call (a decode step
-    makes ~120 of them). Reentrant; a disabled or failed extension resolves to the PyTorch
-    fallback for the whole block.
+    makes ~120 of them). Reentrant, per thread and task (a context variable); a disabled or
+    failed extension resolves to the PyTorch fallback for the whole block. Entering builds
+    nothing: before the extension has been loaded in this process (a model without packed
+    weights never loads it), the block reads per call as outside any scope.
     """
 
-    __slots__ = ("_saved",)
+    __slots__ = ("_token",)
 
     def __enter__(self) -> native_scope:
-        global _scope
-        self._saved = _scope
-        ext = build.load_extension()
-        _scope = (ext, kernel_isa() if ext is not None else "")
+        resolved = None
+        if build.is_loaded():
+            ext = build.load_extension()
+            resolved = (ext, kernel_isa() if ext is not None else "")
+        self._token = _scope.set(resolved)
         return self
 
     def __exit__(self, *exc) -> None:
-        global _scope
-        _scope = self._saved
+        _scope.reset(self._token)
 
 
-# (extension, variant) resolved by the innermost native_scope, or None outside any.
-_scope: tuple | None = None
+# (extension, variant) resolved by the innermost native_scope; None outside any (or before the
+# extension was loaded).
+_scope: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
+    "sparsekv_quant_scope", default=None
+)
 
 
 def _resolved() -> tuple:
     """``(extension or None, variant)``: the enclosing :class:`native_scope`'s, else read now."""
-    if _scope is not None:
-        return _scope
+    scoped = _scope.get()
+    if scoped is not None:
+        return scoped
     ext = build.load_extension()
     return ext, kernel_isa() if ext is not None else ""
 
