@@ -12,6 +12,7 @@ three minutes, so a lock much older than that has no live builder.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import hashlib
 import logging
 import os
@@ -19,7 +20,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -180,3 +181,22 @@ def compile_operators(
             verbose=verbose,
             is_python_module=False,  # TORCH_LIBRARY operators, loaded into torch.ops
         )
+
+
+class ExtensionScope:
+    """Within the ``with`` block, ``var`` holds ``resolve()``'s value: an extension and the
+    settings its kernels would otherwise check on every call, resolved once on entry (``None``:
+    resolve per call, as outside any scope). Reset on exit, exceptions included; reentrant, and
+    per thread and task (a context variable)."""
+
+    __slots__ = ("_var", "_resolve", "_token")
+
+    def __init__(self, var: contextvars.ContextVar, resolve: Callable[[], object]) -> None:
+        self._var, self._resolve = var, resolve
+
+    def __enter__(self) -> ExtensionScope:
+        self._token = self._var.set(self._resolve())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._var.reset(self._token)

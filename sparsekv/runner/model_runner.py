@@ -17,9 +17,8 @@ from sparsekv.attention.backends.base import AttentionBackend
 from sparsekv.engine.request import Request
 from sparsekv.engine.scheduler_output import SchedulerOutput
 from sparsekv.kv_cache.manager import KVCacheManager, LayerStep
-from sparsekv.models.fused import ops as fused
-from sparsekv.models.quant import ops as quant_ops
 from sparsekv.outputs import Logprob
+from sparsekv.runner.kernel_scope import step_kernels
 from sparsekv.runner.metadata import BlockTableCache, RequestSlice, build_metadata
 from sparsekv.runner.paged_attention import PagedAttention
 from sparsekv.runner.prompt_logprobs import prompt_logprob_rows, prompt_logprobs
@@ -216,8 +215,7 @@ class ModelRunner:
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        # The fused ops', packed matmuls' and attention kernels' checks once per step.
-        with fused.native_scope(), quant_ops.native_scope(), self.backend.step_scope():
+        with step_kernels(self.backend):
             hidden = self.model(ids, pos, ctx)
             ctx.finish()
         return hidden

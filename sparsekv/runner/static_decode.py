@@ -31,9 +31,8 @@ import torch
 from sparsekv.attention.backends.base import AttentionBackend
 from sparsekv.kv_cache.manager import KVCacheManager
 from sparsekv.kv_cache.spec import cdiv
-from sparsekv.models.fused import ops as fused
-from sparsekv.models.quant import ops as quant_ops
 from sparsekv.runner.block_tables import HostFence, row_runs, slot_counts
+from sparsekv.runner.kernel_scope import step_kernels
 from sparsekv.runner.metadata import AttentionMetadata, DecodeBatch, RequestSlice
 from sparsekv.runner.paged_attention import PagedAttention
 
@@ -191,8 +190,7 @@ class StaticDecodeRunner:
         """The bucket's forward over the static tensors as they are: ``[bucket, vocab]``
         fp32 logits (the captured graph's output on CUDA with ``capture``)."""
         if not self.capture:
-            backend = self._contexts[bucket].backend
-            with fused.native_scope(), quant_ops.native_scope(), backend.step_scope():
+            with step_kernels(self._contexts[bucket].backend):
                 return self._forward(bucket)
         if bucket not in self.graphs:
             self._capture(bucket)

@@ -22,8 +22,7 @@ import torch
 
 from sparsekv.engine.scheduler_output import ScheduledRequest
 from sparsekv.kv_cache.manager import KVCacheManager
-from sparsekv.models.fused import ops as fused
-from sparsekv.models.quant import ops as quant_ops
+from sparsekv.runner.kernel_scope import step_kernels
 from sparsekv.spec_decode.sparse_view import DraftAttention, DraftRow
 
 # A draft token the runner proposes before the step's forward (never an embedding row: a
@@ -69,7 +68,7 @@ def fill_self_drafts(
         ids = torch.tensor([_input_token(item, j) for item in active], device=device)
         positions = [item.request.num_computed_tokens + j for item in active]
         pos = torch.tensor(positions, dtype=torch.long, device=device)
-        with fused.native_scope(), quant_ops.native_scope(), storages[0].backend.step_scope():
+        with step_kernels(storages[0].backend):
             hidden = model(ids, pos, ctx)
         drafts = model.compute_logits(hidden).argmax(dim=-1).tolist()
         for item, token in zip(active, drafts):

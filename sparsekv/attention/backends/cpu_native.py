@@ -16,6 +16,7 @@ from sparsekv.attention.backends.base import DecodeParams, DecodeResult
 from sparsekv.attention.backends.torch_backend import TorchBackend
 from sparsekv.attention.cpu import build, chunk_paged, kept_slots, prefill_ops, window_fused
 from sparsekv.attention.cpu import ops as native
+from sparsekv.ext_cache import ExtensionScope
 from sparsekv.models.fused import ops as fused
 
 
@@ -30,7 +31,7 @@ class CpuNativeBackend(TorchBackend):
     def prepare(self) -> bool:
         return build.load_extension() is not None
 
-    def step_scope(self) -> native.native_scope:
+    def step_scope(self) -> ExtensionScope:
         """The extension and ``SPARSEKV_KERNEL_ISA`` resolved once for the step (a decode step
         picks a variant for each of its layers)."""
         return native.native_scope()

@@ -25,26 +25,20 @@ import warnings
 import torch
 
 from sparsekv.attention.cpu import build
+from sparsekv.ext_cache import ExtensionScope
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn)  # codes of the int8 and fp8 formats
 ISA_ENV = "SPARSEKV_KERNEL_ISA"
 
 
-class native_scope:
+def native_scope() -> ExtensionScope:
     """Within the ``with`` block the kernels use the extension and the ``SPARSEKV_KERNEL_ISA``
     setting read on entry instead of checking the build and the environment on every call
-    (twice per layer of a decode step). Reentrant, per thread and task (a context variable)."""
-
-    __slots__ = ("_token",)
-
-    def __enter__(self) -> native_scope:
-        resolved = (build.load_extension(), os.environ.get(ISA_ENV, "").strip())
-        self._token = _scope.set(resolved)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        _scope.reset(self._token)
+    (twice per layer of a decode step)."""
+    return ExtensionScope(
+        _scope, lambda: (build.load_extension(), os.environ.get(ISA_ENV, "").strip())
+    )
 
 
 # (extension or None, forced variant setting) of the innermost native_scope; None outside.

@@ -23,6 +23,7 @@ import warnings
 
 import torch
 
+from sparsekv.ext_cache import ExtensionScope
 from sparsekv.models.quant import build
 from sparsekv.models.quant.formats import FORMATS, PackedTensor, dequantize_reference
 
@@ -60,27 +61,21 @@ def _isa_for(ext, setting: str) -> str:
     return ""
 
 
-class native_scope:
+def native_scope() -> ExtensionScope:
     """Within the ``with`` block, packed matmuls use the extension and the variant resolved on
     entry instead of reading the environment and the build's state on every call (a decode step
-    makes ~120 of them). Reentrant, per thread and task (a context variable); a disabled or
-    failed extension resolves to the PyTorch fallback for the whole block. Entering builds
-    nothing: before the extension has been loaded in this process (a model without packed
-    weights never loads it), the block reads per call as outside any scope.
-    """
+    makes ~120 of them); a disabled or failed extension resolves to the PyTorch fallback for the
+    whole block. Entering builds nothing: before the extension has been loaded in this process
+    (a model without packed weights never loads it), the block reads per call as outside any
+    scope."""
+    return ExtensionScope(_scope, _scope_value)
 
-    __slots__ = ("_token",)
 
-    def __enter__(self) -> native_scope:
-        resolved = None
-        if build.is_loaded():
-            ext = build.load_extension()
-            resolved = (ext, kernel_isa() if ext is not None else "")
-        self._token = _scope.set(resolved)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        _scope.reset(self._token)
+def _scope_value() -> tuple | None:
+    if not build.is_loaded():
+        return None
+    ext = build.load_extension()
+    return ext, kernel_isa() if ext is not None else ""
 
 
 # (extension, variant) resolved by the innermost native_scope; None outside any (or before the
