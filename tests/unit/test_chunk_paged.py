@@ -104,6 +104,17 @@ def test_every_chunk_length_1_to_64(isas, monkeypatch, dtype):
 
 
 @pytest.mark.kernel_variant("chunk_paged")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("window", [None, 40], ids=["full", "window40"])
+def test_runtime_head_dim_small_pages_and_wide_groups(isas, monkeypatch, dtype, window):
+    """head_dim 96 (no compile-time specialisation), pages of 8 slots (every key tile spans
+    two pages, so fp32 tiles are copied rather than read in place) and a group of 6 query
+    heads (up to 6 x 17 rows: several row vectors per item)."""
+    for isa in isas:
+        check(isa, monkeypatch, [45, 200, 0], [5, 17, 3], 2, 6, 8, 96, dtype, window)
+
+
+@pytest.mark.kernel_variant("chunk_paged")
 @pytest.mark.parametrize("window", [None, 100])
 def test_split_keys_across_threads(isas, monkeypatch, window):
     """Long caches with two threads: each (sequence, KV head) is cut into key splits merged

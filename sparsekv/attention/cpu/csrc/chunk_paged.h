@@ -43,13 +43,15 @@ struct ChunkArgs {
 
 // Rows [row0, row0 + num_rows) of sequence b (chunk rows, per head of KV head kvh's group)
 // against the key tiles [tile_begin, tile_end) (tile t: keys [t * tile, (t + 1) * tile)).
-// state: offset in floats of the item's partial state, group * num_rows * (head_dim + 2).
+// state: offset in floats of the item's partial state (chunk_state_floats).
 struct ChunkItem {
   int64_t b, kvh, row0, num_rows, tile_begin, tile_end, state;
 };
 
-static inline int64_t chunk_state_floats(int64_t rows, int64_t head_dim) {
-  return rows * (head_dim + 2);
+// Floats of one item's partial state for `rows` rows (group * num_rows) on a kernel of `width`
+// lanes: rows padded to whole vectors, times head_dim + 2 (max, sum, accumulator).
+static inline int64_t chunk_state_floats(int64_t rows, int64_t head_dim, int64_t width) {
+  return (rows + width - 1) / width * width * (head_dim + 2);
 }
 
 struct ChunkKernel {
@@ -62,7 +64,7 @@ struct ChunkKernel {
   void (*combine)(const ChunkArgs&, const ChunkItem* items, int64_t count, const float* states);
 };
 
-extern const ChunkKernel kChunkAvx512;  // built, not tested on the development CPU
+extern const ChunkKernel kChunkAvx512;
 extern const ChunkKernel kChunkAvx2;
 extern const ChunkKernel kChunkGeneric;
 

@@ -108,8 +108,8 @@ void check_tables(const at::Tensor& tables, const int64_t* starts, const int64_t
 // per KV head; each cut into key splits when there are too few items to keep the threads busy.
 // Returns the items and, per (sequence, KV head, row block), the index of its first item.
 std::vector<skv::ChunkItem> make_items(const skv::ChunkArgs& a, int64_t batch,
-                                       std::vector<int64_t>& groups, int64_t& state_floats,
-                                       int64_t& work) {
+                                       int64_t width, std::vector<int64_t>& groups,
+                                       int64_t& state_floats, int64_t& work) {
   const int64_t group = a.num_heads / a.num_kv_heads;
   const int64_t block = std::max<int64_t>(1, 32 / group);
   struct Base {
@@ -140,7 +140,7 @@ std::vector<skv::ChunkItem> make_items(const skv::ChunkArgs& a, int64_t batch,
       for (int64_t s = 0; s < splits; ++s) {
         const int64_t lo = base.t0 + tiles * s / splits, hi = base.t0 + tiles * (s + 1) / splits;
         items.push_back({base.b, h, base.row0, base.num_rows, lo, hi, state_floats});
-        state_floats += skv::chunk_state_floats(group * base.num_rows, a.head_dim);
+        state_floats += skv::chunk_state_floats(group * base.num_rows, a.head_dim, width);
       }
     }
   groups.push_back((int64_t)items.size());
@@ -201,14 +201,14 @@ std::vector<at::Tensor> chunk_paged_attention(const at::Tensor& query, const at:
   a.window = window;
   // Keys per tile: K and V rows of one tile stay within L1 (32 keys of head_dim 64 in fp32:
   // 16 KiB); a multiple of every variant's width.
-  a.tile = d * (a.pool_bf16 ? 2 : 4) <= 256 ? 32 : 16;
+  a.tile = 16;
   a.total_rows = rows;
   a.out = out.data_ptr();
   a.lse = lse.data_ptr<float>();
 
   std::vector<int64_t> groups;
   int64_t state_floats = 0, work = 0;
-  const auto items = make_items(a, batch, groups, state_floats, work);
+  const auto items = make_items(a, batch, kernel.width, groups, state_floats, work);
   std::vector<float> states(state_floats);
   const int64_t group = H / a.num_kv_heads, max_rows = group * std::max<int64_t>(1, 32 / group);
   skv::run_dynamic((int64_t)items.size(), work, kernel.scratch(a, max_rows),

@@ -4,12 +4,13 @@
 // `#pragma GCC target` decides the instructions. Every function is static (see kernels.h).
 //
 // Per item the rows' queries are scaled by scale * log2(e) (base-2 logits, as the decode
-// kernel) and kept in the chunk order of the pool's element type (vec_impl.h), so bf16 keys
-// need no unpacking shuffle; each key tile then takes three passes: logits (one row against W
-// keys, a transposing lane sum), the online-softmax update (Milakov & Gimelshein 2018;
-// FlashAttention, Dao et al. 2022) and the weighted value sum (up to four rows per value load).
+// kernel); each key tile then takes three passes: logits, the online-softmax update (Milakov &
+// Gimelshein 2018; FlashAttention, Dao et al. 2022) and the weighted value sum, with the item's
+// rows in vector lanes (below).
 
 constexpr int kChunkMaxTile = 32;
+
+static inline int64_t chunk_min(int64_t x, int64_t y) { return x < y ? x : y; }
 
 // Row pointers of one key tile's keys and values, in the pages or in the chunk; entries past
 // the tile's n keys repeat key 0 (their logits are masked).
@@ -51,156 +52,311 @@ static void chunk_tile_rows(const ChunkArgs& a, const ChunkItem& it, int64_t j0,
   }
 }
 
-// Queries of the item's rows (row r: head kvh * group + r / num_rows, chunk row r % num_rows)
-// into q [rows][head_dim], scaled to base-2 logits, in T's chunk order; states reset.
+// Rows lie in vector lanes: an item's rows (row r: head kvh * group + r / num_rows, chunk row
+// r % num_rows) are padded to rp = ceil(rows / W) * W lanes, so logits, the online softmax and
+// the output accumulators are W rows wide and need no horizontal reduction. Each key or value
+// element is broadcast against a vector of rows: QK^T and PV each cost keys * head_dim * rp / W
+// FMAs with several independent accumulators (a register block of keys or of head_dim
+// elements times up to four row vectors), and a bf16 tile is widened to fp32 once for all its
+// rows. Item state (chunk_state_floats): max [rp], sum [rp], accumulator [head_dim][rp], head_dim
+// in T's chunk order.
+
+static inline int64_t chunk_lanes(int64_t rows) { return (rows + W - 1) / W * W; }
+
+// Queries of the item's rows, scaled to base-2 logits, transposed into qt [head_dim][rp] (in T's
+// chunk order; padding lanes 0); states reset.
 template <typename T>
-static void chunk_load_queries(const ChunkArgs& a, const ChunkItem& it, float* q, float* st) {
+static void chunk_load_queries(const ChunkArgs& a, const ChunkItem& it, int64_t rp, float* qt,
+                               float* st) {
   const int64_t d = a.head_dim, group = a.num_heads / a.num_kv_heads;
   const int64_t rows = group * it.num_rows, first_row = a.row_starts[it.b] + it.row0;
   const float qscale = a.scale * kLog2e;
+  for (int64_t i = 0; i < d * rp; ++i) qt[i] = 0.0f;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t h = it.kvh * group + r / it.num_rows, row = first_row + r % it.num_rows;
     const int64_t off = h * a.query_head_stride + row * a.query_row_stride;
-    float* qr = q + r * d;
     for (int64_t e = 0; e < d; ++e) {
       const float x = a.query_bf16 ? to_float(((const uint16_t*)a.query)[off + e])
                                    : ((const float*)a.query)[off + e];
-      qr[chunk_pos<T>(e)] = x * qscale;
+      qt[chunk_pos<T>(e) * rp + r] = x * qscale;
     }
-    float* s = st + r * (d + 2);
-    s[0] = kNegInf;
-    for (int64_t e = 1; e < d + 2; ++e) s[e] = 0.0f;
   }
+  for (int64_t r = 0; r < rp; ++r) st[r] = kNegInf;
+  for (int64_t i = rp; i < (d + 2) * rp; ++i) st[i] = 0.0f;
 }
 
-// Base-2 logits s [rows][tile] of every row against the tile's `padded` keys.
-template <typename T>
-static void chunk_logits(const ChunkTile<T>& t, const float* q, int64_t rows, int64_t d,
-                         int64_t padded, int64_t tile, float* s) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* qr = q + r * d;
-    for (int64_t kb = 0; kb < padded; kb += W) {
-      vf acc[W];
-      for (int k = 0; k < W; ++k) acc[k] = vf{};
-      for (int64_t c = 0; c < d; c += 2 * W) {
-        const vf qa = loadu(qr + c), qb = loadu(qr + c + W);
-        for (int k = 0; k < W; ++k) {
-          vf ka, kb2;
-          load_chunk(t.k[kb + k], c, ka, kb2);
-          acc[k] += qa * ka + qb * kb2;
+// Prefetching. Pages follow their block table, not address order, so the hardware cannot guess
+// the next page, and one core has too few line fill buffers to fetch a whole tile by software
+// prefetches at once (a burst stalls the core). As the AMX decode path (amx_util.h): two tiles
+// ahead, the first line of each run of consecutive rows is touched so that the L2 streamer
+// fetches the rest; one tile ahead, every line is prefetched a few at a time between the
+// register blocks of the current tile.
+struct ChunkLines {
+  const char* run[2 * kChunkMaxTile];
+  int64_t bytes[2 * kChunkMaxTile];
+  int num_runs = 0, r = 0;
+  int64_t offset = 0, per_step = 0;
+
+  // The runs of tile t's key rows, then of its value rows, spread over `steps` calls of step().
+  template <typename T>
+  void start(const ChunkTile<T>& t, int64_t d, int64_t steps) {
+    num_runs = r = 0;
+    offset = 0;
+    const int64_t row = d * (int64_t)sizeof(T);
+    int64_t lines = 0;
+    for (int kv = 0; kv < 2; ++kv)
+      for (int64_t i = 0; i < t.n; ++i) {
+        const char* p = (const char*)(kv ? t.v[i] : t.k[i]);
+        if (i > 0 && p == run[num_runs - 1] + bytes[num_runs - 1]) {
+          bytes[num_runs - 1] += row;
+        } else {
+          run[num_runs] = p;
+          bytes[num_runs++] = row;
         }
+        lines += row / 64;
       }
-      storeu(s + r * tile + kb, reduce_lanes(acc));
-    }
+    per_step = (lines + steps - 1) / (steps > 0 ? steps : 1);
   }
-}
-
-// Mask the logits each row does not see, turn them into weights exp2(s - new max) in place
-// and rescale the row's state; a row that sees no key of the tile gets zero weights.
-static void chunk_softmax(const ChunkArgs& a, const ChunkItem& it, int64_t j0, int64_t n,
-                          int64_t padded, int64_t tile, float* s, float* st) {
-  const int64_t d = a.head_dim, group = a.num_heads / a.num_kv_heads;
-  const int64_t rows = group * it.num_rows, nc = a.num_cached[it.b];
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t pos = nc + it.row0 + r % it.num_rows;
-    const int64_t lo = a.window > 0 ? pos - a.window + 1 : 0;
-    float* sr = s + r * tile;
-    float mt = kNegInf;
-    if (n == padded && j0 >= lo && j0 + n - 1 <= pos) {  // the row sees the whole tile
-      vf mv = splat(kNegInf);
-      for (int64_t k = 0; k < padded; k += W) mv = vmax(mv, loadu(sr + k));
-      mt = hmax(mv);
-    } else {
-      for (int64_t k = 0; k < padded; ++k) {
-        const int64_t j = j0 + k;
-        if (k >= n || j > pos || j < lo)
-          sr[k] = kNegInf;
-        else
-          mt = sr[k] > mt ? sr[k] : mt;
+  void touch() const {
+    for (int i = 0; i < num_runs; ++i) __builtin_prefetch(run[i]);
+  }
+  void step(int64_t lines) {
+    for (; lines > 0 && r < num_runs; --lines) {
+      __builtin_prefetch(run[r] + offset);
+      offset += 64;
+      if (offset >= bytes[r]) {
+        ++r;
+        offset = 0;
       }
     }
-    if (mt == kNegInf) {
-      for (int64_t k = 0; k < padded; ++k) sr[k] = 0.0f;
-      continue;
-    }
-    float* str = st + r * (d + 2);
-    const float m_old = str[0], m_new = m_old > mt ? m_old : mt;
-    vf sum = vf{};
-    for (int64_t k = 0; k < padded; k += W) {
-      const vf p = vexp2(loadu(sr + k) - splat(m_new));
-      storeu(sr + k, p);
-      sum += p;
-    }
-    float alpha = 1.0f;
-    if (m_old != m_new) {
-      alpha = m_old == kNegInf ? 0.0f : vexp2(splat(m_old - m_new))[0];
-      for (int64_t e = 0; e < d; e += W) storeu(str + 2 + e, loadu(str + 2 + e) * splat(alpha));
-    }
-    str[0] = m_new;
-    str[1] = str[1] * alpha + hsum(sum);
   }
-}
+  void step() { step(per_step); }
+  void finish() { step(INT64_MAX); }
+};
 
-// acc[r] += sum_k p[r][k] * v[k] for N rows at once (one load of each value chunk).
-template <int N, typename T>
-static void chunk_values(const ChunkTile<T>& t, const float* p, int64_t tile, float* st,
-                         int64_t d) {
-  const int64_t stride = d + 2;
-  for (int64_t c = 0; c < d; c += 2 * W) {
-    vf a0[N], a1[N];
-    for (int r = 0; r < N; ++r) {
-      a0[r] = loadu(st + r * stride + 2 + c);
-      a1[r] = loadu(st + r * stride + 2 + c + W);
-    }
-    for (int64_t k = 0; k < t.n; ++k) {
-      vf v0, v1;
-      load_chunk(t.v[k], c, v0, v1);
-      for (int r = 0; r < N; ++r) {
-        const vf w = splat(p[r * tile + k]);
-        a0[r] += w * v0;
-        a1[r] += w * v1;
-      }
-    }
-    for (int r = 0; r < N; ++r) {
-      storeu(st + r * stride + 2 + c, a0[r]);
-      storeu(st + r * stride + 2 + c + W, a1[r]);
-    }
-  }
-}
-
+// The tile's keys and values as fp32 rows of stride head_dim: an fp32 tile whose rows already
+// follow each other (a whole page run) is read in place, any other is copied (bf16: widened, in
+// chunk order) into buf [2][tile][head_dim]. Sets *k and *v to the first rows.
 template <typename T>
+static void chunk_stage(const ChunkTile<T>& t, int64_t d, int64_t tile, float* buf,
+                        const float** k, const float** v) {
+  if (sizeof(T) == 4) {
+    bool runs = true;
+    for (int64_t i = 1; i < t.n && runs; ++i)
+      runs = t.k[i] == t.k[0] + i * d && t.v[i] == t.v[0] + i * d;
+    if (runs) {
+      *k = (const float*)t.k[0];
+      *v = (const float*)t.v[0];
+      return;
+    }
+  }
+  float* kf = buf;
+  float* vf_ = buf + tile * d;
+  for (int64_t i = 0; i < t.n; ++i)
+    for (int64_t c = 0; c < d; c += 2 * W) {
+      vf x0, x1;
+      load_chunk(t.k[i], c, x0, x1);
+      storeu(kf + i * d + c, x0);
+      storeu(kf + i * d + c + W, x1);
+      load_chunk(t.v[i], c, x0, x1);
+      storeu(vf_ + i * d + c, x0);
+      storeu(vf_ + i * d + c + W, x1);
+    }
+  *k = kf;
+  *v = vf_;
+}
+
+// head_dim: D when the kernel was instantiated for it (immediate offsets), else the runtime d.
+template <int D>
+static inline int64_t chunk_dim(int64_t d) {
+  return D > 0 ? D : d;
+}
+
+// s[k][R vectors] = logits of keys k[0..KB) (rows of stride head_dim) against R row vectors
+// of qt (row stride rp).
+template <int D, int R, int KB>
+static inline void chunk_qk_block(const float* k, const float* qt, int64_t rp, int64_t d_,
+                                  float* s) {
+  const int64_t d = chunk_dim<D>(d_);
+  vf acc[KB][R];
+  for (int j = 0; j < KB; ++j)
+    for (int r = 0; r < R; ++r) acc[j][r] = vf{};
+  for (int64_t p = 0; p < d; ++p) {
+    vf q[R];
+    for (int r = 0; r < R; ++r) q[r] = loadu(qt + p * rp + r * W);
+    for (int j = 0; j < KB; ++j) {
+      const vf x = splat(k[j * d + p]);
+      for (int r = 0; r < R; ++r) acc[j][r] += x * q[r];
+    }
+  }
+  for (int j = 0; j < KB; ++j)
+    for (int r = 0; r < R; ++r) storeu(s + j * rp + r * W, acc[j][r]);
+}
+
+template <int D, int R>
+static void chunk_qk(const float* k, int64_t n, const float* qt, int64_t rp, int64_t d,
+                     float* s, ChunkLines& lines) {
+  constexpr int KB = (W == 16 ? 24 : 12) / R < 8 ? (W == 16 ? 24 : 12) / R : 8;
+  int64_t j = 0;
+  for (; j + KB <= n; j += KB) {
+    chunk_qk_block<D, R, KB>(k + j * d, qt, rp, d, s + j * rp);
+    lines.step();
+  }
+  for (; j < n; ++j) chunk_qk_block<D, R, 1>(k + j * d, qt, rp, d, s + j * rp);
+}
+
+// acc[e][R vectors] = alpha * acc + sum_k p[k] * v[k][e] for EB elements from e0 (v: rows of
+// stride head_dim).
+template <int D, int R, int EB>
+static inline void chunk_pv_block(const float* v, int64_t n, const float* p, const float* alpha,
+                                  int64_t rp, int64_t d_, int64_t e0, float* acc) {
+  const int64_t d = chunk_dim<D>(d_);
+  vf o[EB][R], al[R];
+  for (int r = 0; r < R; ++r) al[r] = loadu(alpha + r * W);
+  for (int e = 0; e < EB; ++e)
+    for (int r = 0; r < R; ++r) o[e][r] = loadu(acc + (e0 + e) * rp + r * W) * al[r];
+  for (int64_t j = 0; j < n; ++j) {
+    vf w[R];
+    for (int r = 0; r < R; ++r) w[r] = loadu(p + j * rp + r * W);
+    const float* vj = v + j * d + e0;
+    for (int e = 0; e < EB; ++e) {
+      const vf x = splat(vj[e]);
+      for (int r = 0; r < R; ++r) o[e][r] += x * w[r];
+    }
+  }
+  for (int e = 0; e < EB; ++e)
+    for (int r = 0; r < R; ++r) storeu(acc + (e0 + e) * rp + r * W, o[e][r]);
+}
+
+template <int D, int R>
+static void chunk_pv(const float* v, int64_t n, const float* p, const float* alpha, int64_t rp,
+                     int64_t d, float* acc, ChunkLines& lines) {
+  // head_dim is a multiple of 2W (>= 8), so of every EB below
+  constexpr int EB = W == 16 ? (R == 1 ? 16 : R <= 3 ? 8 : 4) : (R == 1 ? 8 : R <= 3 ? 4 : 2);
+  for (int64_t e0 = 0; e0 < d; e0 += EB) {
+    chunk_pv_block<D, R, EB>(v, n, p, alpha, rp, d, e0, acc);
+    lines.step();
+  }
+}
+
+// Online-softmax step of the tile's logits s [n][rp] (keys j0..j0+n): masks what each row does
+// not see, turns logits into weights exp2(s - new max) in place, updates max and sum and leaves
+// each row's rescale factor of its accumulator in alpha [rp].
+static void chunk_softmax(const ChunkArgs& a, const ChunkItem& it, int64_t rows, int64_t rp,
+                          int64_t j0, int64_t n, float* s, float* st, float* alpha) {
+  const int64_t nc = a.num_cached[it.b];
+  const int64_t pos_first = nc + it.row0, pos_last = pos_first + it.num_rows - 1;
+  const bool sees_all = j0 + n - 1 <= pos_first && (a.window <= 0 || j0 > pos_last - a.window);
+  if (!sees_all)
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t pos = pos_first + r % it.num_rows;
+      const int64_t lo = a.window > 0 ? pos - a.window + 1 : 0;
+      for (int64_t k = 0; k < n; ++k)
+        if (j0 + k > pos || j0 + k < lo) s[k * rp + r] = kNegInf;
+    }
+  for (int64_t c = 0; c < rp; c += W) {
+    vf mt = splat(kNegInf);
+    for (int64_t k = 0; k < n; ++k) mt = vmax(mt, loadu(s + k * rp + c));
+    const vf m_old = loadu(st + c), m_new = vmax(m_old, mt);
+    const vf m_use = m_new == splat(kNegInf) ? vf{} : m_new;  // no -inf - -inf
+    vf sum = vf{};
+    for (int64_t k = 0; k < n; ++k) {
+      const vf w = vexp2(loadu(s + k * rp + c) - m_use);
+      storeu(s + k * rp + c, w);
+      sum += w;
+    }
+    const vf al = vexp2(m_old - m_use);  // 0 while nothing was seen (m_old = -inf)
+    storeu(alpha + c, al);
+    storeu(st + c, m_new);
+    storeu(st + rp + c, loadu(st + rp + c) * al + sum);
+  }
+}
+
+// Runs CALL(R) for each run of at most four row vectors (c: the run's first lane).
+#define SKV_CHUNK_ROW_PASSES(rp, CALL)             \
+  for (int64_t c = 0; c < (rp); c += 4 * W) {      \
+    switch (((rp)-c) / W < 4 ? ((rp)-c) / W : 4) { \
+      case 1: CALL(1); break;                      \
+      case 2: CALL(2); break;                      \
+      case 3: CALL(3); break;                      \
+      default: CALL(4); break;                     \
+    }                                              \
+  }
+
+template <typename T, int D>
 static void chunk_item_t(const ChunkArgs& a, const ChunkItem& it, float* scratch,
                          float* states) {
-  const int64_t d = a.head_dim, group = a.num_heads / a.num_kv_heads, tile = a.tile;
-  const int64_t rows = group * it.num_rows;
-  float* q = scratch;
-  float* s = q + rows * d;
-  float* st = states + it.state;
-  chunk_load_queries<T>(a, it, q, st);
+  const int64_t d = chunk_dim<D>(a.head_dim), group = a.num_heads / a.num_kv_heads;
+  const int64_t tile = a.tile, rows = group * it.num_rows, rp = chunk_lanes(rows);
+  float* qt = scratch;            // [d][rp]
+  float* s = qt + d * rp;         // [tile][rp]
+  float* alpha = s + tile * rp;   // [rp]
+  float* wide = alpha + rp;       // [2][tile][d]
+  float* st = states + it.state;  // max [rp], sum [rp], acc [d][rp]
+  chunk_load_queries<T>(a, it, rp, qt, st);
   const int64_t last = a.num_cached[it.b] + it.row0 + it.num_rows;  // keys seen: < last
-  ChunkTile<T> t;
-  for (int64_t ti = it.tile_begin; ti < it.tile_end; ++ti) {
-    const int64_t j0 = ti * tile, j1 = j0 + tile < last ? j0 + tile : last;
-    if (j1 <= j0) continue;
-    const int64_t padded = (j1 - j0 + W - 1) / W * W;
-    chunk_tile_rows<T>(a, it, j0, j1, padded, t);
-    chunk_logits<T>(t, q, rows, d, padded, tile, s);
-    chunk_softmax(a, it, j0, t.n, padded, tile, s, st);
-    int64_t r = 0;
-    for (; r + 4 <= rows; r += 4) chunk_values<4>(t, s + r * tile, tile, st + r * (d + 2), d);
-    for (; r < rows; ++r) chunk_values<1>(t, s + r * tile, tile, st + r * (d + 2), d);
+  ChunkTile<T> tiles[3];  // tile ti in tiles[ti % 3]: the current one and the two ahead
+  ChunkLines lines[3];
+  int64_t end = it.tile_end;
+  while (end > it.tile_begin && (end - 1) * tile >= last) --end;
+  // register blocks per tile: the step() calls that spread the next tile's prefetches
+  const int64_t rvecs = rp / W, passes = (rvecs + 3) / 4;
+  const int64_t steps = passes * (tile / 8 + d / 16);
+  auto gather = [&](int64_t ti) {
+    const int64_t j0 = ti * tile;
+    chunk_tile_rows<T>(a, it, j0, chunk_min(j0 + tile, last), 0, tiles[ti % 3]);
+    lines[ti % 3].start(tiles[ti % 3], d, steps);
+  };
+  for (int64_t ti = it.tile_begin; ti < end && ti < it.tile_begin + 2; ++ti) {
+    gather(ti);
+    lines[ti % 3].touch();
+  }
+  if (it.tile_begin < end) lines[it.tile_begin % 3].finish();
+  for (int64_t ti = it.tile_begin; ti < end; ++ti) {
+    const int64_t j0 = ti * tile;
+    if (ti + 2 < end) {
+      gather(ti + 2);
+      lines[(ti + 2) % 3].touch();
+    }
+    ChunkLines& ahead = lines[(ti + 1) % 3];  // a spent (finished) set after the last tile
+    if (ti + 1 >= end) ahead.r = ahead.num_runs;
+    const ChunkTile<T>& t = tiles[ti % 3];
+    const int64_t n = t.n;
+    const float *k, *v;
+    chunk_stage(t, d, tile, wide, &k, &v);
+#define SKV_QK(R) chunk_qk<D, R>(k, n, qt + c, rp, d, s + c, ahead)
+    SKV_CHUNK_ROW_PASSES(rp, SKV_QK)
+#undef SKV_QK
+    chunk_softmax(a, it, rows, rp, j0, n, s, st, alpha);
+#define SKV_PV(R) chunk_pv<D, R>(v, n, s + c, alpha + c, rp, d, st + 2 * rp + c, ahead)
+    SKV_CHUNK_ROW_PASSES(rp, SKV_PV)
+#undef SKV_PV
+    ahead.finish();
   }
 }
+#undef SKV_CHUNK_ROW_PASSES
 
 static int64_t chunk_scratch(const ChunkArgs& a, int64_t rows) {
-  return rows * (a.head_dim + a.tile);
+  const int64_t rp = chunk_lanes(rows);
+  return rp * (a.head_dim + a.tile + 1) + 2 * a.tile * a.head_dim;
+}
+
+template <typename T>
+static void chunk_item_dim(const ChunkArgs& a, const ChunkItem& it, float* scratch,
+                           float* states) {
+  if (a.head_dim == 64)
+    chunk_item_t<T, 64>(a, it, scratch, states);
+  else if (a.head_dim == 128)
+    chunk_item_t<T, 128>(a, it, scratch, states);
+  else
+    chunk_item_t<T, 0>(a, it, scratch, states);
 }
 
 static void chunk_item(const ChunkArgs& a, const ChunkItem& it, float* scratch, float* states) {
   if (a.pool_bf16)
-    chunk_item_t<uint16_t>(a, it, scratch, states);
+    chunk_item_dim<uint16_t>(a, it, scratch, states);
   else
-    chunk_item_t<float>(a, it, scratch, states);
+    chunk_item_dim<float>(a, it, scratch, states);
 }
 
 template <typename T>
@@ -208,23 +364,24 @@ static void chunk_combine_t(const ChunkArgs& a, const ChunkItem* items, int64_t 
                             const float* states) {
   const ChunkItem& it = items[0];
   const int64_t d = a.head_dim, group = a.num_heads / a.num_kv_heads;
-  const int64_t rows = group * it.num_rows, first_row = a.row_starts[it.b] + it.row0;
+  const int64_t rows = group * it.num_rows, rp = chunk_lanes(rows);
+  const int64_t first_row = a.row_starts[it.b] + it.row0;
   float acc[1024];  // head_dim <= 1024 (checked by the binding)
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t h = it.kvh * group + r / it.num_rows, row = first_row + r % it.num_rows;
     float m = kNegInf;
     for (int64_t i = 0; i < count; ++i) {
-      const float mi = states[items[i].state + r * (d + 2)];
+      const float mi = states[items[i].state + r];
       m = mi > m ? mi : m;
     }
     float l = 0.0f;
     for (int64_t e = 0; e < d; ++e) acc[e] = 0.0f;
     for (int64_t i = 0; i < count && m != kNegInf; ++i) {
-      const float* st = states + items[i].state + r * (d + 2);
-      if (st[0] == kNegInf) continue;
-      const float w = vexp2(splat(st[0] - m))[0];
-      l += w * st[1];
-      for (int64_t e = 0; e < d; e += W) storeu(acc + e, loadu(acc + e) + splat(w) * loadu(st + 2 + e));
+      const float* st = states + items[i].state;
+      if (st[r] == kNegInf) continue;
+      const float w = vexp2(splat(st[r] - m))[0];
+      l += w * st[rp + r];
+      for (int64_t e = 0; e < d; ++e) acc[e] += w * st[(2 + e) * rp + r];
     }
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
     const int64_t o = (h * a.total_rows + row) * d;
