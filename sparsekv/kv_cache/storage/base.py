@@ -77,9 +77,11 @@ class KVStorage:
 
     def _slot_mapping(self, table: list[int], start: int, count: int) -> torch.Tensor:
         """Local physical slots of held slots ``start .. start + count - 1``."""
-        held = torch.arange(start, start + count, device=self.device)
-        pages = self.local(table)[held // self.block_size]
-        return pages * self.block_size + held % self.block_size
+        first = start // self.block_size  # only the pages the slots fall in, not the whole table
+        offset = start - first * self.block_size
+        held = torch.arange(offset, offset + count, device=self.device)
+        pages = self.local(table[first : cdiv(start + count, self.block_size)])
+        return pages[held // self.block_size] * self.block_size + held % self.block_size
 
     # ------------------------------------------------------------------ writes
     def write_decode(self, slot_mapping: torch.Tensor, states: list[LayerKV], key, value) -> None:
