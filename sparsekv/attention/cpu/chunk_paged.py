@@ -8,8 +8,9 @@ sees the held slots and its own keys ``0..i`` (causal, bottom-right aligned), wi
 window ``w`` only the ``w`` most recent keys (itself included). GQA reads each KV head once for
 its group of query heads. Oracle: ``torch_ref.attention_with_lse`` over the gathered keys.
 
-Variants (:data:`VARIANTS`): ``avx512`` (16 lanes; compiled, never run on the CPUs this was
-written on), ``avx2`` (AVX2 + FMA, 8 lanes) and ``generic`` (the compiler's baseline, 4 lanes);
+Variants (:data:`VARIANTS`): ``avx512`` (AVX-512F, 16 lanes), ``avx2`` (AVX2 + FMA, 8 lanes)
+and ``generic`` (the compiler's baseline, 4 lanes), one template (``chunk_paged_impl.h``: the
+item's query rows in vector lanes, keys and values broadcast against them);
 ``SPARSEKV_KERNEL_ISA`` forces one this CPU runs (tests, comparisons), else the fastest runs.
 """
 
@@ -25,9 +26,10 @@ from sparsekv.attention.cpu import build
 VARIANTS = ("avx512", "avx2", "generic")
 # Longest chunk for which the kernel beats gathering bf16 pages for the flash prefill kernel
 # (``ops.prefill_attention``), which packs K / V once and blocks its queries: at 4k held slots
-# (9 heads, 3 KV heads, head_dim 64, 1 thread) 20 vs 21 ms at 16 rows, 44 vs 36 ms at 32.
-# Over fp32 pages the gather feeds PyTorch attention, slower at every length measured (up to
-# 512 rows: 256 vs 302 ms).
+# (9 heads, 3 KV heads, head_dim 64, 1 thread, AMD Zen 4) 0.8 vs 2.6 ms at 5 rows, 2.5 vs 2.8 ms
+# at 16, 4.9 vs 3.5 ms at 32. Over fp32 pages the kernel is faster up to 128 rows (18.5 vs 18.7
+# ms) and within 7% beyond (512 rows: 65 vs 62 ms) where the flash kernel takes fp32, and
+# faster at every length where the gather feeds PyTorch attention (AVX2: 256 vs 302 ms at 512).
 BF16_MAX_ROWS = 16
 _LANES = {"avx512": 16, "avx2": 8, "generic": 4}
 _DTYPES = (torch.float32, torch.bfloat16)

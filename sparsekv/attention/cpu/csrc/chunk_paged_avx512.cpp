@@ -1,5 +1,5 @@
 // AVX-512F multi-query paged attention (16 fp32 lanes; chunk_paged_impl.h): the same template
-// as the AVX2 unit at twice the width. Not run on an AVX-512 CPU during its development.
+// as the AVX2 unit at twice the width.
 #include <stdint.h>
 
 #include "chunk_paged.h"
