@@ -124,6 +124,8 @@ def test_split_keys_across_threads(isas, monkeypatch, window):
     try:
         for isa in isas:
             check(isa, monkeypatch, [3001, 1500], [5, 200], 2, 4, 32, 64, torch.float32, window)
+            # few rows per item (keys in lanes), split the same way
+            check(isa, monkeypatch, [3001, 1500], [1, 2], 2, 3, 16, 64, torch.bfloat16, window)
     finally:
         torch.set_num_threads(threads)
 
