@@ -85,54 +85,7 @@ static void chunk_load_queries(const ChunkArgs& a, const ChunkItem& it, int64_t 
   for (int64_t i = rp; i < (d + 2) * rp; ++i) st[i] = 0.0f;
 }
 
-// Prefetching. Pages follow their block table, not address order, so the hardware cannot guess
-// the next page, and one core has too few line fill buffers to fetch a whole tile by software
-// prefetches at once (a burst stalls the core). As the AMX decode path (amx_util.h): two tiles
-// ahead, the first line of each run of consecutive rows is touched so that the L2 streamer
-// fetches the rest; one tile ahead, every line is prefetched a few at a time between the
-// register blocks of the current tile.
-struct ChunkLines {
-  const char* run[2 * kChunkMaxTile];
-  int64_t bytes[2 * kChunkMaxTile];
-  int num_runs = 0, r = 0;
-  int64_t offset = 0, per_step = 0;
-
-  // The runs of tile t's key rows, then of its value rows, spread over `steps` calls of step().
-  template <typename T>
-  void start(const ChunkTile<T>& t, int64_t d, int64_t steps) {
-    num_runs = r = 0;
-    offset = 0;
-    const int64_t row = d * (int64_t)sizeof(T);
-    int64_t lines = 0;
-    for (int kv = 0; kv < 2; ++kv)
-      for (int64_t i = 0; i < t.n; ++i) {
-        const char* p = (const char*)(kv ? t.v[i] : t.k[i]);
-        if (i > 0 && p == run[num_runs - 1] + bytes[num_runs - 1]) {
-          bytes[num_runs - 1] += row;
-        } else {
-          run[num_runs] = p;
-          bytes[num_runs++] = row;
-        }
-        lines += row / 64;
-      }
-    per_step = (lines + steps - 1) / (steps > 0 ? steps : 1);
-  }
-  void touch() const {
-    for (int i = 0; i < num_runs; ++i) __builtin_prefetch(run[i]);
-  }
-  void step(int64_t lines) {
-    for (; lines > 0 && r < num_runs; --lines) {
-      __builtin_prefetch(run[r] + offset);
-      offset += 64;
-      if (offset >= bytes[r]) {
-        ++r;
-        offset = 0;
-      }
-    }
-  }
-  void step() { step(per_step); }
-  void finish() { step(INT64_MAX); }
-};
+#include "chunk_paged_prefetch.h"
 
 // The tile's keys and values as fp32 rows of stride head_dim: an fp32 tile whose rows already
 // follow each other (a whole page run) is read in place, any other is copied (bf16: widened, in
