@@ -109,7 +109,8 @@ def test_every_chunk_length_1_to_64(isas, monkeypatch, dtype):
 def test_runtime_head_dim_small_pages_and_wide_groups(isas, monkeypatch, dtype, window):
     """head_dim 96 (no compile-time specialisation), pages of 8 slots (every key tile spans
     two pages, so fp32 tiles are copied rather than read in place) and a group of 6 query
-    heads (up to 6 x 17 rows: several row vectors per item)."""
+    heads (items of up to 6 x 5 = 30 rows: several row vectors each; 6 x 1 rows for the
+    one-row chunk)."""
     for isa in isas:
         check(isa, monkeypatch, [45, 200, 0], [5, 17, 3], 2, 6, 8, 96, dtype, window)
 
@@ -124,8 +125,9 @@ def test_split_keys_across_threads(isas, monkeypatch, window):
     try:
         for isa in isas:
             check(isa, monkeypatch, [3001, 1500], [5, 200], 2, 4, 32, 64, torch.float32, window)
-            # few rows per item (keys in lanes), split the same way
-            check(isa, monkeypatch, [3001, 1500], [1, 2], 2, 3, 16, 64, torch.bfloat16, window)
+            # few rows per item (keys in lanes), split the same way, both dtypes
+            for dtype in (torch.bfloat16, torch.float32):
+                check(isa, monkeypatch, [3001, 1500], [1, 2], 2, 3, 16, 64, dtype, window)
     finally:
         torch.set_num_threads(threads)
 

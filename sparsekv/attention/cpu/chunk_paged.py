@@ -27,9 +27,10 @@ VARIANTS = ("avx512", "avx2", "generic")
 # Longest chunk for which the kernel beats gathering bf16 pages for the flash prefill kernel
 # (``ops.prefill_attention``), which packs K / V once and blocks its queries: at 4k held slots
 # (9 heads, 3 KV heads, head_dim 64, 1 thread, AMD Zen 4) 0.8 vs 2.6 ms at 5 rows, 2.5 vs 2.8 ms
-# at 16, 4.9 vs 3.5 ms at 32. Over fp32 pages the kernel is faster up to 128 rows (18.5 vs 18.7
-# ms) and within 7% beyond (512 rows: 65 vs 62 ms) where the flash kernel takes fp32, and
-# faster at every length where the gather feeds PyTorch attention (AVX2: 256 vs 302 ms at 512).
+# at 16, 4.9 vs 3.5 ms at 32. fp32 pages always take the kernel: it is faster up to 128 rows
+# (18.5 vs 18.7 ms) and within 7% beyond (512 rows: 65 vs 62 ms, inside this VM's run-to-run
+# spread) where the flash kernel takes fp32, and faster at every length where the gather
+# feeds PyTorch attention (AVX2: 256 vs 302 ms at 512).
 BF16_MAX_ROWS = 16
 _LANES = {"avx512": 16, "avx2": 8, "generic": 4}
 _DTYPES = (torch.float32, torch.bfloat16)

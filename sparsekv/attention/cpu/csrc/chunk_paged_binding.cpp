@@ -199,9 +199,7 @@ std::vector<at::Tensor> chunk_paged_attention(const at::Tensor& query, const at:
   a.head_dim = d;
   a.scale = (float)scale;
   a.window = window;
-  // Keys per tile: K and V rows of one tile stay within L1 (32 keys of head_dim 64 in fp32:
-  // 16 KiB); a multiple of every variant's width.
-  a.tile = 16;
+  a.tile = skv::kChunkTileKeys;
   a.total_rows = rows;
   a.out = out.data_ptr();
   a.lse = lse.data_ptr<float>();

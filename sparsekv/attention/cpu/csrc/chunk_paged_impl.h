@@ -9,11 +9,13 @@
 // rows in vector lanes (below).
 
 constexpr int kChunkMaxTile = 32;
+static_assert(kChunkTileKeys <= kChunkMaxTile && kChunkTileKeys % W == 0, "tile of whole vectors");
 
 static inline int64_t chunk_min(int64_t x, int64_t y) { return x < y ? x : y; }
 
-// Row pointers of one key tile's keys and values, in the pages or in the chunk; entries past
-// the tile's n keys repeat key 0 (their logits are masked).
+// Row pointers of one key tile's keys and values, in the pages or in the chunk; entries from
+// the tile's n keys up to the `padded` count chunk_tile_rows is given repeat key 0 (the narrow
+// path pads to whole vectors and masks their logits).
 template <typename T>
 struct ChunkTile {
   const T* k[kChunkMaxTile];

@@ -8,6 +8,7 @@
 // item's state ends in the lanes layout chunk_combine reads.
 
 constexpr int kNarrowTile = 32;  // keys per step: a multiple of every variant's width
+static_assert(kNarrowTile <= kChunkMaxTile && kNarrowTile % W == 0, "tile of whole vectors");
 
 // Queries of the item's rows into q [rows][head_dim], scaled to base-2 logits, in T's chunk
 // order; per-row states st [rows][head_dim + 2] (max, sum, accumulator) reset.

@@ -20,15 +20,18 @@ struct ChunkLines {
     offset = 0;
     const int64_t row = d * (int64_t)sizeof(T);
     int64_t lines = 0;
+    const char* run_end = nullptr;
     for (int kv = 0; kv < 2; ++kv)
       for (int64_t i = 0; i < t.n; ++i) {
         const char* p = (const char*)(kv ? t.v[i] : t.k[i]);
-        if (i > 0 && p == run[num_runs - 1] + bytes[num_runs - 1]) {
+        if (i > 0 && p == run_end) {
           bytes[num_runs - 1] += row;
-        } else {
-          run[num_runs] = p;
-          bytes[num_runs++] = row;
+        } else {  // runs start at a line boundary, so their last line is not missed
+          const int64_t skew = (int64_t)((uintptr_t)p % 64);
+          run[num_runs] = p - skew;
+          bytes[num_runs++] = row + skew;
         }
+        run_end = p + row;
         lines += row / 64;
       }
     per_step = (lines + steps - 1) / (steps > 0 ? steps : 1);
