@@ -65,24 +65,32 @@ static void chunk_tile_rows(const ChunkArgs& a, const ChunkItem& it, int64_t j0,
 
 static inline int64_t chunk_lanes(int64_t rows) { return (rows + W - 1) / W * W; }
 
-// Queries of the item's rows, scaled to base-2 logits, transposed into qt [head_dim][rp] (in T's
-// chunk order; padding lanes 0); states reset.
+// Queries of the item's rows scaled to base-2 logits: element e of row r (head kvh * group +
+// r / num_rows, chunk row r % num_rows) to q[r * row_stride + chunk_pos<T>(e) * elem_stride].
 template <typename T>
-static void chunk_load_queries(const ChunkArgs& a, const ChunkItem& it, int64_t rp, float* qt,
-                               float* st) {
+static void chunk_scaled_queries(const ChunkArgs& a, const ChunkItem& it, float* q,
+                                 int64_t row_stride, int64_t elem_stride) {
   const int64_t d = a.head_dim, group = a.num_heads / a.num_kv_heads;
   const int64_t rows = group * it.num_rows, first_row = a.row_starts[it.b] + it.row0;
   const float qscale = a.scale * kLog2e;
-  for (int64_t i = 0; i < d * rp; ++i) qt[i] = 0.0f;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t h = it.kvh * group + r / it.num_rows, row = first_row + r % it.num_rows;
     const int64_t off = h * a.query_head_stride + row * a.query_row_stride;
     for (int64_t e = 0; e < d; ++e) {
       const float x = a.query_bf16 ? to_float(((const uint16_t*)a.query)[off + e])
                                    : ((const float*)a.query)[off + e];
-      qt[chunk_pos<T>(e) * rp + r] = x * qscale;
+      q[r * row_stride + chunk_pos<T>(e) * elem_stride] = x * qscale;
     }
   }
+}
+
+// Queries transposed into qt [head_dim][rp] (padding lanes 0); states reset.
+template <typename T>
+static void chunk_load_queries(const ChunkArgs& a, const ChunkItem& it, int64_t rp, float* qt,
+                               float* st) {
+  const int64_t d = a.head_dim;
+  for (int64_t i = 0; i < d * rp; ++i) qt[i] = 0.0f;
+  chunk_scaled_queries<T>(a, it, qt, 1, rp);
   for (int64_t r = 0; r < rp; ++r) st[r] = kNegInf;
   for (int64_t i = rp; i < (d + 2) * rp; ++i) st[i] = 0.0f;
 }
@@ -273,8 +281,8 @@ static void chunk_item_t(const ChunkArgs& a, const ChunkItem& it, float* scratch
       gather(ti + 2);
       lines[(ti + 2) % 3].touch();
     }
-    ChunkLines& ahead = lines[(ti + 1) % 3];  // a spent (finished) set after the last tile
-    if (ti + 1 >= end) ahead.r = ahead.num_runs;
+    // after the last tile: a set already finished (or never started), whose steps do nothing
+    ChunkLines& ahead = lines[(ti + 1) % 3];
     const ChunkTile<T>& t = tiles[ti % 3];
     const int64_t n = t.n;
     const float *k, *v;

@@ -10,21 +10,13 @@
 constexpr int kNarrowTile = 32;  // keys per step: a multiple of every variant's width
 static_assert(kNarrowTile <= kChunkMaxTile && kNarrowTile % W == 0, "tile of whole vectors");
 
-// Queries of the item's rows into q [rows][head_dim], scaled to base-2 logits, in T's chunk
-// order; per-row states st [rows][head_dim + 2] (max, sum, accumulator) reset.
+// Queries of the item's rows into q [rows][head_dim] (chunk_scaled_queries); per-row states
+// st [rows][head_dim + 2] (max, sum, accumulator) reset.
 template <typename T>
 static void narrow_load_queries(const ChunkArgs& a, const ChunkItem& it, float* q, float* st) {
-  const int64_t d = a.head_dim, group = a.num_heads / a.num_kv_heads;
-  const int64_t rows = group * it.num_rows, first_row = a.row_starts[it.b] + it.row0;
-  const float qscale = a.scale * kLog2e;
+  const int64_t d = a.head_dim, rows = a.num_heads / a.num_kv_heads * it.num_rows;
+  chunk_scaled_queries<T>(a, it, q, d, 1);
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t h = it.kvh * group + r / it.num_rows, row = first_row + r % it.num_rows;
-    const int64_t off = h * a.query_head_stride + row * a.query_row_stride;
-    for (int64_t e = 0; e < d; ++e) {
-      const float x = a.query_bf16 ? to_float(((const uint16_t*)a.query)[off + e])
-                                   : ((const float*)a.query)[off + e];
-      q[r * d + chunk_pos<T>(e)] = x * qscale;
-    }
     float* s = st + r * (d + 2);
     s[0] = kNegInf;
     for (int64_t e = 1; e < d + 2; ++e) s[e] = 0.0f;
