@@ -46,6 +46,7 @@ class ConcentrationProbe:
         self.top_mass: dict[int, float] = {}
 
     def attend(self, layer, q, k, v, scale, sliding_window=None):
+        dtype = q.dtype  # the output goes back to the model's compute dtype
         q, k, v = (t.float().transpose(0, 1) for t in (q, k, v))  # [heads, T, d]
         group = q.shape[0] // k.shape[0]
         k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
@@ -59,7 +60,7 @@ class ConcentrationProbe:
             visible &= index[None, :] > index[:, None] - sliding_window
         probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
         self.top_mass[layer] = top_mass(probs[:, -self.rows :], self.keep)
-        return (probs @ v).transpose(0, 1)
+        return (probs @ v).transpose(0, 1).to(dtype)
 
 
 def top_mass(probs: torch.Tensor, keep: float) -> float:

@@ -12,7 +12,7 @@ from sparsekv.cli import build_parser
 from sparsekv.cli_args import engine_config_from_args
 from sparsekv.compression.budgets_file import LayerBudgets, load_budgets, save_budgets
 from sparsekv.config import CompressionConfig
-from sparsekv.evaluation.calibrate import allocate, top_mass
+from sparsekv.evaluation.calibrate import ConcentrationProbe, allocate, top_mass
 from sparsekv.kv_cache.budget import layer_budgets
 
 
@@ -115,3 +115,22 @@ def test_budgets_file_flag(tmp_path):
     )
     with pytest.raises(ValueError, match="kv_layer_budgets_file: exclusive"):
         engine_config_from_args(args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_probe_attention_is_causal_attention_in_the_model_dtype(dtype):
+    # The probe replaces the model's attention, so its output must come back in the model's
+    # compute dtype (a bf16 model's next linear rejects fp32 input) with SDPA's values.
+    torch.manual_seed(0)
+    q = torch.randn(7, 4, 16, dtype=dtype)  # [tokens, heads, head_dim]
+    k, v = torch.randn(7, 2, 16, dtype=dtype), torch.randn(7, 2, 16, dtype=dtype)
+    probe = ConcentrationProbe(keep=0.5, rows=3)
+    out = probe.attend(0, q, k, v, scale=0.25)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.float().transpose(0, 1), k.float().repeat_interleave(2, 1).transpose(0, 1),
+        v.float().repeat_interleave(2, 1).transpose(0, 1), is_causal=True, scale=0.25,
+    ).transpose(0, 1)  # fmt: skip
+    assert out.dtype == dtype and out.shape == (7, 4, 16)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), expected.to(dtype).float(), atol=tolerance, rtol=0)
+    assert 0.5 < probe.top_mass[0] <= 1.0
