@@ -129,6 +129,28 @@ def test_matmul_every_row_count(isa, fmt, shape):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_matmul_split_over_threads_equals_one_thread(isa, dtype, rows):
+    # 1000 Q4_1 rows of 360 bytes: several 64 KiB tasks, so two threads split the call; each
+    # output feature is computed by one task, so the split result is the one-thread result.
+    weight = random_weight("q4_1", 1000, 576)
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(2)).to(dtype)
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            y = torch.empty(rows, 1000, dtype=dtype)
+            _ext().matmul_(x, weight.data, FORMATS["q4_1"].code, 576, y, 0, isa)
+            results.append(y)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0], results[1])
+    if dtype == torch.float32:
+        assert_close_to_exact(results[1], x, dequantize_reference(weight))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3])
 def test_matmul_writes_only_its_columns(isa, dtype, rows):
     weight = random_weight("q4_1", 9, 64)

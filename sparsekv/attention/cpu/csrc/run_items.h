@@ -10,9 +10,11 @@
 
 namespace sparsekv_cpu {
 
-// Below this many multiply-adds (~0.1 ms) a call runs on the calling thread: waking the pool
-// costs more, and far more when other processes keep the cores busy.
-constexpr int64_t kParallelMinWork = 1 << 21;
+// Below this many multiply-adds (~25 us on one core) a call runs on the calling thread: waking
+// the pool costs more, and far more when other processes keep the cores busy. Decode steps keep
+// the pool awake (the packed-weight linears between attention layers use every thread), so a
+// batch-1 decode over a few hundred slots is split too.
+constexpr int64_t kParallelMinWork = 1 << 19;
 
 // Runs fn(item, scratch) for item in [0, num_items) on the intra-op threads; items are taken
 // from a shared counter so uneven items balance.

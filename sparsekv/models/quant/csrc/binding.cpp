@@ -104,13 +104,15 @@ void check_weight(const at::Tensor& w, int64_t format, int64_t k) {
               row_bytes_of(format, k), " bytes for ", k, " inputs, got ", w.size(1));
 }
 
-// Below ~4 MiB of packed weights per task a call stays on the calling thread. Each call joins
-// its threads at the end, and on a machine whose cores other processes keep busy a helper
-// thread that is not running holds that join for a scheduler slice: on 2 shared cores,
-// SmolLM2's 120 decode-sized layers took 8x longer with 2 threads per call than with one.
-// Only large layers (an output head) are split.
+// Tasks of at least 64 KiB of packed weights: every decode-sized layer of a small model is split
+// over the threads (SmolLM2's 345 KiB fused QKV into two tasks at 2 threads), as decode reads
+// the weights and one core alone does not saturate memory. A call joins its threads at the end,
+// so on cores that other processes keep busy a helper thread that is not running holds every
+// join for a scheduler slice: there, fewer threads than free cores (`--threads`) are faster.
+constexpr int64_t kMinTaskBytes = int64_t{1} << 16;
+
 int64_t grain_rows(int64_t row_bytes, int64_t multiple) {
-  const int64_t rows = std::max<int64_t>(1, (int64_t{1} << 22) / std::max<int64_t>(1, row_bytes));
+  const int64_t rows = std::max<int64_t>(1, kMinTaskBytes / std::max<int64_t>(1, row_bytes));
   return (rows + multiple - 1) / multiple * multiple;
 }
 
@@ -154,7 +156,7 @@ void check_matmul_args(const at::Tensor& x, int64_t k, int64_t n, const at::Tens
                 " ", bias->sizes());
 }
 
-// Runs `kernel` over the n weight rows in tasks of about 4 MiB of packed weights.
+// Runs `kernel` over the n weight rows in tasks of at least kMinTaskBytes of packed weights.
 void run_rows(const qk::MatmulArgs& args, int64_t n,
               void (*kernel)(const qk::MatmulArgs&, int64_t, int64_t)) {
   at::parallel_for(0, n, grain_rows(args.row_bytes, 4),
