@@ -131,23 +131,29 @@ def test_matmul_every_row_count(isa, fmt, shape):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5])
 def test_matmul_split_over_threads_equals_one_thread(isa, dtype, rows):
-    # 1000 Q4_1 rows of 360 bytes: several 64 KiB tasks, so two threads split the call; each
-    # output feature is computed by one task, so the split result is the one-thread result.
-    weight = random_weight("q4_1", 1000, 576)
+    # 1002 Q4_1 rows of 360 bytes (over the 64 KiB above which a call is split): two and three
+    # threads cut it at rows that are not multiples of 4 (ragged GEMV groups and GEMM tiles at
+    # the task edges). Each output feature is computed by one task from its own weight row, so
+    # every split gives the one-thread result, and no task writes outside its columns.
+    weight = random_weight("q4_1", 1002, 576)
+    assert weight.data.numel() > 2**16
     x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(2)).to(dtype)
     results = []
     threads = torch.get_num_threads()
     try:
-        for count in (1, 2):
+        for count in (1, 2, 3):
             torch.set_num_threads(count)
-            y = torch.empty(rows, 1000, dtype=dtype)
-            _ext().matmul_(x, weight.data, FORMATS["q4_1"].code, 576, y, 0, isa)
+            y = torch.full((rows, 1010), 7.0, dtype=dtype)
+            _ext().matmul_(x, weight.data, FORMATS["q4_1"].code, 576, y, 5, isa)
             results.append(y)
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(results[0], results[1])
+    for y in results:
+        assert torch.equal(y, results[0])
+        assert torch.equal(y[:, :5], torch.full((rows, 5), 7.0, dtype=dtype))
+        assert torch.equal(y[:, 1007:], torch.full((rows, 3), 7.0, dtype=dtype))
     if dtype == torch.float32:
-        assert_close_to_exact(results[1], x, dequantize_reference(weight))
+        assert_close_to_exact(results[0][:, 5:1007], x, dequantize_reference(weight))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -104,11 +104,12 @@ void check_weight(const at::Tensor& w, int64_t format, int64_t k) {
               row_bytes_of(format, k), " bytes for ", k, " inputs, got ", w.size(1));
 }
 
-// Tasks of at least 64 KiB of packed weights: every decode-sized layer of a small model is split
-// over the threads (SmolLM2's 345 KiB fused QKV into two tasks at 2 threads), as decode reads
-// the weights and one core alone does not saturate memory. A call joins its threads at the end,
-// so on cores that other processes keep busy a helper thread that is not running holds every
-// join for a scheduler slice: there, fewer threads than free cores (`--threads`) are faster.
+// A call with more than 64 KiB of packed weights is split into equal parts, one per thread, so
+// every decode-sized layer of a small model runs on all threads (SmolLM2's 337.5 KiB fused QKV
+// on both of 2): decode reads the weights, and one core alone does not saturate memory. A call
+// joins its threads at the end, so on cores that other processes keep busy a helper thread that
+// is not running holds every join for a scheduler slice: there, give `--threads` no more
+// threads than idle cores.
 constexpr int64_t kMinTaskBytes = int64_t{1} << 16;
 
 int64_t grain_rows(int64_t row_bytes, int64_t multiple) {
@@ -156,7 +157,7 @@ void check_matmul_args(const at::Tensor& x, int64_t k, int64_t n, const at::Tens
                 " ", bias->sizes());
 }
 
-// Runs `kernel` over the n weight rows in tasks of at least kMinTaskBytes of packed weights.
+// Runs `kernel` over the n weight rows, split over the threads above kMinTaskBytes of weights.
 void run_rows(const qk::MatmulArgs& args, int64_t n,
               void (*kernel)(const qk::MatmulArgs&, int64_t, int64_t)) {
   at::parallel_for(0, n, grain_rows(args.row_bytes, 4),
