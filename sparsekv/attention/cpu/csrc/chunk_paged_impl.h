@@ -13,9 +13,9 @@ static_assert(kChunkTileKeys <= kChunkMaxTile && kChunkTileKeys % W == 0, "tile 
 
 static inline int64_t chunk_min(int64_t x, int64_t y) { return x < y ? x : y; }
 
-// Row pointers of one key tile's keys and values, in the pages or in the chunk; entries from
-// the tile's n keys up to the `padded` count chunk_tile_rows is given repeat key 0 (the narrow
-// path pads to whole vectors and masks their logits).
+// Row pointers of one key tile's keys and values, in the pages or in the chunk. chunk_tile_rows
+// fills entries n .. padded - 1 with key 0's rows: the narrow path reads whole vectors of keys
+// and masks those logits.
 template <typename T>
 struct ChunkTile {
   const T* k[kChunkMaxTile];
