@@ -342,6 +342,8 @@ class SchedulerConfig:
 
 
 SPECULATIVE_METHODS = ("ngram", "sparse_self")
+# Draft tokens per step at most: a verification is K + 1 query rows per request and layer.
+MAX_SPECULATIVE_TOKENS = 32
 
 
 @dataclass
@@ -358,7 +360,8 @@ class SpeculativeConfig:
             latest earlier occurrence of the sequence's last n tokens) or ``sparse_self`` (the
             model itself drafts, reading only the sink and most recent pages of its own
             cache); unset is off.
-        num_speculative_tokens: draft tokens proposed per request and step (K).
+        num_speculative_tokens: draft tokens proposed per request and step (K), at most
+            ``MAX_SPECULATIVE_TOKENS``.
         ngram_prompt_lookup_min: shortest suffix n-gram the ``ngram`` drafter matches.
         ngram_prompt_lookup_max: longest suffix n-gram the ``ngram`` drafter matches (tried
             first).
@@ -390,6 +393,11 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"num_speculative_tokens must be <= {MAX_SPECULATIVE_TOKENS}, "
+                f"got {self.num_speculative_tokens}"
+            )
         if self.ngram_prompt_lookup_min < 1:
             raise ValueError(
                 f"ngram_prompt_lookup_min must be >= 1, got {self.ngram_prompt_lookup_min}"

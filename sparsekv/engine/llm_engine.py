@@ -140,6 +140,9 @@ class LLMEngine:
             logprobs = [] if params.logprobs is not None else None
             samples.append(op.SampleState(request, detok, logprobs))
             self._sample_owner[sample_id] = request_id
+        if self._shares_prompt_prefill(params, policy, context_key):
+            for state in samples[1:]:
+                state.request.prefill_leader = samples[0].request
         group = op.RequestGroup(request_id, list(prompt_token_ids), samples)
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]  # the first prompt token has no context
@@ -147,6 +150,17 @@ class LLMEngine:
         for state in samples:
             self.scheduler.add(state.request)
         self.stats.num_prompt_tokens += len(prompt_token_ids) * params.n
+
+    def _shares_prompt_prefill(
+        self, params: SamplingParams, policy: CompressionPolicy, context_key: bytes | None
+    ) -> bool:
+        """The samples of an ``n > 1`` request can take the first sample's prompt pages from
+        the prefix cache: a full cache, an uncompressed prefix cache or a shared compressed
+        context, and no prompt logprobs (which need every prompt row computed)."""
+        if params.n == 1 or self.kv.prefix_cache is None or params.prompt_logprobs is not None:
+            return False
+        cache = self.config.cache
+        return not policy.enabled or cache.prefix_cache_uncompressed or context_key is not None
 
     def _check_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:

@@ -45,6 +45,9 @@ class Request:
             context tokens and policy (``None``: not shared).
         speculative: the request's resolved speculative decoding settings (``None``: it
             decodes one token per step).
+        prefill_leader: the first sample of this ``n > 1`` request, whose prompt pages this
+            sample takes from the prefix cache once they are computed (``None``: it prefills
+            its own prompt).
     """
 
     request_id: str
@@ -67,6 +70,7 @@ class Request:
     sample_index: int = 0
     context_key: bytes | None = None
     speculative: SpeculativeConfig | None = None
+    prefill_leader: Request | None = field(default=None, repr=False)
 
     @property
     def compression(self) -> CompressionConfig | None:

@@ -185,6 +185,8 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, token_budget: int) -> None:
         while self.waiting and token_budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if _awaits_leader(request):
+                return
             # An idle engine admits without the watermark, so a lone request always runs.
             watermark = self.config.watermark_pages if self.running else 0
             swapped_in = False
@@ -280,3 +282,15 @@ class Scheduler:
             self.finish(item.request, "error")
             failed.append(item.request)
         return failed
+
+
+def _awaits_leader(request: Request) -> bool:
+    """A sample of an ``n > 1`` request waits while its first sample prefills the shared
+    prompt, then attaches those pages from the prefix cache: one prefill serves all ``n``
+    samples (queued requests behind it wait a step or a few, as behind any long prefill)."""
+    leader = request.prefill_leader
+    return (
+        leader is not None
+        and leader.status == RequestStatus.RUNNING
+        and leader.num_computed_tokens < leader.num_prompt_tokens
+    )

@@ -41,8 +41,6 @@ class CompressionPolicy:
         layer_budgets: ``[num_layers]`` slots each layer keeps, window included; ``None``: a
             full cache (full-first-N and sliding-window layers, policy off). Empty on a
             tensor-parallel worker's mirror, whose budgets arrive with every step.
-        head_budgets: per layer, the split of its budget over KV heads (AdaKV-style adaptive
-            budgets); ``None``: every KV head of a layer keeps the layer's budget.
         kv: how the budgeted layers behave in the KV manager (decode eviction, bounded
             chunks, context-only compression).
         peak_pages: the most pages the request ever holds, per page kind (checked against
@@ -54,7 +52,6 @@ class CompressionPolicy:
     settings: CompressionConfig | None = None
     compressor: Compressor | None = None
     layer_budgets: tuple[int | None, ...] = ()
-    head_budgets: tuple[tuple[int, ...] | None, ...] | None = None
     kv: KVPolicy = field(default_factory=_full_cache_kv)
     peak_pages: tuple[int, ...] = ()
     context_len: int | None = None
@@ -205,7 +202,7 @@ def resolve_policy(
             )
     compressor = _compressor(settings, config, tokenizer)
     return CompressionPolicy(
-        settings, compressor, tuple(budgets), None, kv_policy, tuple(peaks), context_len
+        settings, compressor, tuple(budgets), kv_policy, tuple(peaks), context_len
     )
 
 

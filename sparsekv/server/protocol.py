@@ -11,7 +11,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, FiniteFloat
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    FiniteFloat,
+    ValidationInfo,
+    field_validator,
+)
 
 
 def _encodable(text: str) -> str:
@@ -115,6 +123,14 @@ class SamplingBody(BaseModel):
     skip_special_tokens: bool = True
     kv_compression: KVCompressionBody | None = None
     speculative: SpeculativeBody | None = None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, value: StreamOptions | None, info: ValidationInfo):
+        # OpenAI's API rejects stream options on a request that does not stream.
+        if value is not None and not info.data.get("stream", False):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return value
 
     @property
     def include_usage(self) -> bool:

@@ -87,6 +87,7 @@ def test_greedy_text_is_the_same_with_and_without_drafts(server, compression):
     [
         ({"method": "eagle"}, "speculative.method"),
         ({"num_speculative_tokens": -2}, "speculative.num_speculative_tokens"),
+        ({"num_speculative_tokens": 2**31 - 1}, "speculative.num_speculative_tokens"),
         ({"ngram_prompt_lookup_min": 4, "ngram_prompt_lookup_max": 2}, None),
         ({"draft_model": "x"}, None),
     ],

@@ -7,6 +7,8 @@ Tiny random Llama models (fast) and a few checks on the real SmolLM2-135M.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -102,6 +104,36 @@ def test_shared_prefix_batch_equals_one_by_one(tiny, make_engine):
     assert engine.stats.num_prefix_cache_hits == 4
     assert engine.stats.num_prefix_cache_hit_tokens == 4 * 40
     assert got == cold(make_engine, tiny, prompts, block_size=8)
+
+
+@pytest.mark.parametrize("policy", [None, CompressionConfig(method="snapkv", scope="context")])
+def test_samples_of_one_request_share_one_prefill(tiny, make_engine, policy):
+    """n = 3: samples 2 and 3 wait for sample 1's prefill, then take its prompt pages (or its
+    compressed context) from the cache: one prefill for the three, outputs as n = 1's."""
+    prompt = tokens_of(200, 5)
+    if policy is not None:
+        policy = dataclasses.replace(policy, budget=24, window=4, context_tokens=180)
+    engine = make_engine(tiny)
+    params = SamplingParams(n=3, max_tokens=8, **GREEDY)
+    done = run_to_completion(engine, [("r", prompt, params, policy)])
+    alone = cold(make_engine, tiny, {"s": prompt}, max_tokens=8, policy=policy)["s"]
+    assert [o.token_ids for o in done["r"].outputs] == [alone] * 3
+    # Full cache: 12 whole pages of the 199 tokens before the last; context: its 180 tokens.
+    assert engine.stats.num_prefix_cache_hit_tokens == 2 * (192 if policy is None else 180)
+    assert engine.stats.num_prompt_tokens == 3 * 200
+
+
+def test_samples_with_prompt_logprobs_prefill_each(tiny, make_engine):
+    """Prompt logprobs need every prompt row computed: no sample waits for another."""
+    engine = make_engine(tiny)
+    params = SamplingParams(n=2, max_tokens=4, prompt_logprobs=0, **GREEDY)
+    engine.add_request("r", tokens_of(100, 6), params)
+    assert [r.prefill_leader for r in engine.scheduler.waiting] == [None, None]
+    engine.step()
+    assert engine.scheduler.num_running == 2  # both admitted in the first step
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.stats.num_prefix_cache_hit_tokens == 0
 
 
 # ----------------------------------------------------------------- with compression

@@ -44,7 +44,6 @@ def test_flat_budget():
     assert policy.settings == CompressionConfig(budget=64, window=8, full_layers=1)
     assert policy.compressor == SnapKVCompressor(8, "max", 15, "mean")
     assert policy.layer_budgets == (None, 64, 64, 64)
-    assert policy.head_budgets is None
     assert policy.kv == KVPolicy(decode_eviction=True, bounded_chunks=False)
     # Full layer: ceil(210 / 16) = 14 pages; budgeted: min(210, max(64, 64 + 16)) = 80 -> 5.
     assert policy.peak_pages == (14 + 3 * 5,)

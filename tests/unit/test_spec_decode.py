@@ -101,6 +101,11 @@ def test_speculative_config_merges_and_validates():
     assert not base.merged({"num_speculative_tokens": 0}).enabled
     with pytest.raises(ValueError, match="speculative.num_speculative_tokens"):
         base.merged({"num_speculative_tokens": -1})
+    assert base.merged({"num_speculative_tokens": 32}).num_speculative_tokens == 32
+    with pytest.raises(
+        ValueError, match=r"speculative.num_speculative_tokens must be <= 32, got 33"
+    ):
+        base.merged({"num_speculative_tokens": 33})
     with pytest.raises(ValueError, match="speculative.depth: unknown field"):
         base.merged({"depth": 3})
     with pytest.raises(ValueError, match="speculative_method"):
