@@ -1,5 +1,5 @@
 """Where KVzip's scores put a RULER needle: per budgeted layer, how many of the needle's tokens
-fall inside the layer's budget under three scorings of the same reconstruction pass.
+fall inside the layer's budget under four scorings of the same prompt.
 
 - ``kvzip``: sparsekv's KVzip as the engine runs it (softmax over every slot a row sees).
 - ``chunk``: kvpress's normalisation (a segment's rows softmax over the 4 sinks, their own
@@ -9,8 +9,10 @@ fall inside the layer's budget under three scorings of the same reconstruction p
   (the question, in the query-aware protocol), for contrast.
 
 The engine runs each sample once with KVzip at ``--ratio``; the compressor's ``select`` is
-wrapped to keep the layer views of the compressing step, and the three scorings are recomputed
-densely in fp32 from them. Also prints each layer's median score and the model's answer.
+wrapped to keep the layer views of the compressing step and KVzip's own scores; the other three
+are recomputed densely in fp32 from the same views. A needle token counts as kept when fewer
+than ``budget - window`` older slots score strictly higher (ties count in its favour; the engine
+breaks them towards newer slots). Also prints each layer's median score and the model's answer.
 
     PYTHONPATH=. .venv/bin/python scripts/kvzip_needle_ranks.py --model gemma3-270m \
         --task niah_single_2 --samples 3
@@ -94,6 +96,7 @@ def inside_budget(
 
 
 def main() -> None:
+    """Run ``--samples`` RULER samples of ``--task`` with KVzip and print the counts."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="gemma3-270m")
     parser.add_argument("--task", default="niah_single_2")
@@ -150,6 +153,10 @@ def main() -> None:
             for i in range(case.context_tokens - len(tokens) + 1):
                 if ids[i : i + len(tokens)] == tokens:
                     needle += range(i, i + len(tokens))
+        if not needle or max(needle) >= len(ids) - resolved.window:
+            raise ValueError(f"sample {index}: the answer's tokens are not found in the context")
+        if len(seen) != len(budgeted):
+            raise RuntimeError(f"{len(seen)} compressions for {len(budgeted)} budgeted layers")
         print(f"sample {index}: answers {case.sample.answers}, model said {answer!r}")
         for (view, scores, budget), layer in zip(seen, budgeted):
             o_weight = _dense_weight(engine.parts.model.layers[layer].self_attn.o_proj)
@@ -172,14 +179,17 @@ def main() -> None:
             finite = scores[torch.isfinite(scores)]
             print(
                 f"  layer {layer}: budget {budget} of {view.num_tokens}, median score "
-                f"{finite.median():.4f}; needle tokens inside the budget, of {len(needle)} x {view.num_kv_heads} heads: "
-                + ", ".join(f"{k} {v}" for k, v in row.items())
+                f"{finite.median():.4f}; needle tokens inside the budget, of {len(needle)} x "
+                f"{view.num_kv_heads} heads: " + ", ".join(f"{k} {v}" for k, v in row.items())
             )
     print("needle tokens inside the budget, all samples and layers:", totals)
 
 
 def _dense_weight(linear) -> torch.Tensor:
-    """``[out, in]`` fp32 weight of a (possibly packed) linear layer, by applying it to I."""
+    """``[out, in]`` fp32 weight of a (possibly packed) bias-free linear layer, by applying it
+    to the identity."""
+    if getattr(linear, "bias", None) is not None:
+        raise ValueError("the output projection has a bias: its weight cannot be read this way")
     with torch.inference_mode():
         eye = torch.eye(linear.in_features, dtype=torch.bfloat16)
         return linear(eye).float().T

@@ -140,7 +140,7 @@ class LLMEngine:
             logprobs = [] if params.logprobs is not None else None
             samples.append(op.SampleState(request, detok, logprobs))
             self._sample_owner[sample_id] = request_id
-        if self._shares_prompt_prefill(params, policy, context_key):
+        if self._shares_prompt_prefill(samples[0].request, context_key):
             for state in samples[1:]:
                 state.request.prefill_leader = samples[0].request
         group = op.RequestGroup(request_id, list(prompt_token_ids), samples)
@@ -151,16 +151,22 @@ class LLMEngine:
             self.scheduler.add(state.request)
         self.stats.num_prompt_tokens += len(prompt_token_ids) * params.n
 
-    def _shares_prompt_prefill(
-        self, params: SamplingParams, policy: CompressionPolicy, context_key: bytes | None
-    ) -> bool:
-        """The samples of an ``n > 1`` request can take the first sample's prompt pages from
-        the prefix cache: a full cache, an uncompressed prefix cache or a shared compressed
-        context, and no prompt logprobs (which need every prompt row computed)."""
-        if params.n == 1 or self.kv.prefix_cache is None or params.prompt_logprobs is not None:
+    def _shares_prompt_prefill(self, leader: Request, context_key: bytes | None) -> bool:
+        """The other samples of ``leader``'s ``n > 1`` request can take its prompt pages from
+        the prefix cache once computed: a shared compressed context, or a prompt whose pages
+        enter the cache (full cache, never compacted, or an uncompressed prefix cache) and
+        give a hit of at least one page (none with prompt logprobs: every row must run)."""
+        params = leader.sampling_params
+        if params.n == 1 or self.kv.prefix_cache is None:
             return False
-        cache = self.config.cache
-        return not policy.enabled or cache.prefix_cache_uncompressed or context_key is not None
+        if context_key is not None:
+            return True
+        may_compact = self.kv.may_compact(
+            leader.request_id, leader.num_prompt_tokens, params.max_tokens
+        )
+        if may_compact and not self.config.cache.prefix_cache_uncompressed:
+            return False  # its compressed pages never enter the prefix cache
+        return leader.max_prefix_hit_tokens(may_compact) >= self.config.cache.block_size
 
     def _check_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:

@@ -46,8 +46,8 @@ class Request:
         speculative: the request's resolved speculative decoding settings (``None``: it
             decodes one token per step).
         prefill_leader: the first sample of this ``n > 1`` request, whose prompt pages this
-            sample takes from the prefix cache once they are computed (``None``: it prefills
-            its own prompt).
+            sample takes from the prefix cache once they are computed; cleared when the
+            sample is admitted (``None``: it prefills its own prompt).
     """
 
     request_id: str
@@ -70,7 +70,7 @@ class Request:
     sample_index: int = 0
     context_key: bytes | None = None
     speculative: SpeculativeConfig | None = None
-    prefill_leader: Request | None = field(default=None, repr=False)
+    prefill_leader: Request | None = field(default=None, repr=False, compare=False)
 
     @property
     def compression(self) -> CompressionConfig | None:

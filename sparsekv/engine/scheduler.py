@@ -208,6 +208,7 @@ class Scheduler:
                     self._detach_prefix(request)
                 return
             self.waiting.popleft()
+            request.prefill_leader = None
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             if num_hit is not None:

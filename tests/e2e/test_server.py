@@ -256,6 +256,8 @@ INVALID = [
     ("completions", {"prompt": "hi", "n": 0}, 400, "n"),
     ("completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400,
      "stream_options"),  # fmt: skip
+    ("chat", {"messages": CHAT, "stream": False, "stream_options": {"include_usage": True}},
+     400, "stream_options"),  # fmt: skip
     ("completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ("completions", {"prompt": "hi", "logprobs": -1}, 400, "logprobs"),
     ("chat", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),

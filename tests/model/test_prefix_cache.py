@@ -123,11 +123,21 @@ def test_samples_of_one_request_share_one_prefill(tiny, make_engine, policy):
     assert engine.stats.num_prompt_tokens == 3 * 200
 
 
-def test_samples_with_prompt_logprobs_prefill_each(tiny, make_engine):
-    """Prompt logprobs need every prompt row computed: no sample waits for another."""
-    engine = make_engine(tiny)
-    params = SamplingParams(n=2, max_tokens=4, prompt_logprobs=0, **GREEDY)
-    engine.add_request("r", tokens_of(100, 6), params)
+@pytest.mark.parametrize(
+    ("extra", "policy", "uncompressed"),
+    [
+        (dict(prompt_logprobs=0), None, False),  # every prompt row must run
+        ({}, CompressionConfig(method="h2o", budget=24, window=4), True),  # no hit: H2O mass
+        ({}, SNAPKV, False),  # compressed pages never enter the cache
+    ],
+)
+def test_samples_without_a_shareable_prefill_prefill_each(
+    tiny, make_engine, extra, policy, uncompressed
+):
+    """Where the other samples could get no hit, none waits for the first's prefill."""
+    engine = make_engine(tiny, prefix_cache_uncompressed=uncompressed)
+    params = SamplingParams(n=2, max_tokens=4, **extra, **GREEDY)
+    engine.add_request("r", tokens_of(100, 6), params, policy)
     assert [r.prefill_leader for r in engine.scheduler.waiting] == [None, None]
     engine.step()
     assert engine.scheduler.num_running == 2  # both admitted in the first step
