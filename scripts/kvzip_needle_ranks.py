@@ -24,9 +24,11 @@ import argparse
 
 import torch
 
+from sparsekv.attention.torch_ref import causal_mask
 from sparsekv.compression.base import LayerView
 from sparsekv.compression.kvzip import KVzipCompressor
 from sparsekv.compression.registry import get_compressor
+from sparsekv.compression.scoring import aggregate_gqa
 from sparsekv.config import CacheConfig, CompressionConfig, EngineConfig, ModelConfig
 from sparsekv.engine.engine_setup import build_engine_parts
 from sparsekv.engine.llm_engine import LLMEngine
@@ -45,10 +47,8 @@ def segment_probs(view: LayerView, segment) -> torch.Tensor:
     logits = logits * view.scale
     if view.logit_softcap:
         logits = torch.tanh(logits / view.logit_softcap) * view.logit_softcap
-    rows = segment.queries.shape[1]
-    future = ~torch.ones(rows, rows, dtype=torch.bool).tril()
-    logits[:, :, -rows:] = logits[:, :, -rows:].masked_fill(future, float("-inf"))
-    return torch.softmax(logits, dim=-1)
+    visible = causal_mask(segment.queries.shape[1], keys.shape[1])
+    return torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
 
 
 def chunk_scores(view: LayerView, sinks: int, chunk_size: int, start: int) -> torch.Tensor:
@@ -62,7 +62,7 @@ def chunk_scores(view: LayerView, sinks: int, chunk_size: int, start: int) -> to
         seen = probs[:, :, kept + list(range(n, probs.shape[-1]))]
         seen = seen / seen.sum(-1, keepdim=True)
         best = seen[:, :, len(kept) - (end - start) : len(kept)].amax(1)
-        out[:, start:end] = best.reshape(heads, -1, end - start).amax(1)
+        out[:, start:end] = aggregate_gqa(best, heads, "max")
         start = end
     return out
 
@@ -82,7 +82,7 @@ def value_scores(view: LayerView, o_weight: torch.Tensor) -> torch.Tensor:
     for segment in view.reconstruction:
         probs = segment_probs(view, segment)[:, :, :n]
         best = torch.maximum(best, (probs * norms[:, None, :]).amax(1))
-    return best.reshape(heads, group, n).amax(1)
+    return aggregate_gqa(best, heads, "max")
 
 
 def inside_budget(

@@ -140,7 +140,7 @@ class LLMEngine:
             logprobs = [] if params.logprobs is not None else None
             samples.append(op.SampleState(request, detok, logprobs))
             self._sample_owner[sample_id] = request_id
-        if self._shares_prompt_prefill(samples[0].request, context_key):
+        if params.n > 1 and self.scheduler.shares_prompt(samples[0].request):
             for state in samples[1:]:
                 state.request.prefill_leader = samples[0].request
         group = op.RequestGroup(request_id, list(prompt_token_ids), samples)
@@ -150,23 +150,6 @@ class LLMEngine:
         for state in samples:
             self.scheduler.add(state.request)
         self.stats.num_prompt_tokens += len(prompt_token_ids) * params.n
-
-    def _shares_prompt_prefill(self, leader: Request, context_key: bytes | None) -> bool:
-        """The other samples of ``leader``'s ``n > 1`` request can take its prompt pages from
-        the prefix cache once computed: a shared compressed context, or a prompt whose pages
-        enter the cache (full cache, never compacted, or an uncompressed prefix cache) and
-        give a hit of at least one page (none with prompt logprobs: every row must run)."""
-        params = leader.sampling_params
-        if params.n == 1 or self.kv.prefix_cache is None:
-            return False
-        if context_key is not None:
-            return True
-        may_compact = self.kv.may_compact(
-            leader.request_id, leader.num_prompt_tokens, params.max_tokens
-        )
-        if may_compact and not self.config.cache.prefix_cache_uncompressed:
-            return False  # its compressed pages never enter the prefix cache
-        return leader.max_prefix_hit_tokens(may_compact) >= self.config.cache.block_size
 
     def _check_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:

@@ -246,13 +246,30 @@ class Scheduler:
                 num_hit = self.kv.attach_prefix(request.request_id, request.prompt_token_ids, limit)
             request.num_computed_tokens = num_hit
             return num_hit
-        max_tokens = request.sampling_params.max_tokens
-        may_compact = self.kv.may_compact(request.request_id, request.num_prompt_tokens, max_tokens)
-        limit = request.max_prefix_hit_tokens(may_compact)
+        limit = request.max_prefix_hit_tokens(self._may_compact(request))
         request.num_computed_tokens = self.kv.attach_prefix(
             request.request_id, request.prompt_token_ids, limit
         )
         return request.num_computed_tokens
+
+    def _may_compact(self, request: Request) -> bool:
+        max_tokens = request.sampling_params.max_tokens
+        return self.kv.may_compact(request.request_id, request.num_prompt_tokens, max_tokens)
+
+    def shares_prompt(self, leader: Request) -> bool:
+        """Whether the other samples of ``leader``'s ``n > 1`` request can take its prompt
+        from the prefix cache once computed (then they wait for it: ``_awaits_leader``): a
+        shared compressed context, or prompt pages that enter the cache (full cache, never
+        compacted, or the uncompressed prefix cache) and give a hit of at least one page
+        (none with prompt logprobs: every row must run)."""
+        if self.kv.prefix_cache is None:
+            return False
+        if leader.context_key is not None:
+            return True
+        may_compact = self._may_compact(leader)
+        if may_compact and not self.kv.prefix_cache_uncompressed:
+            return False  # its compressed pages never enter the prefix cache
+        return leader.max_prefix_hit_tokens(may_compact) >= self.kv.block_size
 
     def _detach_prefix(self, request: Request) -> None:
         self.kv.reset(request.request_id)
