@@ -19,6 +19,7 @@ import typing
 from sparsekv.config import (
     ATTENTION_BACKENDS,
     COMPRESSION_METHODS,
+    HEAD_BUDGETS,
     SPECULATIVE_METHODS,
     WEIGHT_DTYPES,
     CacheConfig,
@@ -53,6 +54,7 @@ FLAG_NAMES = {
     ("compression", "method"): "kv-compression",
     ("compression", "budget"): "kv-budget",
     ("compression", "compression_ratio"): "kv-compression-ratio",
+    ("compression", "head_budgets"): "kv-head-budgets",
     ("speculative", "method"): "speculative-method",
     ("speculative", "draft_sink_tokens"): "speculative-draft-sink-tokens",
     ("speculative", "draft_recent_tokens"): "speculative-draft-recent-tokens",
@@ -63,6 +65,7 @@ CHOICES = {
     ("compression", "gqa_agg"): ("mean", "max"),
     ("compression", "chunked_mode"): ("exact", "bounded"),
     ("compression", "scope"): ("prompt", "context"),
+    ("compression", "head_budgets"): HEAD_BUDGETS,
     ("scheduler", "preemption_mode"): ("swap", "recompute"),
     ("model", "dtype"): ("auto", "bfloat16", "float32"),
     ("model", "attention_backend"): ATTENTION_BACKENDS,

@@ -9,6 +9,7 @@ raises ``ValueError`` naming the offending parameter and its allowed values.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from sparsekv.kv_cache.quant import KV_CACHE_DTYPES
@@ -35,6 +36,7 @@ COMPRESSION_METHODS = (
     "expected_attention",
     "kvzip",
 )
+HEAD_BUDGETS = ("flat", "adaptive")
 
 
 @dataclass
@@ -197,6 +199,9 @@ class CompressionConfig:
         scope: what is compressed: the whole ``prompt``, or only the ``context`` before the
             last user message (compressed once, then shared by later requests).
         context_tokens: for scope ``context`` on a completion prompt, the context length.
+        head_budgets: how a layer's budget is split among its KV heads: ``flat`` (every head
+            keeps ``budget`` slots) or ``adaptive`` (the heads share ``num_kv_heads * budget``
+            slots by score, Ada-KV; set once at prefill, no decode-time eviction).
     """
 
     method: str = "snapkv"
@@ -213,6 +218,7 @@ class CompressionConfig:
     chunked_mode: str = "exact"
     scope: str = "prompt"
     context_tokens: int | None = None
+    head_budgets: str = "flat"
 
     @property
     def enabled(self) -> bool:
@@ -275,6 +281,15 @@ class CompressionConfig:
         if self.context_tokens is not None and self.context_tokens < 1:
             raise ValueError(
                 f"kv_compression.context_tokens must be >= 1, got {self.context_tokens}"
+            )
+        if self.head_budgets not in HEAD_BUDGETS:
+            raise ValueError(
+                f"kv_compression.head_budgets must be flat or adaptive, got {self.head_budgets!r}"
+            )
+        if self.head_budgets == "adaptive" and self.chunked_mode == "bounded":
+            raise ValueError(
+                "kv_compression.head_budgets: adaptive budgets are set once at the end of the "
+                "prompt; chunked_mode bounded compresses every chunk"
             )
 
     def merged(self, overrides: dict) -> CompressionConfig:
@@ -344,6 +359,13 @@ class SchedulerConfig:
 SPECULATIVE_METHODS = ("ngram", "sparse_self")
 # Draft tokens per step at most: a verification is K + 1 query rows per request and layer.
 MAX_SPECULATIVE_TOKENS = 32
+# The fields only one drafter reads, and that drafter's method.
+SPECULATIVE_METHOD_FIELDS = {
+    "ngram_prompt_lookup_min": "ngram",
+    "ngram_prompt_lookup_max": "ngram",
+    "draft_sink_tokens": "sparse_self",
+    "draft_recent_tokens": "sparse_self",
+}
 
 
 @dataclass
@@ -354,6 +376,13 @@ class SpeculativeConfig:
     own KV cache, keeps the longest accepted prefix plus one token of the target's, and rolls the
     rest back (docs/speculative.md). Greedy output is unchanged; sampled output keeps the
     target's distribution (rejection sampling).
+
+    The ``ngram_*`` fields are read only by the ``ngram`` drafter and the ``draft_*`` fields only
+    by ``sparse_self``. In the engine's settings the other method's fields are kept unchecked:
+    they are the defaults a request inherits when it switches method (and a dataclass cannot
+    tell a default from a value that was set). A request that itself gives a field its own
+    method never reads gets a ``ValueError`` naming it (``check_request_fields``) instead of
+    having it ignored.
 
     Attributes:
         method: how drafts are proposed: ``ngram`` (prompt lookup: the tokens that followed the
@@ -413,6 +442,24 @@ class SpeculativeConfig:
                 f"({self.ngram_prompt_lookup_min}), got {high!r}"
             )
 
+    def check_request_fields(self, given: Iterable[str]) -> None:
+        """Reject fields a request gave that its method (these merged settings') never reads.
+
+        Args:
+            given: the names of the fields the request set.
+
+        Raises:
+            ValueError: naming ``speculative.<field>``, e.g. ``draft_recent_tokens`` with the
+                ``ngram`` method or with speculation off.
+        """
+        for name in given:
+            owner = SPECULATIVE_METHOD_FIELDS.get(name)
+            if owner is not None and self.method != owner:
+                raise ValueError(
+                    f"speculative.{name} applies only to method {owner!r}; the request's "
+                    f"method is {self.method!r}"
+                )
+
     def merged(self, overrides: dict) -> SpeculativeConfig:
         """A copy with a request's ``speculative`` fields applied (``method: null`` or
         ``num_speculative_tokens: 0`` opts the request out).
@@ -457,4 +504,28 @@ class EngineConfig:
             raise ValueError(
                 "speculative_method: int4 pages keep their partial last page at full precision "
                 "and cannot roll drafts back; use kv_cache_dtype auto, int8 or fp8"
+            )
+        check_head_budgets(self.compression, self)
+
+
+def check_head_budgets(settings: CompressionConfig, config: EngineConfig) -> None:
+    """Adaptive head budgets need what their head-wise pages support: full-precision pages,
+    no speculative decoding (verification reads layers as equal-length heads) and one
+    tensor-parallel rank.
+
+    Raises:
+        ValueError: naming ``kv_compression.head_budgets`` and the conflicting setting.
+    """
+    if settings.head_budgets != "adaptive" or not settings.enabled:
+        return
+    conflicts = {
+        "kv_cache_dtype": config.cache.kv_cache_dtype != "auto",
+        "speculative_method": config.speculative.enabled,
+        "tensor_parallel_size": config.parallel.tensor_parallel_size > 1,
+    }
+    for name, conflict in conflicts.items():
+        if conflict:
+            raise ValueError(
+                f"kv_compression.head_budgets: adaptive budgets do not run with {name} "
+                f"(head-wise pages are full-precision, single-rank, without draft rollback)"
             )

@@ -14,7 +14,6 @@ one engine first, then all compressed runs together (continuous batching keeps b
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from tqdm import tqdm
 from sparsekv.bench import common
 from sparsekv.cli_args import add_engine_args, engine_config_from_args
 from sparsekv.config import COMPRESSION_METHODS, CompressionConfig
+from sparsekv.evaluation import ruler_cells
 from sparsekv.evaluation.fidelity import fidelity, long_texts
 from sparsekv.evaluation.report import write_report
 from sparsekv.sampling_params import SamplingParams
@@ -60,24 +60,17 @@ def main(argv: list[str] | None = None, *, checkpoint=None) -> int:
 def grid(
     args: argparse.Namespace, base: CompressionConfig
 ) -> list[tuple[str, float, CompressionConfig]]:
-    """``[(method, ratio, policy)]`` of the compressed runs; ``none`` runs once at ratio 0.
+    """``[(method, ratio, policy)]`` of the compressed runs; ``none`` runs once at ratio 0. A
+    method may carry its own settings (``method:key=value``, ``ruler_cells.grid_cells``).
 
     Raises:
-        ValueError: an unknown method or a ratio outside [0, 1).
+        ValueError: an unknown method or setting, or a ratio outside [0, 1).
     """
     defaults = QUICK_GRID if args.quick else FULL_GRID
     methods = args.methods.split(",") if args.methods else list(defaults[2])
     ratios = [float(r) for r in args.ratios.split(",")] if args.ratios else list(defaults[3])
-    cells = []
-    for method in (m.strip() for m in methods):
-        if method == "none":
-            cells.append(("none", 0.0, CompressionConfig(method="none")))
-            continue
-        for ratio in ratios:
-            policy = dataclasses.replace(base, method=method, budget=None, compression_ratio=ratio)
-            policy.validate()
-            cells.append((method, ratio, policy))
-    return cells
+    cells = ruler_cells.grid_cells([m.strip() for m in methods], ratios, base)
+    return [(cell.method, cell.ratio, cell.policy) for cell in cells]
 
 
 def run_fidelity(args: argparse.Namespace, checkpoint=None) -> dict:

@@ -16,6 +16,7 @@ import torch
 
 from sparsekv.attention.backends.base import AttentionBackend
 from sparsekv.attention.selection import kept_indices_prefer_recent, top_indices_prefer_recent
+from sparsekv.compression.head_budgets import adaptive_head_kept
 from sparsekv.config import CompressionConfig
 
 __all__ = [
@@ -204,6 +205,23 @@ class Compressor(abc.ABC):
         scores = self.score(view).float()
         assert scores.shape == (num_kv_heads, n), (scores.shape, num_kv_heads, n)
         return self.keep_top(scores, budget, window, view.backend)
+
+    def select_heads(self, view: LayerView, budget: int, window: int) -> list[torch.Tensor]:
+        """Head-wise ``select`` (``--kv-head-budgets adaptive``): the layer's KV heads share
+        ``num_kv_heads * budget`` slots by score (``head_budgets.adaptive_head_kept``, Ada-KV),
+        each keeping its ``num_recent`` newest slots.
+
+        Returns:
+            One int64 tensor of ascending slot indices per KV head (lengths differ; they sum
+            to ``num_kv_heads * min(budget, n)``).
+        """
+        num_kv_heads, n = view.num_kv_heads, view.num_tokens
+        if n <= budget:
+            return [torch.arange(n, device=view.keys.device) for _ in range(num_kv_heads)]
+        scores = self.score(view).float()
+        assert scores.shape == (num_kv_heads, n), (scores.shape, num_kv_heads, n)
+        num_recent = min(self.num_recent(budget, window), budget)
+        return adaptive_head_kept(scores, budget, num_recent)
 
     def keep_top(
         self,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from tqdm import tqdm
 
 from sparsekv.bench import common
 from sparsekv.cli_args import add_engine_args, engine_config_from_args
-from sparsekv.evaluation import runner
+from sparsekv.evaluation import ruler_cells, runner
 from sparsekv.evaluation.report import markdown_table, write_heatmap, write_line_plot
 
 # tasks, lengths, samples, methods, ratios
@@ -39,7 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sparsekv eval", description=__doc__)
     parser.add_argument("--tasks", default=None, help="comma list (default niah_single,passkey)")
     parser.add_argument("--lengths", default=None, help="tokens, comma list (default 4096,8192)")
-    parser.add_argument("--methods", default=None, help="comma list (default none,snapkv)")
+    parser.add_argument(
+        "--methods", default=None,
+        help="comma list (default none,snapkv); a method may carry its own settings, "
+        "method:key=value[:key=value] (e.g. snapkv:head_budgets=adaptive)",
+    )  # fmt: skip
     parser.add_argument("--ratios", default=None, help="comma list (default 0.5,0.75,0.9)")
     parser.add_argument("--samples", type=int, default=None, help="per task, length, depth (5)")
     parser.add_argument("--depths", default=None, help="needle grid, comma list in [0, 1]")
@@ -128,7 +133,7 @@ def main(argv: list[str] | None = None, *, checkpoint=None) -> int:
     load_start = common.load_average()
     config = engine_config_from_args(args)
     checkpoint = common.load_checkpoint(config, checkpoint)
-    cells = runner.build_cells(grid["methods"], grid["ratios"], config.compression)
+    cells = ruler_cells.grid_cells(grid["methods"], grid["ratios"], config.compression)
     cases = runner.build_cases(
         checkpoint.tokenizer, grid["tasks"], grid["lengths"], grid["samples"], grid["depths"],
         args.seed, args.prompt_format,
@@ -200,7 +205,9 @@ def write_reports(
     needles = [r for r in rows if r["depth"] is not None]
     for method, ratio in dict.fromkeys((r["method"], r["ratio"]) for r in needles):
         cell = [r for r in needles if r["method"] == method and r["ratio"] == ratio]
-        path = out / f"eval_heatmap_{method}_r{ratio:g}.png"
+        # A method entry may carry settings (``snapkv:head_budgets=adaptive``): file-safe name.
+        name = re.sub(r"[^A-Za-z0-9_.-]", "-", method)
+        path = out / f"eval_heatmap_{name}_r{ratio:g}.png"
         title = f"{method} (ratio {ratio:g}): retrieval score by depth x length"
         images.append(write_heatmap(path, cell, title=title))
     facts = "\n".join(f"- {k}: `{json.dumps(v, default=str)}`" for k, v in prov.items())

@@ -184,12 +184,15 @@ def peak_request_pages(
     max_num_batched_tokens: int,
     decode_eviction: bool,
     bounded_chunks: bool,
+    head_slack: int = 0,
 ) -> int:
     """Peak pages of a request over all layers, for the never-fits check.
 
     Sliding layers hold at most their window plus one step and a page; an exact-mode chunked
     prefill (prompt over the step token budget) holds a budgeted layer's uncompressed earlier
-    chunks until the last one, while a single-shot prefill never writes them.
+    chunks until the last one, while a single-shot prefill never writes them. A budgeted
+    layer with head-wise pages (adaptive head budgets) holds at most ``head_slack`` (its KV
+    heads) pages more than the flat layout: one partial page per head.
     """
     n = num_prompt_tokens
     total = 0
@@ -201,6 +204,8 @@ def peak_request_pages(
             peak = peak_layer_slots(budget, n, max_tokens, block_size, decode_eviction)
             if budget is not None and n > max_num_batched_tokens and not bounded_chunks:
                 peak = max(peak, n)
+            if budget is not None:
+                total += head_slack
         total += num_pages(peak, block_size)
     return total
 

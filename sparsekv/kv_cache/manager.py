@@ -8,11 +8,13 @@ that plan needs, and after the step trims what compression or a sliding window r
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
 
 from sparsekv.attention.backends.base import AttentionBackend
+from sparsekv.kv_cache import head_pages
 from sparsekv.kv_cache import prefix_sharing as sharing
 from sparsekv.kv_cache.block_pool import BlockPool
 from sparsekv.kv_cache.budget import may_compact, peak_request_pages
@@ -77,6 +79,7 @@ class KVCacheManager:
     ) -> None:
         self.layer_specs = layer_specs
         self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
         full = sorted(set(full_precision_layers)) if kv_cache_dtype != "auto" else []
         if any(not 0 <= layer < len(layer_specs) for layer in full):
             raise ValueError(
@@ -185,6 +188,7 @@ class KVCacheManager:
                     self.max_num_batched_tokens,
                     decode_eviction=policy.decode_eviction,
                     bounded_chunks=policy.bounded_chunks,
+                    head_slack=self.num_kv_heads if policy.head_wise else 0,
                 )
             )
         return peaks
@@ -203,7 +207,7 @@ class KVCacheManager:
         ``allocate``; ``fits(plan.num_pages)`` tells whether the pool has them)."""
         kv, policy = self._requests[request_id], self._policies[request_id]
         step = (num_new, completes_prompt, in_prefill, self.block_size)
-        plans = plan_layers(kv.layers, policy, *step, self.pool.any_shared)
+        plans = plan_layers(kv.layers, policy, *step, self.pool.any_shared, self.num_kv_heads)
         layer_pages = pages_needed(plans, kv.layers, self.block_size)
         return StepPlan(plans, self._by_kind(layer_pages), layer_pages)
 
@@ -281,7 +285,11 @@ class KVCacheManager:
             plan = self._widened(request_id, plan, num_new, completes_prompt)
         per_layer = zip(self.layer_kinds, kv.layers, plan.layers, plan.layer_pages)
         for kind, state, layer, num_pages in per_layer:
-            if num_pages or layer.fresh_compact:  # most decode steps add no page to a layer
+            if layer.head_growth is not None:
+                if num_pages:
+                    allocate = functools.partial(self.pool.allocate, kind=kind)
+                    head_pages.grow(state, layer.head_growth, allocate)
+            elif num_pages or layer.fresh_compact:  # most decode steps add no page to a layer
                 self._allocate_layer(kind, state, layer)
         return [layer.step(state, num_new) for layer, state in zip(plan.layers, kv.layers)]
 
@@ -291,7 +299,7 @@ class KVCacheManager:
         if extra > 0:
             state.block_table.extend(self.pool.allocate(extra, kind))
         if layer.fresh_compact:
-            num = cdiv(layer.compress_to, self.block_size)
+            num = cdiv(layer.compress_to, self.block_size) + layer.compact_slack
             state.compact_table = self.pool.allocate(num, kind)
 
     def commit(
@@ -309,6 +317,9 @@ class KVCacheManager:
         if cache_token_ids is not None and self.prefix_cache is not None:
             sharing.offer_step(self.prefix_cache, kv.layers, steps, cache_token_ids)
         for window, state, step in zip(self._windows, kv.layers, steps):
+            if step.head_lens is not None or step.to_heads:
+                self._commit_heads(state, step)
+                continue
             held = step.num_held + step.num_new
             if step.compress_to is not None and step.compress_to < held:
                 state.num_evicted += held - step.compress_to
@@ -323,6 +334,24 @@ class KVCacheManager:
             if len(state.block_table) > keep:
                 self.pool.free(state.block_table[keep:])
                 del state.block_table[keep:]
+
+    def _commit_heads(self, state: LayerKV, step: LayerStep) -> None:
+        """Commit a head-wise layer's step: a compaction into head-wise pages (the runner
+        recorded each head's kept slots and pages in ``state``) releases the pages the split
+        left unused; later steps append ``num_new`` slots to every head."""
+        if step.head_lens is not None:
+            state.head_lens = [n + step.num_new for n in step.head_lens]
+        else:
+            assert state.head_lens is not None, "a head-wise compaction left no split"
+            if step.compact_table is not None:
+                self._release([state.block_table])
+                state.block_table, state.compact_table = step.compact_table, None
+            used = sum(state.head_pages)
+            self.pool.free(state.block_table[used:])
+            del state.block_table[used:]
+        held = head_pages.mean_held(state.head_lens)
+        state.num_evicted += max(0, step.num_held + step.num_new - held)
+        state.num_slots = state.first_slot + held
 
     def _release_outside_window(self, state: LayerKV, window: int) -> None:
         # The next query sits at logical slot num_slots and sees slots > num_slots - window.
@@ -367,7 +396,7 @@ class KVCacheManager:
         kv = self._requests[request_id]
         layers = []
         for layer, state in enumerate(kv.layers):
-            if state.first_slot or state.compact_table is not None:
+            if state.first_slot or state.compact_table is not None or state.head_lens:
                 return False
             num_full = state.num_held // self.block_size
             tail = None
@@ -451,6 +480,7 @@ class KVCacheManager:
         for state in kv.layers:
             state.num_slots = state.first_slot = state.num_evicted = 0
             state.recent_queries = state.accumulated = state.residual = None
+            state.head_lens = state.head_pages = None
 
     def swap_out(self, request_id: str) -> None:
         """Copy the request's pages to host memory and drop its references (bit-exact round

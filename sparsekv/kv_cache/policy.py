@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from sparsekv.compression.base import Compressor
 from sparsekv.compression.registry import get_compressor
-from sparsekv.config import CompressionConfig, EngineConfig
+from sparsekv.config import CompressionConfig, EngineConfig, check_head_budgets
 from sparsekv.kv_cache.budget import layer_budgets
 from sparsekv.kv_cache.manager import KVCacheManager
 from sparsekv.kv_cache.plan import KVPolicy
@@ -113,6 +113,7 @@ class CompressionPolicy:
             settings.kernel_size,
             settings.gqa_agg,
             settings.chunked_mode,
+            settings.head_budgets,
         )
         hasher = hashlib.blake2b(repr(values).encode(), digest_size=16)
         hasher.update(array("q", token_ids[:context_len]).tobytes())
@@ -168,8 +169,9 @@ def resolve_policy(
     Raises:
         ValueError: invalid settings, scope ``context`` without a valid ``context_tokens``,
             a ``layer_budgets``/``layer_fractions`` list of the wrong length, a peak
-            footprint over the pool (naming ``max_tokens``), or a reconstructing method
-            under tensor parallelism.
+            footprint over the pool (naming ``max_tokens``), a reconstructing method
+            under tensor parallelism, or adaptive head budgets with a setting they do not
+            support (``config.check_head_budgets``, attention-mass methods).
     """
     settings = merge_settings(config.compression, overrides)
     context_len = _context_len(settings, num_prompt_tokens)
@@ -182,13 +184,26 @@ def resolve_policy(
     if all(budget is None for budget in budgets):
         settings = context_len = None
     kv_policy = _full_cache_kv()
+    # One KV head has nothing to share: such a model (Gemma 3 270M) keeps the flat layout.
+    head_wise = settings is not None and settings.head_budgets == "adaptive"
+    head_wise = head_wise and kv.num_kv_heads > 1
     if settings is not None:
+        check_head_budgets(settings, config)
+        if head_wise and draft_tokens:
+            raise ValueError(
+                "kv_compression.head_budgets: adaptive budgets do not run with speculative "
+                "decoding (a rejected draft cannot be rolled out of head-wise pages)"
+            )
         bounded = settings.chunked_mode == "bounded"
-        kv_policy = KVPolicy(decode_eviction=settings.decode_eviction, bounded_chunks=bounded)
+        # Head budgets are set once at prefill: no decode-time re-scoring of head-wise pages.
+        decode_eviction = settings.decode_eviction and not head_wise
+        kv_policy = KVPolicy(decode_eviction, bounded, head_wise=head_wise)
     compressed_len, later_tokens = num_prompt_tokens, max_tokens
     if context_len is not None:
         # Compressed once at the end of the context; the question and output stay whole.
-        kv_policy = KVPolicy(decode_eviction=False, bounded_chunks=False, context_only=True)
+        kv_policy = KVPolicy(
+            decode_eviction=False, bounded_chunks=False, context_only=True, head_wise=head_wise
+        )
         compressed_len = context_len
         later_tokens = max_tokens + num_prompt_tokens - context_len
     # A verification step holds the slots of its draft tokens until it commits.
@@ -219,6 +234,11 @@ def _compressor(settings: CompressionConfig | None, config: EngineConfig, tokeni
         raise ValueError(
             f"kv_compression: {compressor.name} is not supported with tensor "
             "parallelism (the step plan carries no reconstruction rows)"
+        )
+    if settings.head_budgets == "adaptive" and compressor.needs_attention_mass:
+        raise ValueError(
+            f"kv_compression.head_budgets: {compressor.name} accumulates attention mass per "
+            "slot of equal-length heads; adaptive budgets take a method scored at prefill"
         )
     if tokenizer is not None:
         compressor.bind(tokenizer)

@@ -31,6 +31,12 @@ class LayerKV:
         residual: int4 pages only: keys and values ``[num_kv_heads, num_held % block_size,
             head_dim]`` (compute dtype) of the partial last page, kept at full precision until
             the page is full and quantized (KIVI's recent tokens; ``kv_cache.storage``).
+        head_lens: head-wise layers only (adaptive head budgets, after the prefill that
+            compressed them): held slots of each KV head; ``num_slots`` is then their mean,
+            rounded up (``kv_cache.head_pages``).
+        head_pages: head-wise layers only: pages of each KV head; head ``h`` owns the
+            ``head_pages[h]`` entries of ``block_table`` after those of heads ``< h``, each
+            page read as one head's ``num_kv_heads * block_size`` slots.
     """
 
     block_table: list[int] = field(default_factory=list)
@@ -41,6 +47,8 @@ class LayerKV:
     accumulated: torch.Tensor | None = None
     compact_table: list[int] | None = None
     residual: tuple[torch.Tensor, torch.Tensor] | None = None
+    head_lens: list[int] | None = None
+    head_pages: list[int] | None = None
     # The window [num_heads, <= window, head_dim]; decode rows wait in the owner's log.
     _queries: torch.Tensor | None = field(default=None, repr=False)
     # The request whose query log (RequestKV.log_decode_queries) may hold rows of this layer

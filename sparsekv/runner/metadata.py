@@ -163,10 +163,14 @@ def build_metadata(
 
 def _decode_layers(request: RequestSlice) -> bool | list[bool]:
     """Which layers take ``request`` on the decode path: ``True`` for all of them (one new
-    token, and no layer compresses but by decode-time eviction), else one flag per layer."""
+    token, and no layer compresses but by decode-time eviction), else one flag per layer
+    (head-wise layers take the general path: ``runner.headwise``)."""
     if request.num_rows != 1:
         return [False] * len(request.layers)
-    flags = [step.compress_to is None or step.decode_compaction for step in request.layers]
+    flags = [
+        (step.compress_to is None or step.decode_compaction) and step.head_lens is None
+        for step in request.layers
+    ]
     return True if all(flags) else flags
 
 

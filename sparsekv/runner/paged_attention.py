@@ -8,7 +8,8 @@
   compacted back to its budget after the forward (``finish``): a request's compacting layers
   are scored together as one view with their heads stacked, one selection instead of one
   per layer (the layer's pages are not read again in the step);
-- general path (prefill chunks, steps that compress): earlier K/V are gathered, the new K/V
+- general path (prefill chunks, steps that compress, layers with head-wise pages:
+  ``runner.headwise``): earlier K/V are gathered, the new K/V
   appended as activations, attention returns each row's log-sum-exp, and a compressing layer
   scores the slots with the observation window (reusing that LSE), keeps the top ``budget``
   per KV head and writes only the kept K/V into its pages. A single-shot prefill therefore never
@@ -40,7 +41,7 @@ from sparsekv.compression.scoring import prefill_attention_mass
 from sparsekv.kv_cache.request_kv import LayerKV
 from sparsekv.kv_cache.spec import LayerSpec
 from sparsekv.kv_cache.storage import KVStorage
-from sparsekv.runner import compaction
+from sparsekv.runner import compaction, headwise
 from sparsekv.runner.chunk_batch import attend_chunk_batch
 from sparsekv.runner.metadata import AttentionMetadata, RequestSlice
 
@@ -129,12 +130,38 @@ class PagedAttention:
                 batch, layer, queries, k[batch.rows], v[batch.rows], scale, window, storage
             )
         general = self.metadata.general[layer]
+        if general:
+            general = self._decode_heads(general, layer, q, k, v, scale, window, out)
         if len(general) > 1:  # several chunks read from the pages: one batched call
             general = attend_chunk_batch(self, general, layer, q, k, v, scale, window, out)
         for request in general:
             rows = slice(request.start, request.start + request.num_rows)
             out[rows] = self._general(request, layer, q[rows], k[rows], v[rows], scale, window)
         return out
+
+    def _decode_heads(
+        self,
+        requests: list[RequestSlice],
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        window: int | None,
+        out: torch.Tensor,
+    ) -> list[RequestSlice]:
+        """Attend the one-token rows of the requests whose layer holds head-wise pages in one
+        call (``headwise.decode_heads``); returns the requests left for the general path."""
+        chosen = [r for r in requests if r.num_rows == 1 and r.layers[layer].head_lens is not None]
+        if not chosen:
+            return requests
+        rows = torch.tensor([r.start for r in chosen], dtype=torch.long, device=q.device)
+        steps = [r.layers[layer] for r in chosen]
+        storage = self.storages[layer]
+        out[rows] = headwise.decode_heads(
+            storage, steps, q[rows], k[rows], v[rows], scale, window, self.logit_softcap
+        )
+        return [r for r in requests if r.num_rows != 1 or r.layers[layer].head_lens is None]
 
     def _decode(
         self,
@@ -216,6 +243,9 @@ class PagedAttention:
         step = request.layers[layer]
         state = request.kv.layers[layer]
         storage = self.storages[layer]
+        if step.head_lens is not None:
+            softcap = self.logit_softcap
+            return headwise.attend_heads(storage, step, state, q, k, v, scale, window, softcap)
         held = step.num_held
         if self._chunk_from_pages(request, step, state, storage):
             # A chunk after earlier ones that keeps every slot: the earlier keys are read from
@@ -307,6 +337,7 @@ class PagedAttention:
         carries no reconstruction rows (KVzip), and the pages hold full precision."""
         return (
             step.num_held > 0
+            and step.head_lens is None
             and not request.segments
             and step.compress_to is None
             and not (request.needs_attention_mass and state.budget is not None)
@@ -423,8 +454,12 @@ class PagedAttention:
             rope_inv_freq=None if self.rope_frequencies is None else self.rope_frequencies[layer],
             reconstruction=reconstruction,
         )
-        budget = request.layers[layer].compress_to
-        kept = request.compressor.select(view, budget, request.window)  # [KVH, k]
+        step = request.layers[layer]
+        if step.to_heads:
+            kept_heads = request.compressor.select_heads(view, step.compress_to, request.window)
+            headwise.write_heads(self.storages[layer], state, table, keys, values, kept_heads)
+            return
+        kept = request.compressor.select(view, step.compress_to, request.window)  # [KVH, k]
         self.storages[layer].write_kept(state, table, keys, values, kept)
         if state.accumulated is not None:
             state.accumulated = state.accumulated.gather(1, kept)

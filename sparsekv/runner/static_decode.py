@@ -146,7 +146,7 @@ class StaticDecodeRunner:
     # ------------------------------------------------------------------ eligibility
     def takes(self, slices: list[RequestSlice]) -> bool:
         """Whether this step runs on the static path: decode only (one token per request,
-        every layer on the decode path), no H2O, full-precision pages, at most the largest
+        every layer on the decode path, none head-wise), no H2O, full-precision pages, at most the largest
         bucket, every table within ``width`` pages."""
         if not slices or len(slices) > self.buckets[-1]:
             return False
@@ -157,6 +157,8 @@ class StaticDecodeRunner:
                 return False
             for step in s.layers:
                 if step.compress_to is not None and not step.decode_compaction:
+                    return False
+                if step.head_lens is not None:
                     return False
                 if len(step.block_table) > self.width or step.num_held >= self.width * (
                     self.block_size

@@ -1,8 +1,10 @@
 """The OpenAI-compatible HTTP server: FastAPI app, lifespan, and ``sparsekv serve``.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics. Readiness: /health answers 200 only once the model is loaded and a one-token
-warm-up generation has run, and 503 if the engine loop died or the server is draining.
+GET /metrics; another method on one of them is a 405 naming the methods it takes, an unknown
+path under /v1 a 404. Readiness: /health answers 200 only once the model is loaded and a
+one-token warm-up generation has run, and 503 if the engine loop died or the server is
+draining.
 
 Drain: on SIGTERM (or SIGINT) the listener stays open; new /v1 requests get 503 with the code
 ``draining`` while the requests in flight finish, for at most ``--shutdown-timeout`` seconds
@@ -25,12 +27,13 @@ import torch
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.routing import Match, Route
 
 from sparsekv.engine.llm_engine import LLMEngine
 from sparsekv.sampling_params import SamplingParams
 from sparsekv.server.chat import create_chat_completion
 from sparsekv.server.completions import create_completion
-from sparsekv.server.errors import APIError, install_error_handlers
+from sparsekv.server.errors import APIError, install_error_handlers, method_not_allowed
 from sparsekv.server.faults import FAULT_MARKER_ENV
 from sparsekv.server.metrics import CONTENT_TYPE
 from sparsekv.server.middleware import APIKeyMiddleware, BodyLimitMiddleware, DrainMiddleware
@@ -133,13 +136,32 @@ def create_app_for(ctx: ServerContext) -> FastAPI:
         return await _guarded(create_chat_completion(ctx, body, request))
 
     @app.api_route("/v1/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
-    async def unknown(path: str) -> Response:
+    async def unknown(path: str, request: Request) -> Response:
+        allowed = _allowed_methods(app, request)
+        if allowed:
+            raise method_not_allowed(request.method, f"/v1/{path}", allowed)
         raise APIError(404, f"unknown endpoint /v1/{path}", code="not_found")
 
     app.add_middleware(BodyLimitMiddleware, max_bytes=ctx.settings.max_body_bytes)
     app.add_middleware(DrainMiddleware, ctx=ctx, draining_error=draining_error)
     app.add_middleware(APIKeyMiddleware, api_key=ctx.settings.api_key)  # outermost: auth first
     return app
+
+
+def _allowed_methods(app: FastAPI, request: Request) -> list[str]:
+    """The methods of the endpoints whose path is the request's but whose method is not.
+
+    The /v1 catch-all takes every usual method, so Starlette's router matches it fully (a 404)
+    before it would answer a wrong method on a real endpoint with a 405; the catch-all asks
+    here instead.
+    """
+    methods: set[str] = set()
+    for route in app.router.routes:
+        if isinstance(route, Route) and route.methods:
+            match, _ = route.matches(request.scope)
+            if match is Match.PARTIAL:
+                methods |= route.methods
+    return sorted(methods)
 
 
 async def _guarded(handler: Awaitable[Response]) -> Response:

@@ -2,7 +2,9 @@
 
 User input never yields a 500: ``ValueError``s (whose messages start with the parameter name,
 docs/internals.md) and pydantic errors become 400s naming ``param``. Every invalid parameter
-value or type has the code ``invalid_value``; malformed JSON has ``invalid_json``.
+value or type has the code ``invalid_value``; a body that is not JSON, whether malformed or
+not UTF-8 text at all, has ``invalid_json``. A method an endpoint does not take is a 405
+``method_not_allowed`` with an ``Allow`` header listing the methods it does take.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    405: "invalid_request_error",
     413: "invalid_request_error",
     500: "server_error",
     503: "service_unavailable_error",
@@ -40,6 +43,7 @@ class APIError(Exception):
         param: the offending request field, if any.
         code: a short machine-readable code (``None`` = derived from the status).
         type: the OpenAI error type (``None`` = derived from the status).
+        headers: extra response headers (a 405's ``Allow``).
     """
 
     def __init__(
@@ -49,6 +53,7 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         type: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -56,6 +61,7 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.type = type or _TYPES.get(status, "server_error")
+        self.headers = headers
 
     def body(self) -> dict:
         """The JSON body (also sent as an SSE ``data:`` event mid-stream)."""
@@ -70,7 +76,7 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         """The HTTP response carrying ``body()``."""
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def _default_code(status: int) -> str:
@@ -100,6 +106,23 @@ def invalid_request(exc: ValueError, renames: dict[str, str] | None = None) -> A
     return APIError(400, message, param=param, code="invalid_value")
 
 
+def method_not_allowed(method: str, path: str, allowed: list[str]) -> APIError:
+    """The 405 for ``method`` on ``path``, an endpoint that takes only ``allowed``; its
+    ``Allow`` header lists them (RFC 9110) so a client can tell a wrong method from a wrong
+    path."""
+    methods = ", ".join(allowed)
+    return APIError(
+        405,
+        f"method {method} is not allowed on {path}; allowed: {methods}",
+        code="method_not_allowed",
+        headers={"Allow": methods} if allowed else None,
+    )
+
+
+def _invalid_json() -> APIError:
+    return APIError(400, "the request body is not valid JSON", code="invalid_json")
+
+
 def _pydantic_param(loc: tuple) -> str | None:
     parts = [str(p) for p in loc if p != "body"]
     # Drop the branch labels pydantic inserts for unions and validators ("list[int]", "str",
@@ -121,16 +144,22 @@ def install_error_handlers(app: FastAPI) -> None:
         errors = exc.errors()
         first = errors[0] if errors else {}
         if first.get("type") == "json_invalid":
-            return APIError(
-                400, "the request body is not valid JSON", code="invalid_json"
-            ).response()
+            return _invalid_json().response()
         param = _pydantic_param(tuple(first.get("loc", ())))
         message = f"{param or 'body'}: {first.get('msg', 'invalid value')}"
         return APIError(400, message, param=param, code="invalid_value").response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return APIError(exc.status_code, str(exc.detail)).response()
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 405:
+            allow = (exc.headers or {}).get("Allow", "")
+            allowed = sorted(m.strip() for m in allow.split(",") if m.strip())
+            return method_not_allowed(request.method, request.url.path, allowed).response()
+        # FastAPI answers a body json.loads cannot even decode (bytes that are not UTF-8) with
+        # a generic 400 whose cause is the UnicodeDecodeError; it is not JSON either.
+        if exc.status_code == 400 and isinstance(exc.__cause__, UnicodeDecodeError):
+            return _invalid_json().response()
+        return APIError(exc.status_code, str(exc.detail), headers=exc.headers).response()
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:

@@ -80,6 +80,7 @@ class KVCompressionBody(BaseModel):
     chunked_mode: str | None = None
     scope: str | None = None
     context_tokens: Size | None = None
+    head_budgets: str | None = None
 
     def overrides(self) -> dict[str, Any]:
         """The fields the client gave (``null`` means "not given")."""

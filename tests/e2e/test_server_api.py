@@ -1,7 +1,9 @@
 """What a careful OpenAI client relies on, against the real `sparsekv serve` (SmolLM2, fp32):
 text decoded across the prompt, strict types and consistent errors, raw token bytes in
 logprobs, a case-insensitive ``Bearer``, per-token usage, ``echo`` / ``max_tokens: 0`` /
-``prompt_logprobs``, and the unknown-fields header.
+``prompt_logprobs``, the unknown-fields header, 405s for a wrong method, ``invalid_json`` for a
+body that is not UTF-8, and 400s for settings that would be silently ignored (a speculative
+field its method never reads, ``full_layers`` past the model's layers).
 """
 
 from __future__ import annotations
@@ -237,3 +239,107 @@ def test_unknown_fields_are_listed_in_a_header(http):
     streamed = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1,
                                                        "stream": True, "zzz": 0})  # fmt: skip
     assert streamed.headers["x-ignored-fields"] == "zzz"
+
+
+# ----------------------------------------------------------------- 9: wrong method, bad bytes
+@pytest.mark.parametrize(
+    ("method", "path", "allow"),
+    [("GET", "/v1/chat/completions", "POST"), ("GET", "/v1/completions", "POST"),
+     ("DELETE", "/v1/completions", "POST"), ("PUT", "/v1/models", "GET"),
+     ("POST", "/v1/models/" + MODEL, "GET"), ("POST", "/health", "GET")],
+)  # fmt: skip
+def test_a_wrong_method_is_405_with_the_allowed_ones(http, method, path, allow):
+    response = http.request(method, path)
+    assert response.status_code == 405
+    assert response.headers["allow"] == allow
+    message = f"method {method} is not allowed on {path}; allowed: {allow}"
+    assert response.json() == error_body(message, None, "method_not_allowed")
+
+
+def test_an_unknown_path_stays_404(http):
+    response = http.get("/v1/embeddings")
+    assert response.status_code == 404 and "allow" not in response.headers
+    assert response.json() == {
+        "error": {
+            "message": "unknown endpoint /v1/embeddings",
+            "type": "not_found_error",
+            "param": None,
+            "code": "not_found",
+        }
+    }
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("content", [b'{"prompt": "caf\xe9"}', b"\xff\xfe\xfd", b"{not json"])
+def test_a_body_that_is_not_utf8_is_invalid_json(http, path, content):
+    response = http.post(path, content=content, headers={"Content-Type": "application/json"})
+    assert response.status_code == 400
+    assert response.json() == error_body("the request body is not valid JSON", None, "invalid_json")
+
+
+# ----------------------------------------------------------------- 10: settings never read
+@pytest.mark.parametrize(
+    ("speculative", "param", "owner", "method"),
+    [({"method": "ngram", "draft_recent_tokens": 16}, "draft_recent_tokens", "sparse_self",
+      "'ngram'"),
+     ({"method": "ngram", "draft_sink_tokens": 4}, "draft_sink_tokens", "sparse_self", "'ngram'"),
+     ({"draft_recent_tokens": 16}, "draft_recent_tokens", "sparse_self", "None"),
+     ({"method": "sparse_self", "ngram_prompt_lookup_max": 2}, "ngram_prompt_lookup_max",
+      "ngram", "'sparse_self'")],
+)  # fmt: skip
+def test_a_speculative_field_the_method_never_reads_is_400(http, speculative, param, owner, method):
+    body = {"prompt": "hi", "max_tokens": 1, "speculative": speculative}
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == 400
+    message = (
+        f"speculative.{param} applies only to method {owner!r}; the request's method is {method}"
+    )
+    assert response.json() == error_body(message, f"speculative.{param}")
+
+
+def test_a_speculative_field_of_the_requests_method_is_used(http):
+    for speculative in (
+        {"method": "ngram", "ngram_prompt_lookup_max": 2},
+        {"method": "sparse_self", "draft_recent_tokens": 16},
+    ):
+        body = {"prompt": PARIS_IDS, "max_tokens": 3, "temperature": 0, "speculative": speculative}
+        response = http.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize("full_layers", [30, 31, 1000])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_full_layers_past_the_model_is_400(http, path, full_layers):
+    body = {"max_tokens": 1, "kv_compression": {"full_layers": full_layers}}
+    body |= {"messages": CHAT} if "chat" in path else {"prompt": "hi"}
+    response = http.post(path, json=body)
+    assert response.status_code == 400
+    message = f"kv_compression.full_layers ({full_layers}) must be < the model's 30 layers"
+    assert response.json() == error_body(message, "kv_compression.full_layers")
+
+
+def test_full_layers_below_the_model_still_compresses(http):
+    squeezed = {"method": "snapkv", "budget": 16, "window": 4, "decode_eviction": False}
+    body = {"prompt": PARIS_IDS * 6, "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+            "kv_compression": dict(squeezed, full_layers=29)}  # fmt: skip
+    usage = http.post("/v1/completions", json=body).json()["usage"]
+    # Only the last of 30 layers is budgeted: 14 of its 34 slots evicted.
+    assert usage["kv_compression_ratio"] == pytest.approx(14 / (30 * 34))
+
+
+def test_adaptive_head_budgets_per_request(http):
+    # The 3 KV heads of each budgeted layer share 3 x 16 slots: usage counts the same slots as
+    # the flat budget (16 per head on average, plus 4 generated), unevenly split.
+    body = {"prompt": PARIS_IDS * 6, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    squeezed = {"method": "snapkv", "budget": 16, "window": 4, "head_budgets": "adaptive"}
+    response = http.post("/v1/completions", json=dict(body, kv_compression=squeezed))
+    assert response.status_code == 200
+    usage = response.json()["usage"]
+    assert usage["kv_tokens_kept"] == pytest.approx((2 * 34 + 28 * 20) / 30, abs=1e-4)
+    assert usage["kv_compression_ratio"] == pytest.approx(28 * 14 / (30 * 34))
+    bad = dict(squeezed, method="h2o")
+    response = http.post("/v1/completions", json=dict(body, kv_compression=bad))
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "kv_compression.head_budgets"
+    assert "h2o accumulates attention mass" in error["message"]

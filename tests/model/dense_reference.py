@@ -29,6 +29,9 @@ class DenseMaskedAttention:
         kernel_size, pooling: SnapKV score smoothing.
         logit_softcap: the model's attention soft-cap (``cap * tanh(x / cap)`` of the scaled
             logits, in attention and in the scores), or ``None``.
+        head_budgets: ``adaptive``: the KV heads share ``num_kv_heads * budget`` slots at the
+            end of the prompt (Ada-KV with a 0.2 safeguard, ranked by a Python sort over
+            (score, slot, head)), no decode-time eviction; ``flat``: ``budget`` per head.
     """
 
     def __init__(
@@ -41,7 +44,9 @@ class DenseMaskedAttention:
         kernel_size=CompressionConfig().kernel_size,
         pooling="max",
         logit_softcap=None,
+        head_budgets="flat",
     ):
+        self.head_budgets = head_budgets
         self.budgets = budgets
         self.window = window
         self.block_size = block_size
@@ -102,8 +107,50 @@ class DenseMaskedAttention:
         held = int(self.kept[layer][0].sum())
         at_prompt_end = total == self.num_prompt and held > budget
         at_decode_limit = total > self.num_prompt and held >= budget + self.block_size
+        if self.head_budgets == "adaptive":
+            if at_prompt_end:
+                self._compress_adaptive(layer, budget, total, scale)
+            return
         if at_prompt_end or at_decode_limit:
             self._compress(layer, budget, total, scale)
+
+    def _head_scores(self, layer, head, slots, total, scale):
+        """SnapKV scores ``[n - w]`` of one KV head's older held slots (float64)."""
+        queries = self.queries[layer][:, total - self.window :]  # [H, W, d]
+        group = queries.shape[0] // self.kept[layer].shape[0]
+        keys = self.keys[layer][head, slots]
+        n, w = len(slots), self.window
+        per_head = []
+        for g in range(group):
+            logits = self._cap(queries[head * group + g] @ keys.T * scale)
+            causal = torch.arange(n)[None, :] <= (n - w + torch.arange(w))[:, None]
+            attn = torch.softmax(logits.masked_fill(~causal, float("-inf")), -1)[:, : n - w]
+            attn = attn.mean(0)
+            if self.pooling == "max":
+                attn = F.max_pool1d(attn[None, None], self.kernel_size, 1, self.kernel_size // 2)
+                attn = attn[0, 0]
+            per_head.append(attn)
+        return torch.stack(per_head).mean(0)
+
+    def _compress_adaptive(self, layer, budget, total, scale):
+        kept = self.kept[layer]
+        num_kv, w = kept.shape[0], self.window
+        slots = torch.nonzero(kept[0]).flatten()
+        n = len(slots)
+        scores = [self._head_scores(layer, h, slots, total, scale).float() for h in range(num_kv)]
+        safe = max(int(0.2 * budget) - w, 0)
+        chosen = []
+        for h in range(num_kv):
+            order = sorted(range(n - w), key=lambda j: (-float(scores[h][j]), -j))
+            chosen.append(set(order[:safe]) | set(range(n - w, n)))
+        rest = [(h, j) for h in range(num_kv) for j in range(n - w) if j not in chosen[h]]
+        rest.sort(key=lambda item: (-float(scores[item[0]][item[1]]), -item[1], item[0]))
+        for h, j in rest[: num_kv * (budget - w - safe)]:
+            chosen[h].add(j)
+        for h in range(num_kv):
+            new_kept = torch.zeros_like(kept[h])
+            new_kept[slots[sorted(chosen[h])]] = True
+            kept[h] = new_kept
 
     def _compress(self, layer, budget, total, scale):
         kept = self.kept[layer]

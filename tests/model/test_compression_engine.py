@@ -243,3 +243,23 @@ def test_expected_attention_reads_each_layers_rope_frequencies(tiny, make_engine
     assert len(seen) == 3  # the three budgeted layers at the end of the prompt
     for frequencies in seen:
         torch.testing.assert_close(frequencies, expected)
+
+
+def test_full_layers_past_the_model_is_rejected(tiny, make_engine):
+    engine = make_engine(tiny[0])
+    params = SamplingParams(max_tokens=2, **GREEDY)
+    prompt = prompt_of(40)
+    policy = {"method": "snapkv", "budget": 16, "window": 4}
+    for full_layers in (4, 9):
+        with pytest.raises(ValueError) as caught:
+            engine.add_request("a", prompt, params, dict(policy, full_layers=full_layers))
+        assert str(caught.value) == (
+            f"kv_compression.full_layers ({full_layers}) must be < the model's 4 layers"
+        )
+    assert not engine.has_unfinished_requests()
+    request, _ = run_one(engine, prompt, 2, dict(policy, full_layers=3))
+    assert request.policy.layer_budgets == (None, None, None, 16)
+    # Explicit per-layer budgets override full_layers, which is then not checked.
+    explicit = dict(policy, full_layers=9, layer_budgets=[0, 16, 0, 16])
+    request, _ = run_one(engine, prompt, 2, explicit)
+    assert request.policy.layer_budgets == (None, 16, None, 16)

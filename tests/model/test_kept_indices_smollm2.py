@@ -50,3 +50,41 @@ def test_kept_indices_equal_the_brute_force_reference(
         assert chosen.shape[1] == budgets[layer]
         for head, positions in enumerate(expected):
             assert sorted(chosen[head].tolist()) == positions, (layer, head)
+
+
+def test_adaptive_head_split_equals_the_brute_force_reference(
+    smollm2_checkpoint, make_engine, monkeypatch
+):
+    # Ada-KV on the real model: every budgeted layer's 3 KV heads share 3 x 192 slots; the
+    # per-head kept sets equal the reference's (Python sort over score, slot, head).
+    policy = CompressionConfig(budget=192, window=32, full_layers=2, head_budgets="adaptive")
+    engine = make_engine(smollm2_checkpoint, compression=policy, prefix_caching=False)
+    _, text = long_texts(engine.tokenizer, min_tokens=700, count=1)[0]
+    prompt = engine.tokenizer.encode(text, add_special_tokens=False)[:700]
+    kept = []
+    select_heads = SnapKVCompressor.select_heads
+
+    def recording(self, view, budget, window):
+        chosen = select_heads(self, view, budget, window)
+        kept.append([rows.tolist() for rows in chosen])
+        return chosen
+
+    monkeypatch.setattr(SnapKVCompressor, "select_heads", recording)
+    engine.add_request("a", prompt, SamplingParams(max_tokens=1, temperature=0.0))
+    while engine.has_unfinished_requests():
+        engine.step()
+    num_layers = len(engine.kv.layer_specs)
+    budgets = [None, None] + [192] * (num_layers - 2)
+    assert len(kept) == num_layers - 2
+    reference = DenseMaskedAttention(
+        num_layers, budgets, 32, 16, len(prompt), policy.kernel_size, "max",
+        head_budgets="adaptive",
+    )  # fmt: skip
+    with torch.inference_mode():
+        engine.parts.model(torch.tensor(prompt), torch.arange(len(prompt)), reference)
+    unequal = 0
+    for layer, chosen in zip(range(2, num_layers), kept):
+        assert chosen == reference.kept_positions(layer), layer
+        assert sum(len(rows) for rows in chosen) == 3 * 192
+        unequal += len({len(rows) for rows in chosen}) > 1
+    assert unequal >= (num_layers - 2) // 2  # most layers move budget between heads

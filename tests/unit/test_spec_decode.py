@@ -110,3 +110,39 @@ def test_speculative_config_merges_and_validates():
         base.merged({"depth": 3})
     with pytest.raises(ValueError, match="speculative_method"):
         SpeculativeConfig(method="medusa").validate()
+
+
+@pytest.mark.parametrize(
+    ("base", "overrides", "message"),
+    [
+        (SpeculativeConfig(method="ngram"), {"draft_recent_tokens": 16},
+         "speculative.draft_recent_tokens applies only to method 'sparse_self'; the request's "
+         "method is 'ngram'"),
+        (SpeculativeConfig(), {"method": "ngram", "draft_sink_tokens": 4},
+         "speculative.draft_sink_tokens applies only to method 'sparse_self'; the request's "
+         "method is 'ngram'"),
+        (SpeculativeConfig(method="sparse_self"), {"method": None, "draft_recent_tokens": 16},
+         "speculative.draft_recent_tokens applies only to method 'sparse_self'; the request's "
+         "method is None"),
+        (SpeculativeConfig(method="sparse_self"), {"ngram_prompt_lookup_max": 2},
+         "speculative.ngram_prompt_lookup_max applies only to method 'ngram'; the request's "
+         "method is 'sparse_self'"),
+    ],
+)  # fmt: skip
+def test_a_request_field_its_method_never_reads_is_rejected(base, overrides, message):
+    merged = base.merged(overrides)
+    with pytest.raises(ValueError) as caught:
+        merged.check_request_fields(overrides)
+    assert str(caught.value) == message
+
+
+def test_request_fields_of_the_requests_own_method_are_accepted():
+    # The engine's settings may hold the other method's fields: requests inherit them.
+    base = SpeculativeConfig(method="ngram", draft_recent_tokens=16)
+    for overrides in (
+        {"ngram_prompt_lookup_max": 2},
+        {"method": "sparse_self", "draft_recent_tokens": 32, "draft_sink_tokens": 0},
+        {"method": None},
+        {"num_speculative_tokens": 0},
+    ):
+        base.merged(overrides).check_request_fields(overrides)

@@ -58,6 +58,30 @@ class KVStorage:
     def page_bytes(self) -> int:
         return sum(t[0].numel() * t.element_size() for t in self.tensors)
 
+    def head_view(self) -> KVStorage:
+        """The same pages read as one KV head each: ``[num_pages, 2, 1, num_kv_heads *
+        block_size, head_dim]`` (the head-wise layout of ``kv_cache.head_pages``), sharing
+        this storage's memory; every method then takes one head's tables and slots.
+
+        Raises:
+            ValueError: a quantized format (head-wise pages are full precision).
+        """
+        if self.kv_cache_dtype != "auto":
+            raise ValueError(
+                f"kv_cache_dtype: head-wise pages need auto (full precision), got "
+                f"{self.kv_cache_dtype}"
+            )
+        view = getattr(self, "_head_view", None)
+        if view is None:
+            view = object.__new__(type(self))
+            view.__dict__.update(self.__dict__)
+            view.num_kv_heads = 1
+            view.block_size = self.num_kv_heads * self.block_size
+            shape = (self.num_pages, 2, 1, view.block_size, self.head_dim)
+            view.tensors = [self.tensors[0].view(shape)]
+            self._head_view = view
+        return view
+
     # ------------------------------------------------------------------ page ids
     def local(self, pages: list[int]) -> torch.Tensor:
         """Global page ids -> int64 indices into this storage's tensors.
