@@ -18,7 +18,12 @@ from sparsekv.engine.detokenizer import IncrementalDetokenizer
 from sparsekv.engine.engine_setup import EngineParts, build_engine_parts
 from sparsekv.engine.request import Request
 from sparsekv.engine.stats import EngineStats
-from sparsekv.kv_cache.policy import CompressionPolicy, merge_settings, resolve_policy
+from sparsekv.kv_cache.policy import (
+    CompressionPolicy,
+    check_head_budget_method,
+    merge_settings,
+    resolve_policy,
+)
 from sparsekv.outputs import KVStats, RequestOutput
 from sparsekv.sampling_params import SamplingParams
 
@@ -35,6 +40,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, parts: EngineParts | None = None) -> None:
         config.validate()
+        check_head_budget_method(config.compression)
         self.config = config
         parts = parts or build_engine_parts(config)
         self.parts = parts

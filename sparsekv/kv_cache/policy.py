@@ -15,7 +15,7 @@ from array import array
 from dataclasses import dataclass, field
 
 from sparsekv.compression.base import Compressor
-from sparsekv.compression.registry import get_compressor
+from sparsekv.compression.registry import compressor_class, get_compressor
 from sparsekv.config import CompressionConfig, EngineConfig, check_head_budgets
 from sparsekv.kv_cache.budget import layer_budgets
 from sparsekv.kv_cache.manager import KVCacheManager
@@ -235,14 +235,27 @@ def _compressor(settings: CompressionConfig | None, config: EngineConfig, tokeni
             f"kv_compression: {compressor.name} is not supported with tensor "
             "parallelism (the step plan carries no reconstruction rows)"
         )
-    if settings.head_budgets == "adaptive" and compressor.needs_attention_mass:
-        raise ValueError(
-            f"kv_compression.head_budgets: {compressor.name} accumulates attention mass per "
-            "slot of equal-length heads; adaptive budgets take a method scored at prefill"
-        )
+    check_head_budget_method(settings)
     if tokenizer is not None:
         compressor.bind(tokenizer)
     return compressor
+
+
+def check_head_budget_method(settings: CompressionConfig) -> None:
+    """Adaptive head budgets need a method scored at prefill (checked at engine start for the
+    default policy, and per request).
+
+    Raises:
+        ValueError: naming ``kv_compression.head_budgets`` for a method that accumulates
+            attention mass (H2O), whose per-slot state assumes equal-length heads.
+    """
+    if settings.head_budgets != "adaptive" or not settings.enabled:
+        return
+    if compressor_class(settings.method).needs_attention_mass:
+        raise ValueError(
+            f"kv_compression.head_budgets: {settings.method} accumulates attention mass per "
+            "slot of equal-length heads; adaptive budgets take a method scored at prefill"
+        )
 
 
 def _context_len(settings: CompressionConfig | None, num_prompt: int) -> int | None:

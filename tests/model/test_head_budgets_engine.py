@@ -221,3 +221,9 @@ def test_one_kv_head_keeps_the_flat_policy(smollm2_tokenizer, make_engine):
         outputs.append((request.output_token_ids, torch.stack(request.logits)))
     assert outputs[0][0] == outputs[1][0]
     assert torch.equal(outputs[0][1], outputs[1][1])
+
+
+def test_engine_default_h2o_with_adaptive_fails_at_start(tiny, make_engine):
+    checkpoint, _ = tiny
+    with pytest.raises(ValueError, match="kv_compression.head_budgets: h2o accumulates"):
+        make_engine(checkpoint, compression=policy(method="h2o"))
