@@ -508,10 +508,13 @@ class EngineConfig:
         check_head_budgets(self.compression, self)
 
 
-def check_head_budgets(settings: CompressionConfig, config: EngineConfig) -> None:
+def check_head_budgets(
+    settings: CompressionConfig, config: EngineConfig, speculative: bool | None = None
+) -> None:
     """Adaptive head budgets need what their head-wise pages support: full-precision pages,
     no speculative decoding (verification reads layers as equal-length heads) and one
-    tensor-parallel rank.
+    tensor-parallel rank. ``speculative``: whether the request speculates (``None``: the
+    engine's setting).
 
     Raises:
         ValueError: naming ``kv_compression.head_budgets`` and the conflicting setting.
@@ -520,7 +523,7 @@ def check_head_budgets(settings: CompressionConfig, config: EngineConfig) -> Non
         return
     conflicts = {
         "kv_cache_dtype": config.cache.kv_cache_dtype != "auto",
-        "speculative_method": config.speculative.enabled,
+        "speculative_method": config.speculative.enabled if speculative is None else speculative,
         "tensor_parallel_size": config.parallel.tensor_parallel_size > 1,
     }
     for name, conflict in conflicts.items():

@@ -188,12 +188,7 @@ def resolve_policy(
     head_wise = settings is not None and settings.head_budgets == "adaptive"
     head_wise = head_wise and kv.num_kv_heads > 1
     if settings is not None:
-        check_head_budgets(settings, config)
-        if head_wise and draft_tokens:
-            raise ValueError(
-                "kv_compression.head_budgets: adaptive budgets do not run with speculative "
-                "decoding (a rejected draft cannot be rolled out of head-wise pages)"
-            )
+        check_head_budgets(settings, config, speculative=draft_tokens > 0)
         bounded = settings.chunked_mode == "bounded"
         # Head budgets are set once at prefill: no decode-time re-scoring of head-wise pages.
         decode_eviction = settings.decode_eviction and not head_wise

@@ -227,3 +227,18 @@ def test_engine_default_h2o_with_adaptive_fails_at_start(tiny, make_engine):
     checkpoint, _ = tiny
     with pytest.raises(ValueError, match="kv_compression.head_budgets: h2o accumulates"):
         make_engine(checkpoint, compression=policy(method="h2o"))
+
+
+def test_a_request_turning_speculation_off_may_use_adaptive(tiny, make_engine):
+    from sparsekv.config import SpeculativeConfig
+
+    checkpoint, _ = tiny
+    engine = make_engine(
+        checkpoint, block_size=BLOCK, speculative=SpeculativeConfig(method="ngram")
+    )
+    plain = SamplingParams(max_tokens=6, speculative={"method": None}, **GREEDY)
+    engine.add_request("a", prompt_of(60, 12), plain, policy())
+    finish(engine)
+    with pytest.raises(ValueError, match="head_budgets.*speculative_method"):
+        engine.add_request("b", prompt_of(60, 12), SamplingParams(max_tokens=6, **GREEDY),
+                           policy())  # fmt: skip
