@@ -120,7 +120,6 @@ class LLMEngine:
                 f"stop_token_ids: token id {bad_stops[0]} is outside [0, {self.vocab_size})"
             )
         params.validate(max_model_len=self.max_model_len, num_prompt_tokens=len(prompt_token_ids))
-        self._check_full_layers(compression)
         speculative = self.resolve_speculative(params.speculative)
         draft_tokens = speculative.num_speculative_tokens if speculative is not None else 0
         policy = resolve_policy(
@@ -160,32 +159,6 @@ class LLMEngine:
         for state in samples:
             self.scheduler.add(state.request)
         self.stats.num_prompt_tokens += len(prompt_token_ids) * params.n
-
-    def _check_full_layers(self, overrides: CompressionConfig | dict | None) -> None:
-        """Reject a request that sets ``full_layers`` to the model's layer count or more.
-
-        Such a request would keep every layer full, its compression silently off. Only a
-        field dict that names ``full_layers`` is checked: a whole ``CompressionConfig`` or the
-        engine default may carry the default of 2 on a model of two layers or fewer, which
-        must keep working. Explicit ``layer_budgets`` / ``layer_fractions`` override
-        ``full_layers``, so they skip the check.
-
-        Raises:
-            ValueError: naming ``kv_compression.full_layers`` and the model's layer count.
-        """
-        if not isinstance(overrides, dict) or "full_layers" not in overrides:
-            return
-        settings = self.resolve_compression(overrides)
-        if settings is None:
-            return
-        if settings.layer_budgets is not None or settings.layer_fractions is not None:
-            return
-        num_layers = self.kv.num_layers
-        if settings.full_layers >= num_layers:
-            raise ValueError(
-                f"kv_compression.full_layers ({settings.full_layers}) must be < the model's "
-                f"{num_layers} layers"
-            )
 
     def _check_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:

@@ -174,6 +174,7 @@ def resolve_policy(
             support (``config.check_head_budgets``, attention-mass methods).
     """
     settings = merge_settings(config.compression, overrides)
+    _check_full_layers(overrides, settings, kv.num_layers)
     context_len = _context_len(settings, num_prompt_tokens)
     compressed_len = num_prompt_tokens if context_len is None else context_len
     specs = kv.layer_specs
@@ -234,6 +235,29 @@ def _compressor(settings: CompressionConfig | None, config: EngineConfig, tokeni
     if tokenizer is not None:
         compressor.bind(tokenizer)
     return compressor
+
+
+def _check_full_layers(
+    overrides: CompressionConfig | dict | None, settings: CompressionConfig | None, num_layers: int
+) -> None:
+    """Reject a request that sets ``full_layers`` to the model's layer count or more: every
+    layer would stay full, its compression silently off. Only a field dict naming
+    ``full_layers`` is checked (a whole ``CompressionConfig`` or the engine default may carry
+    the default of 2 on a model of two layers or fewer); explicit ``layer_budgets`` /
+    ``layer_fractions`` override ``full_layers``.
+
+    Raises:
+        ValueError: naming ``kv_compression.full_layers`` and the model's layer count.
+    """
+    if not isinstance(overrides, dict) or "full_layers" not in overrides or settings is None:
+        return
+    if settings.layer_budgets is not None or settings.layer_fractions is not None:
+        return
+    if settings.full_layers >= num_layers:
+        raise ValueError(
+            f"kv_compression.full_layers ({settings.full_layers}) must be < the model's "
+            f"{num_layers} layers"
+        )
 
 
 def check_head_budget_method(settings: CompressionConfig) -> None:

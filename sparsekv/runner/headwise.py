@@ -80,7 +80,7 @@ def decode_heads(
     return out.reshape(batch, num_heads, head_dim)
 
 
-def attend_heads(
+def chunk_heads(
     storage: KVStorage,
     step: LayerStep,
     state: LayerKV,
@@ -91,9 +91,9 @@ def attend_heads(
     window: int | None,
     logit_softcap: float | None,
 ) -> torch.Tensor:
-    """The new rows of one request over a head-wise layer, their K/V appended to every head
-    (one row: ``decode_heads``; several: each KV head attends its held slots from the pages
-    plus the rows, ``KVStorage.chunk_attention``).
+    """Several new rows of one request over a head-wise layer (one-token rows go to
+    ``decode_heads``): each KV head attends its held slots from the pages plus the rows
+    (``KVStorage.chunk_attention``), then the rows are appended to that head.
 
     Args:
         storage: the layer's page storage (full precision).
@@ -107,8 +107,6 @@ def attend_heads(
     Returns:
         ``[m, num_heads, head_dim]`` in the query dtype.
     """
-    if q.shape[0] == 1:
-        return decode_heads(storage, [step], q, k, v, scale, window, logit_softcap)
     view = storage.head_view()
     group = q.shape[1] // storage.num_kv_heads
     tables = head_pages.head_tables(step.block_table, list(step.head_pages))

@@ -152,7 +152,10 @@ class PagedAttention:
     ) -> list[RequestSlice]:
         """Attend the one-token rows of the requests whose layer holds head-wise pages in one
         call (``headwise.decode_heads``); returns the requests left for the general path."""
-        chosen = [r for r in requests if r.num_rows == 1 and r.layers[layer].head_lens is not None]
+        chosen, rest = [], []
+        for r in requests:
+            heads = r.num_rows == 1 and r.layers[layer].head_lens is not None
+            (chosen if heads else rest).append(r)
         if not chosen:
             return requests
         rows = torch.tensor([r.start for r in chosen], dtype=torch.long, device=q.device)
@@ -161,7 +164,7 @@ class PagedAttention:
         out[rows] = headwise.decode_heads(
             storage, steps, q[rows], k[rows], v[rows], scale, window, self.logit_softcap
         )
-        return [r for r in requests if r.num_rows != 1 or r.layers[layer].head_lens is None]
+        return rest
 
     def _decode(
         self,
@@ -245,7 +248,7 @@ class PagedAttention:
         storage = self.storages[layer]
         if step.head_lens is not None:
             softcap = self.logit_softcap
-            return headwise.attend_heads(storage, step, state, q, k, v, scale, window, softcap)
+            return headwise.chunk_heads(storage, step, state, q, k, v, scale, window, softcap)
         held = step.num_held
         if self._chunk_from_pages(request, step, state, storage):
             # A chunk after earlier ones that keeps every slot: the earlier keys are read from
