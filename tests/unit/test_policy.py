@@ -89,9 +89,7 @@ def test_request_overrides_merge_field_by_field():
     assert isinstance(chosen.compressor, RandomCompressor) and chosen.evicts_randomly
 
 
-@pytest.mark.parametrize(
-    "overrides", [{"method": "none"}, {"compression_ratio": 0.0}, {"full_layers": 4}]
-)
+@pytest.mark.parametrize("overrides", [{"method": "none"}, {"compression_ratio": 0.0}])
 def test_nothing_budgeted_is_a_full_cache_policy(overrides):
     policy = resolve(engine_config(budget=64, window=8, full_layers=0), overrides)
     assert policy == CompressionPolicy(layer_budgets=(None,) * 4, peak_pages=(4 * 14,))
@@ -102,6 +100,16 @@ def test_nothing_budgeted_is_a_full_cache_policy(overrides):
         1,
     )
     assert policy.kv == KVPolicy(decode_eviction=True, bounded_chunks=False)
+
+
+def test_a_request_keeping_every_layer_full_is_refused():
+    config = engine_config(budget=64, window=8, full_layers=0)
+    with pytest.raises(
+        ValueError, match=r"kv_compression.full_layers \(4\) must be < the model's 4"
+    ):
+        resolve(config, {"full_layers": 4})
+    kept = resolve(config, {"full_layers": 4, "layer_budgets": [0, 0, 0, 32]})
+    assert kept.layer_budgets == (None, None, None, 32)
 
 
 def test_bounded_chunks_and_no_decode_eviction():
