@@ -191,9 +191,10 @@ def resolve_policy(
     if settings is not None:
         check_head_budgets(settings, config, speculative=draft_tokens > 0)
         bounded = settings.chunked_mode == "bounded"
-        # Head budgets are set once at prefill: no decode-time re-scoring of head-wise pages.
-        decode_eviction = settings.decode_eviction and not head_wise
-        kv_policy = KVPolicy(decode_eviction, bounded, head_wise=head_wise)
+        # Head-wise pages are split once at prefill and never re-scored (plan.plan_layers sends
+        # them down the growth branch); a layer the prompt did not overflow stays flat and
+        # keeps the request's decode-time eviction.
+        kv_policy = KVPolicy(settings.decode_eviction, bounded, head_wise=head_wise)
     compressed_len, later_tokens = num_prompt_tokens, max_tokens
     if context_len is not None:
         # Compressed once at the end of the context; the question and output stay whole.

@@ -136,6 +136,50 @@ def test_adaptive_holds_no_more_than_flat_plus_a_page_per_head(tiny, make_engine
     assert all(48 // BLOCK <= pages <= 48 // BLOCK + 2 for pages in budgeted)
 
 
+def test_a_layer_the_prompt_fits_keeps_decode_eviction(tiny, make_engine):
+    # Nothing overflows at prefill: every layer stays flat, evicts during decode like the flat
+    # policy, and the request equals the flat one token for token and page for page.
+    checkpoint, _ = tiny
+    prompt = prompt_of(16, seed=6)
+    runs = {}
+    for head_budgets in ("flat", "adaptive"):
+        engine = make_engine(checkpoint, block_size=BLOCK, prefix_caching=False)
+        request = start(engine, prompt, 40, policy(head_budgets=head_budgets))
+        for _ in range(30):
+            engine.step()
+        layers = engine.kv.get("q").layers
+        held = [(len(s.block_table), s.num_held, s.head_lens) for s in layers]
+        finish(engine)
+        runs[head_budgets] = (request.output_token_ids, held)
+    assert runs["adaptive"] == runs["flat"]
+    _, held = runs["adaptive"]
+    assert held[0][1] == 16 + 29  # the full layer
+    assert all(num_held <= BUDGET + BLOCK and heads is None for _, num_held, heads in held[1:])
+
+
+def test_split_and_flat_layers_of_one_request(tiny, make_engine):
+    # Layers 1 and 3 (budget 16) split at prefill and grow head by head; layer 2 (budget 48)
+    # holds the whole 30-token prompt flat and evicts at 48 + BLOCK slots.
+    checkpoint, _ = tiny
+    engine = make_engine(checkpoint, block_size=BLOCK, prefix_caching=False)
+    free_before = engine.kv.num_free_pages
+    settings = policy(layer_budgets=(0, 16, 48, 16))
+    start(engine, prompt_of(30, seed=7), 40, settings)
+    engine.step()  # the prefill
+    for decoded in range(1, 40):
+        layers = engine.kv.get("q").layers
+        for layer in (1, 3):
+            assert sum(layers[layer].head_lens) == 3 * (16 + decoded - 1)
+        assert layers[2].head_lens is None
+        assert layers[2].num_held <= 48 + BLOCK
+        assert len(layers[2].block_table) == cdiv(layers[2].num_held, BLOCK)
+        if decoded == 39:
+            assert layers[2].num_held < 30 + decoded - 1  # evicted
+        engine.step()
+    finish(engine)
+    assert engine.kv.num_free_pages == free_before
+
+
 def test_adaptive_batch_equals_alone_and_survives_preemption(tiny, make_engine):
     checkpoint, _ = tiny
     prompts = [prompt_of(n, seed=20 + n) for n in (70, 40, 55)]

@@ -210,3 +210,16 @@ def test_no_module_outside_compression_checks_a_method_name():
                 found.append(f"{relative}:{number}: {line.strip()}")
     assert not found, "\n".join(found)
     assert _NAME_CHECK.search('if compressor.name == "h2o":')  # the pattern does catch one
+
+
+def test_adaptive_keeps_decode_eviction_and_counts_peaks_without_it():
+    config = engine_config(budget=64, window=8, full_layers=0)
+    kv = KVCacheManager([FULL] * 4, 400, BS, 3, 2, torch.float32)
+    policy = resolve(config, {"head_budgets": "adaptive"}, kv=kv, n=200, max_tokens=40)
+    assert policy.kv == KVPolicy(decode_eviction=True, bounded_chunks=False, head_wise=True)
+    # Per layer: 64 kept + 40 grown without eviction -> 7 pages, plus one page per KV head.
+    assert policy.peak_pages == (4 * (7 + 3),)
+    flat = resolve(config, {"head_budgets": "flat"}, kv=kv, n=200, max_tokens=40)
+    assert flat.peak_pages == (4 * 5,)  # min(240, 64 + 16) slots
+    one_head = resolve(config, {"head_budgets": "adaptive"}, n=200, max_tokens=40)
+    assert one_head.kv == KVPolicy(decode_eviction=True, bounded_chunks=False, head_wise=False)
