@@ -4,8 +4,10 @@ Both engines generate ``--output-len`` tokens after a ``--context``-token prompt
 ``--threads`` threads: llama.cpp through ``llama-bench -p 0 -n N -d D`` (built from the
 ``llama-cpp-python`` sdist's vendored sources by ``scripts/build_llama_bench.sh``), sparsekv
 through the offline engine once per ``--weight-dtypes`` entry (``gguf``: the file's Q4_1 blocks
-kept packed; ``auto``: dequantized at load to the model dtype), each ``--repeats`` times
-(median reported).
+kept packed; ``auto``: dequantized at load to the model dtype). The engines take turns: each of
+``--repeats`` rounds runs llama-bench once (``-r 1``) and then every sparsekv engine once (all
+loaded at the start), so a shared machine's load drifting over the run reaches every side
+alike; the median over the rounds is reported with the spread (max - min).
 
 Decode is bound by memory reads: each step streams every weight matrix once and the cache of
 the tokens so far. The machine's read bandwidth is probed in the same run (a 512 MiB fp32 sum,
@@ -50,7 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--llama-bench", default=None, help="llama-bench binary (none: skip)")
     parser.add_argument("--context", type=int, default=512, help="tokens before decode (-d)")
     parser.add_argument("--output-len", type=int, default=128, help="tokens generated (-n)")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per engine (median)")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="rounds, each engine once per round (median)"
+    )
     parser.add_argument(
         "--weight-dtypes", nargs="+", default=["gguf", "auto"], help="sparsekv sides to run"
     )
@@ -112,53 +116,84 @@ def kv_bytes_per_slot(engine) -> float:
     return 2 * len(model.layer_specs()) * model.num_kv_heads * model.head_dim * element
 
 
-def sparsekv_decode(args: argparse.Namespace, weight_dtype: str) -> dict:
-    """Batch-1 decode of one random prompt through the offline engine, ``args.repeats`` times."""
-    from sparsekv.bench.throughput import run_single
+class SparsekvSide:
+    """One sparsekv engine (``weight_dtype``) kept loaded over the rounds: each round decodes
+    the same random prompt once."""
 
-    local = copy.copy(args)
-    local.model__weight_dtype = weight_dtype
-    config = engine_config_from_args(local)
-    checkpoint = common.load_checkpoint(config)
-    engine = common.build_engine(config, checkpoint)
-    vocab = checkpoint.hf_config.vocab_size
-    common.warm_up(engine, vocab)
-    avoid = common.special_token_ids(checkpoint.tokenizer)
-    prompt = common.random_prompts(1, args.context, vocab, args.seed, avoid)[0]
-    runs = [run_single(engine, prompt, args.output_len) for _ in range(args.repeats)]
-    speeds = [r["decode_tok_s"] for r in runs]
-    mean_context = args.context + (args.output_len - 1) / 2
-    result = {
-        "engine": "sparsekv",
-        "weights": f"--weight-dtype {weight_dtype} ({str(engine.parts.dtype).removeprefix('torch.')})",
-        "decode_tok_s": statistics.median(speeds),
-        "decode_tok_s_spread": max(speeds) - min(speeds),
-        "samples_tok_s": speeds,
-        "weight_bytes": decode_weight_bytes(engine.parts.model),
-        "kv_bytes": kv_bytes_per_slot(engine) * mean_context,
-    }
-    del engine, checkpoint
-    gc.collect()
-    return result
+    def __init__(self, args: argparse.Namespace, weight_dtype: str) -> None:
+        local = copy.copy(args)
+        local.model__weight_dtype = weight_dtype
+        config = engine_config_from_args(local)
+        checkpoint = common.load_checkpoint(config)
+        self.engine = common.build_engine(config, checkpoint)
+        vocab = checkpoint.hf_config.vocab_size
+        common.warm_up(self.engine, vocab)
+        avoid = common.special_token_ids(checkpoint.tokenizer)
+        self.prompt = common.random_prompts(1, args.context, vocab, args.seed, avoid)[0]
+        self.weight_dtype, self.args = weight_dtype, args
+        self.samples: list[float] = []
+
+    def run_round(self) -> None:
+        """Decode once and keep its tokens/s."""
+        from sparsekv.bench.throughput import run_single
+
+        self.samples.append(
+            run_single(self.engine, self.prompt, self.args.output_len)["decode_tok_s"]
+        )
+
+    def row(self) -> dict:
+        """The report row (medians over the rounds); releases the engine."""
+        engine, mean_context = self.engine, self.args.context + (self.args.output_len - 1) / 2
+        dtype = str(engine.parts.dtype).removeprefix("torch.")
+        result = {
+            "engine": "sparsekv",
+            "weights": f"--weight-dtype {self.weight_dtype} ({dtype})",
+            **_speeds(self.samples),
+            "weight_bytes": decode_weight_bytes(engine.parts.model),
+            "kv_bytes": kv_bytes_per_slot(engine) * mean_context,
+        }
+        self.engine = None
+        gc.collect()
+        return result
 
 
-def llama_cpp_decode(args: argparse.Namespace, gguf_path: str) -> dict:
-    """The same decode through ``llama-bench`` on the GGUF file."""
-    record = run_llama_bench(
-        args.llama_bench, gguf_path, args.threads, args.context, args.output_len, args.repeats
-    )
-    shape = gguf_shape(gguf_path)
-    mean_context = args.context + (args.output_len - 1) / 2
-    samples = [float(x) for x in record.get("samples_ts") or [record["avg_ts"]]]
+class LlamaCppSide:
+    """llama-bench on the GGUF file, one repetition per round."""
+
+    def __init__(self, args: argparse.Namespace, gguf_path: str) -> None:
+        self.args, self.gguf_path = args, gguf_path
+        self.samples: list[float] = []
+        self.records: list[dict] = []
+
+    def run_round(self) -> None:
+        """Run ``llama-bench -r 1`` and keep its tokens/s."""
+        args = self.args
+        record = run_llama_bench(
+            args.llama_bench, self.gguf_path, args.threads, args.context, args.output_len, 1
+        )
+        self.records.append(record)
+        self.samples += [float(x) for x in record.get("samples_ts") or [record["avg_ts"]]]
+
+    def row(self) -> dict:
+        """The report row (medians over the rounds) with the first round's record."""
+        record = self.records[0]
+        shape = gguf_shape(self.gguf_path)
+        mean_context = self.args.context + (self.args.output_len - 1) / 2
+        return {
+            "engine": "llama.cpp",
+            "weights": f"{record.get('model_type', 'gguf')} (kv {record.get('type_k', 'f16')})",
+            **_speeds(self.samples),
+            "weight_bytes": shape.weight_bytes,
+            "kv_bytes": shape.kv_bytes(mean_context, record.get("type_k", "f16")),
+            "llama_bench": record,
+        }
+
+
+def _speeds(samples: list[float]) -> dict:
     return {
-        "engine": "llama.cpp",
-        "weights": f"{record.get('model_type', 'gguf')} (kv {record.get('type_k', 'f16')})",
         "decode_tok_s": statistics.median(samples),
         "decode_tok_s_spread": max(samples) - min(samples),
         "samples_tok_s": samples,
-        "weight_bytes": shape.weight_bytes,
-        "kv_bytes": shape.kv_bytes(mean_context, record.get("type_k", "f16")),
-        "llama_bench": record,
     }
 
 
@@ -194,10 +229,14 @@ def run_compare(args: argparse.Namespace) -> dict:
     if args.llama_bench and not gguf_path.endswith(".gguf"):
         raise ValueError(f"model: llama-bench needs a GGUF file, got {gguf_path}")
     bandwidth = read_bandwidth(5, args.probe_mib)
-    rows = []
+    sides: list[LlamaCppSide | SparsekvSide] = []
     if args.llama_bench:
-        rows.append(llama_cpp_decode(args, gguf_path))
-    rows += [sparsekv_decode(args, dtype) for dtype in args.weight_dtypes]
+        sides.append(LlamaCppSide(args, gguf_path))
+    sides += [SparsekvSide(args, dtype) for dtype in args.weight_dtypes]
+    for _ in range(args.repeats):
+        for side in sides:
+            side.run_round()
+    rows = [side.row() for side in sides]
     bandwidth = max(
         bandwidth, read_bandwidth(5, args.probe_mib)
     )  # probed before and after: the quieter one

@@ -30,7 +30,8 @@ def restore_threads():
 
 
 def fake_llama_bench(tmp_path: Path, samples: list[float]) -> Path:
-    """An executable that records its argv and prints one llama-bench JSON generation record."""
+    """An executable that appends its argv to ``argv.txt`` (a line per call) and prints one
+    llama-bench JSON generation record."""
     record = {
         "model_type": "llama ?B F16",
         "n_prompt": 0,
@@ -44,7 +45,7 @@ def fake_llama_bench(tmp_path: Path, samples: list[float]) -> Path:
     script = tmp_path / "llama-bench"
     script.write_text(
         "#!/bin/sh\n"
-        f'echo "$@" > {tmp_path / "argv.txt"}\n'
+        f'echo "$@" >> {tmp_path / "argv.txt"}\n'
         f"cat <<'EOF'\n{json.dumps([record])}\nEOF\n"
     )
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
@@ -89,6 +90,10 @@ def test_report_rows_and_bandwidth_fractions(tmp_path):
     bandwidth = document["read_bandwidth_gb_s"] * 1e9
     llama, ours = document["rows"]
     mean_context = 8 + 3 / 2
+    # Two rounds, llama-bench once per round with one repetition.
+    calls = (tmp_path / "argv.txt").read_text().splitlines()
+    assert len(calls) == 2 and all(line.split()[-4:] == ["-r", "1", "-o", "json"] for line in calls)
+    assert llama["samples_tok_s"] == [30.0, 50.0, 40.0] * 2
     assert llama["engine"] == "llama.cpp" and llama["decode_tok_s"] == 40.0
     assert llama["decode_tok_s_spread"] == 20.0
     assert llama["kv_bytes"] == 2 * 2 * 2 * 8 * 2 * mean_context
