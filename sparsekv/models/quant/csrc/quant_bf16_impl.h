@@ -76,27 +76,48 @@ static inline void store_y(const MatmulArgs& a, int64_t r, int64_t i, float valu
 // (1536 x 576 and 576 x 1536 Q4_1, one thread, weights cycled through 110 MB).
 constexpr int64_t kPrefetchRows = 16;
 
-// Weight rows [i0, i0 + R) times the one row of x; R independent accumulator chains.
+// Q4_1's block header [d, m] (two fp16) as fp32 lanes 0 and 1 of one vector: one load and one
+// conversion for both.
+static inline __m128 scale_and_min(const uint8_t* blk) {
+  int32_t bits;
+  __builtin_memcpy(&bits, blk, 4);
+  return _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
+}
+
+// Weight rows [i0, i0 + R) times the one row of x; R independent accumulator chains. Q4_1's
+// offsets m * sum(x block) accumulate in lane 1 of a vector per row, next to the scale d that
+// lane 0 carries (the header converted once), instead of a scalar chain per row.
 template <int F, int R>
 static inline void gemv_group(const MatmulArgs& a, const BlockCodes<F>& codes, int64_t i0) {
   __m512 acc[R];
-  float offsets[R];
+  __m128 offsets[R];
   for (int r = 0; r < R; ++r) {
     acc[r] = _mm512_setzero_ps();
-    offsets[r] = 0.0f;
+    offsets[r] = _mm_setzero_ps();
   }
   const uint8_t* row0 = a.w + i0 * a.row_bytes;
   for (int64_t b = 0; b < a.k / kBlock; ++b) {
     const __m512bh x = (__m512bh)_mm512_loadu_si512(a.x_bf16 + b * kBlock);
+    // Q4_1: [0, sum(x block), 0, 0], so lane 1 of [d, m] * it is the block's offset term.
+    const __m128 sums =
+        F == kQ4_1 ? _mm_set_ps(0.0f, 0.0f, a.x_block_sums[b], 0.0f) : _mm_setzero_ps();
     for (int r = 0; r < R; ++r) {
       const uint8_t* blk = row0 + r * a.row_bytes + b * block_bytes<F>();
       _mm_prefetch((const char*)(blk + kPrefetchRows * a.row_bytes), _MM_HINT_T0);
       const __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), codes(blk), x);
-      acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(half_to_float(blk)), dot, acc[r]);
-      if constexpr (F == kQ4_1) offsets[r] += codes.offset(blk) * a.x_block_sums[b];
+      if constexpr (F == kQ4_1) {
+        const __m128 dm = scale_and_min(blk);
+        acc[r] = _mm512_fmadd_ps(_mm512_broadcastss_ps(dm), dot, acc[r]);
+        offsets[r] = _mm_fmadd_ps(dm, sums, offsets[r]);
+      } else {
+        acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(half_to_float(blk)), dot, acc[r]);
+      }
     }
   }
-  for (int r = 0; r < R; ++r) store_y(a, 0, i0 + r, _mm512_reduce_add_ps(acc[r]) + offsets[r]);
+  for (int r = 0; r < R; ++r) {
+    const float offset = _mm_cvtss_f32(_mm_shuffle_ps(offsets[r], offsets[r], 1));
+    store_y(a, 0, i0 + r, _mm512_reduce_add_ps(acc[r]) + offset);
+  }
 }
 
 template <int F>
