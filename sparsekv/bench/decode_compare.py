@@ -7,7 +7,8 @@ through the offline engine once per ``--weight-dtypes`` entry (``gguf``: the fil
 kept packed; ``auto``: dequantized at load to the model dtype). The engines take turns: each of
 ``--repeats`` rounds runs llama-bench once (``-r 1``) and then every sparsekv engine once (all
 loaded at the start), so a shared machine's load drifting over the run reaches every side
-alike; the median over the rounds is reported with the spread (max - min).
+alike; the median over the rounds is reported with the spread (max - min), and each sparsekv
+row's ``vs_llama_cpp`` is the median of its per-round ratios to llama.cpp.
 
 Decode is bound by memory reads: each step streams every weight matrix once and the cache of
 the tokens so far. The machine's read bandwidth is probed in the same run (a 512 MiB fp32 sum,
@@ -42,6 +43,7 @@ COLUMNS = (
     "achieved_gb_s",
     "bound_tok_s",
     "fraction",
+    "vs_llama_cpp",
 )
 # Bytes per K/V element of sparsekv's page formats other than ``auto`` (scales excluded).
 KV_FORMAT_BYTES = {"int8": 1.0, "fp8": 1.0, "int4": 0.5}
@@ -166,13 +168,15 @@ class LlamaCppSide:
         self.records: list[dict] = []
 
     def run_round(self) -> None:
-        """Run ``llama-bench -r 1`` and keep its tokens/s."""
+        """Run ``llama-bench -r 1`` and keep its tokens/s (the median, should a build report
+        several samples)."""
         args = self.args
         record = run_llama_bench(
             args.llama_bench, self.gguf_path, args.threads, args.context, args.output_len, 1
         )
         self.records.append(record)
-        self.samples += [float(x) for x in record.get("samples_ts") or [record["avg_ts"]]]
+        samples = [float(x) for x in record.get("samples_ts") or [record["avg_ts"]]]
+        self.samples.append(statistics.median(samples))
 
     def row(self) -> dict:
         """The report row (medians over the rounds) with the first round's record."""
@@ -187,6 +191,18 @@ class LlamaCppSide:
             "kv_bytes": shape.kv_bytes(mean_context, record.get("type_k", "f16")),
             "llama_bench": record,
         }
+
+
+def paired_ratio(ours: list[float], theirs: list[float]) -> float:
+    """Median over the rounds of ``ours[i] / theirs[i]``: runs of one round are seconds apart,
+    so their ratio carries less of the machine's drift than the ratio of the two medians.
+
+    Raises:
+        ValueError: the lists differ in length or are empty.
+    """
+    if len(ours) != len(theirs) or not ours:
+        raise ValueError(f"paired_ratio: {len(ours)} and {len(theirs)} samples do not pair")
+    return statistics.median(a / b for a, b in zip(ours, theirs))
 
 
 def _speeds(samples: list[float]) -> dict:
@@ -237,6 +253,9 @@ def run_compare(args: argparse.Namespace) -> dict:
         for side in sides:
             side.run_round()
     rows = [side.row() for side in sides]
+    if args.llama_bench:
+        for row in rows[1:]:
+            row["vs_llama_cpp"] = paired_ratio(row["samples_tok_s"], rows[0]["samples_tok_s"])
     bandwidth = max(
         bandwidth, read_bandwidth(5, args.probe_mib)
     )  # probed before and after: the quieter one

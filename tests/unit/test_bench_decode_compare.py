@@ -93,9 +93,11 @@ def test_report_rows_and_bandwidth_fractions(tmp_path):
     # Two rounds, llama-bench once per round with one repetition.
     calls = (tmp_path / "argv.txt").read_text().splitlines()
     assert len(calls) == 2 and all(line.split()[-4:] == ["-r", "1", "-o", "json"] for line in calls)
-    assert llama["samples_tok_s"] == [30.0, 50.0, 40.0] * 2
+    assert llama["samples_tok_s"] == [40.0, 40.0]  # each round's median
     assert llama["engine"] == "llama.cpp" and llama["decode_tok_s"] == 40.0
-    assert llama["decode_tok_s_spread"] == 20.0
+    assert llama["decode_tok_s_spread"] == 0.0
+    paired = sorted(x / 40.0 for x in ours["samples_tok_s"])
+    assert ours["vs_llama_cpp"] == pytest.approx(sum(paired) / 2)  # median of two rounds
     assert llama["kv_bytes"] == 2 * 2 * 2 * 8 * 2 * mean_context
     assert ours["engine"] == "sparsekv" and len(ours["samples_tok_s"]) == 2
     assert ours["weight_bytes"] == 4 * LINEAR_PARAMS  # fp32 dense linears, norms left out
@@ -108,6 +110,12 @@ def test_report_rows_and_bandwidth_fractions(tmp_path):
     markdown = out.with_suffix(".md").read_text()
     assert "| llama.cpp |" in markdown and "| sparsekv |" in markdown
     assert "load_average_start" in markdown
+
+
+def test_paired_ratio_is_the_median_of_per_round_ratios():
+    assert decode_compare.paired_ratio([90.0, 60.0, 80.0], [100.0, 60.0, 100.0]) == 0.9
+    with pytest.raises(ValueError, match="do not pair"):
+        decode_compare.paired_ratio([1.0], [1.0, 2.0])
 
 
 def test_rejects_bad_lengths(tmp_path):
