@@ -190,9 +190,12 @@ def peak_request_pages(
 
     Sliding layers hold at most their window plus one step and a page; an exact-mode chunked
     prefill (prompt over the step token budget) holds a budgeted layer's uncompressed earlier
-    chunks until the last one, while a single-shot prefill never writes them. A budgeted
-    layer with head-wise pages (adaptive head budgets) holds at most ``head_slack`` (its KV
-    heads) pages more than the flat layout: one partial page per head.
+    chunks until the last one, while a single-shot prefill never writes them. With adaptive
+    head budgets (``head_slack`` > 0: the KV heads) a budgeted layer the prompt overflows is
+    split into head-wise pages at its compressing step: at most ``head_slack`` pages more than
+    the flat layout (one partial page per head), and no decode-time eviction after it. A layer
+    the prompt fits is never split (decode-time eviction compacts flat, and a request with a
+    budgeted layer is swapped, never recomputed, on preemption): it counts as flat.
     """
     n = num_prompt_tokens
     total = 0
@@ -201,10 +204,13 @@ def peak_request_pages(
             bound = peak_sliding_slots(spec.sliding_window, max_num_batched_tokens, block_size)
             peak = min(n + max_tokens, bound)
         else:
-            peak = peak_layer_slots(budget, n, max_tokens, block_size, decode_eviction)
+            split = head_slack > 0 and budget is not None and n > budget
+            peak = peak_layer_slots(
+                budget, n, max_tokens, block_size, decode_eviction and not split
+            )
             if budget is not None and n > max_num_batched_tokens and not bounded_chunks:
                 peak = max(peak, n)
-            if budget is not None:
+            if split:
                 total += head_slack
         total += num_pages(peak, block_size)
     return total

@@ -186,10 +186,7 @@ class KVCacheManager:
                     max_tokens,
                     self.block_size,
                     self.max_num_batched_tokens,
-                    # A layer that stays flat at prefill may still split after a recompute
-                    # preemption (its re-prefill is longer), and then grows without
-                    # eviction: a head-wise request is counted without it on every layer.
-                    decode_eviction=policy.decode_eviction and not policy.head_wise,
+                    decode_eviction=policy.decode_eviction,
                     bounded_chunks=policy.bounded_chunks,
                     head_slack=self.num_kv_heads if policy.head_wise else 0,
                 )

@@ -14,7 +14,7 @@ from sparsekv.config import CacheConfig, CompressionConfig, EngineConfig, Specul
 from sparsekv.kv_cache import head_pages
 from sparsekv.kv_cache.budget import peak_request_pages
 from sparsekv.kv_cache.request_kv import LayerKV
-from sparsekv.kv_cache.spec import LayerSpec
+from sparsekv.kv_cache.spec import LayerSpec, cdiv
 
 
 def brute_force(scores, budget, num_recent, safeguard=0.2):
@@ -98,6 +98,10 @@ def test_peak_pages_add_one_page_per_head_on_budgeted_layers():
     flat = peak_request_pages(*args, decode_eviction=False, bounded_chunks=False)
     heads = peak_request_pages(*args, decode_eviction=False, bounded_chunks=False, head_slack=3)
     assert heads == flat + 2 * 3
+    # Decode eviction stays on the layers the prompt fits; split layers grow without it.
+    mixed = ([s for s in specs], [None, 64, 600], 500, 10, 16, 4096)
+    heads = peak_request_pages(*mixed, decode_eviction=True, bounded_chunks=False, head_slack=3)
+    assert heads == cdiv(510, 16) + (cdiv(74, 16) + 3) + cdiv(510, 16)
 
 
 def test_head_budgets_setting_is_validated():

@@ -212,7 +212,7 @@ def test_no_module_outside_compression_checks_a_method_name():
     assert _NAME_CHECK.search('if compressor.name == "h2o":')  # the pattern does catch one
 
 
-def test_adaptive_keeps_decode_eviction_and_counts_peaks_without_it():
+def test_adaptive_keeps_decode_eviction_and_counts_split_layers_without_it():
     config = engine_config(budget=64, window=8, full_layers=0)
     kv = KVCacheManager([FULL] * 4, 400, BS, 3, 2, torch.float32)
     policy = resolve(config, {"head_budgets": "adaptive"}, kv=kv, n=200, max_tokens=40)
@@ -221,5 +221,8 @@ def test_adaptive_keeps_decode_eviction_and_counts_peaks_without_it():
     assert policy.peak_pages == (4 * (7 + 3),)
     flat = resolve(config, {"head_budgets": "flat"}, kv=kv, n=200, max_tokens=40)
     assert flat.peak_pages == (4 * 5,)  # min(240, 64 + 16) slots
+    # A prompt under the budget splits no layer: every layer counts as flat, eviction included.
+    fits = resolve(config, {"head_budgets": "adaptive"}, kv=kv, n=40, max_tokens=100)
+    assert fits.peak_pages == (4 * 5,)  # min(140, max(40, 64 + 16)) slots, no slack
     one_head = resolve(config, {"head_budgets": "adaptive"}, n=200, max_tokens=40)
     assert one_head.kv == KVPolicy(decode_eviction=True, bounded_chunks=False, head_wise=False)
