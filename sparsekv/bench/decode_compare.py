@@ -145,14 +145,14 @@ class SparsekvSide:
 
     def row(self) -> dict:
         """The report row (medians over the rounds); releases the engine."""
-        engine, mean_context = self.engine, self.args.context + (self.args.output_len - 1) / 2
+        engine = self.engine
         dtype = str(engine.parts.dtype).removeprefix("torch.")
         result = {
             "engine": "sparsekv",
             "weights": f"--weight-dtype {self.weight_dtype} ({dtype})",
             **_speeds(self.samples),
             "weight_bytes": decode_weight_bytes(engine.parts.model),
-            "kv_bytes": kv_bytes_per_slot(engine) * mean_context,
+            "kv_bytes": kv_bytes_per_slot(engine) * mean_context(self.args),
         }
         self.engine = None
         gc.collect()
@@ -182,13 +182,12 @@ class LlamaCppSide:
         """The report row (medians over the rounds) with the first round's record."""
         record = self.records[0]
         shape = gguf_shape(self.gguf_path)
-        mean_context = self.args.context + (self.args.output_len - 1) / 2
         return {
             "engine": "llama.cpp",
             "weights": f"{record.get('model_type', 'gguf')} (kv {record.get('type_k', 'f16')})",
             **_speeds(self.samples),
             "weight_bytes": shape.weight_bytes,
-            "kv_bytes": shape.kv_bytes(mean_context, record.get("type_k", "f16")),
+            "kv_bytes": shape.kv_bytes(mean_context(self.args), record.get("type_k", "f16")),
             "llama_bench": record,
         }
 
@@ -203,6 +202,11 @@ def paired_ratio(ours: list[float], theirs: list[float]) -> float:
     if len(ours) != len(theirs) or not ours:
         raise ValueError(f"paired_ratio: {len(ours)} and {len(theirs)} samples do not pair")
     return statistics.median(a / b for a, b in zip(ours, theirs))
+
+
+def mean_context(args: argparse.Namespace) -> float:
+    """Tokens in the cache averaged over the timed steps: the prompt plus half the outputs."""
+    return args.context + (args.output_len - 1) / 2
 
 
 def _speeds(samples: list[float]) -> dict:
