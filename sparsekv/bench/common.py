@@ -14,6 +14,7 @@ import json
 import math
 import os
 import random
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -306,3 +307,15 @@ def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
     header = "  ".join(c.rjust(w) for c, w in zip(columns, widths))
     body = ["  ".join(v.rjust(w) for v, w in zip(line, widths)) for line in cells]
     return "\n".join([header, "-" * len(header), *body])
+
+
+def paired_ratio(ours: list[float], theirs: list[float]) -> float:
+    """Median over the rounds of ``ours[i] / theirs[i]``: runs of one round are seconds apart,
+    so their ratio carries less of the machine's drift than the ratio of the two medians.
+
+    Raises:
+        ValueError: the lists differ in length or are empty.
+    """
+    if len(ours) != len(theirs) or not ours:
+        raise ValueError(f"paired_ratio: {len(ours)} and {len(theirs)} samples do not pair")
+    return statistics.median(a / b for a, b in zip(ours, theirs))

@@ -192,18 +192,6 @@ class LlamaCppSide:
         }
 
 
-def paired_ratio(ours: list[float], theirs: list[float]) -> float:
-    """Median over the rounds of ``ours[i] / theirs[i]``: runs of one round are seconds apart,
-    so their ratio carries less of the machine's drift than the ratio of the two medians.
-
-    Raises:
-        ValueError: the lists differ in length or are empty.
-    """
-    if len(ours) != len(theirs) or not ours:
-        raise ValueError(f"paired_ratio: {len(ours)} and {len(theirs)} samples do not pair")
-    return statistics.median(a / b for a, b in zip(ours, theirs))
-
-
 def mean_context(args: argparse.Namespace) -> float:
     """Tokens in the cache averaged over the timed steps: the prompt plus half the outputs."""
     return args.context + (args.output_len - 1) / 2
@@ -259,7 +247,9 @@ def run_compare(args: argparse.Namespace) -> dict:
     rows = [side.row() for side in sides]
     if args.llama_bench:
         for row in rows[1:]:
-            row["vs_llama_cpp"] = paired_ratio(row["samples_tok_s"], rows[0]["samples_tok_s"])
+            row["vs_llama_cpp"] = common.paired_ratio(
+                row["samples_tok_s"], rows[0]["samples_tok_s"]
+            )
     bandwidth = max(
         bandwidth, read_bandwidth(5, args.probe_mib)
     )  # probed before and after: the quieter one

@@ -6,9 +6,13 @@ hints: the answer copies most of the prompt, so prompt lookup hits) runs at each
 (``speculative: {"method": null}``), once with the engine's drafter (``--speculative-method``,
 ``ngram`` by default). Greedy decoding, fixed ``--output-len``, EOS ignored. Reported per run:
 output tokens/s, TPOT P50 (each request's ``(last - first token) / (tokens - 1)``), the drafts'
-mean accepted length and acceptance rate, and whether the two runs' tokens agree. With prefix
-caching on (the default), each batch's prompts are prefilled once before both runs
-(``max_tokens`` 1), so neither run's wall time holds a cold prefill the other skips.
+mean accepted length and acceptance rate, the drafting and the verification milliseconds per
+verifying step (a self-drafting model's draft forwards counted as drafting), and whether the
+two runs' tokens agree. With prefix caching on (the default), each batch's prompts are
+prefilled once before both runs (``max_tokens`` 1), so neither run's wall time holds a cold
+prefill the other skips. ``--rounds N`` runs the pair N times back to back; the rows then carry
+each figure's median over the rounds and ``speedup`` is the median of the per-round ratios
+(``speedup_rounds``), which drift of the machine between rounds moves less.
 
 ``--prompt-tokens N`` replaces the built-in prompts by long ones of about ``N`` tokens (a
 Python module of renamed copies of the snippets and a task about one function in its middle).
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import shlex
+import statistics
 import sys
 import time
 
@@ -66,6 +71,8 @@ SUMMARY_COLUMNS = (
     "tpot_p50_ms",
     "mean_accepted_length",
     "acceptance_rate",
+    "draft_ms_per_step",
+    "verify_ms_per_step",
     "speedup",
     "same_tokens",
 )
@@ -88,6 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--output-len", type=int, default=128, help="generated tokens each")
     parser.add_argument("--no-warmup", action="store_true", help="skip the warm-up request")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="plain / speculative pairs per batch size; rows report per-round medians and the "
+        "median of the per-round speedups (default 1)",
+    )
     parser.add_argument(
         "--prompt-tokens",
         type=int,
@@ -167,6 +181,8 @@ def run_spec_decode(args: argparse.Namespace, checkpoint=None) -> dict:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     if any(b < 1 for b in batch_sizes):
         raise ValueError(f"batch_sizes: every size must be >= 1, got {args.batch_sizes!r}")
+    if args.rounds < 1:
+        raise ValueError(f"rounds: must be >= 1, got {args.rounds}")
     checkpoint = common.load_checkpoint(config, checkpoint)
     engine = common.build_engine(config, checkpoint)
     if not args.no_warmup:
@@ -183,9 +199,15 @@ def run_spec_decode(args: argparse.Namespace, checkpoint=None) -> dict:
             prompts = code_edit_prompts(engine.tokenizer, batch_size)
         if config.cache.enable_prefix_caching:
             _run(engine, prompts, 1, {"method": None}, "prime")  # both runs then hit the cache
-        plain = _run(engine, prompts, args.output_len, {"method": None}, "plain")
-        spec = _run(engine, prompts, args.output_len, None, config.speculative.method)
-        spec["speedup"] = spec["output_tok_s"] / plain["output_tok_s"]
+        plains, specs = [], []
+        for _ in range(args.rounds):  # back to back: a round's two runs share the machine's state
+            plains.append(_run(engine, prompts, args.output_len, {"method": None}, "plain"))
+            specs.append(_run(engine, prompts, args.output_len, None, config.speculative.method))
+        speeds = [[r["output_tok_s"] for r in runs] for runs in (specs, plains)]
+        plain, spec = median_row(plains), median_row(specs)
+        spec["speedup"] = common.paired_ratio(*speeds)
+        if args.rounds > 1:
+            spec["speedup_rounds"] = [round(a / b, 4) for a, b in zip(*speeds)]
         same = sum(a == b for a, b in zip(plain.pop("tokens"), spec.pop("tokens")))
         spec["same_tokens"] = f"{same}/{batch_size}"
         if bandwidth is not None:
@@ -203,6 +225,27 @@ def run_spec_decode(args: argparse.Namespace, checkpoint=None) -> dict:
     markdown = args.output.rsplit(".", 1)[0] + ".md"
     common.write_markdown(markdown, "Speculative decoding", rows, document["provenance"])
     return document
+
+
+# Per-run figures a multi-round row reports as the median over its rounds.
+_MEDIAN_KEYS = ("wall_s", "output_tok_s", "tpot_p50_ms", "draft_ms_per_step", "verify_ms_per_step")
+
+
+def median_row(runs: list[dict]) -> dict:
+    """The first run's row with each of ``_MEDIAN_KEYS`` replaced by its median over ``runs``
+    (a figure some run lacks stays the first run's).
+
+    Raises:
+        ValueError: ``runs`` is empty.
+    """
+    if not runs:
+        raise ValueError("median_row: no runs")
+    row = dict(runs[0])
+    for key in _MEDIAN_KEYS:
+        values = [run[key] for run in runs]
+        if all(value is not None for value in values):
+            row[key] = statistics.median(values)
+    return row
 
 
 def _add_bytes(engine, spec, prompts, output_len: int, bandwidth: float, *rows: dict) -> None:
@@ -249,6 +292,8 @@ def _run(engine, prompts, output_len: int, speculative: dict | None, system: str
         if n > 1:
             tpots.append((output.metrics["last_token"] - output.metrics["first_token"]) / (n - 1))
     num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs.values())
+    verify_steps = after.num_verify_steps - before.num_verify_steps
+    per_step = 1000 / verify_steps if verify_steps else None
     return {
         "system": system,
         "batch_size": len(prompts),
@@ -259,5 +304,8 @@ def _run(engine, prompts, output_len: int, speculative: dict | None, system: str
         "mean_accepted_length": 1 + accepted / num_drafts if num_drafts else None,
         "acceptance_rate": accepted / num_draft_tokens if num_draft_tokens else None,
         "num_steps": trace.num_steps,
+        "draft_ms_per_step": per_step and per_step * (after.draft_seconds - before.draft_seconds),
+        "verify_ms_per_step": per_step
+        and per_step * (after.verify_seconds - before.verify_seconds),
         "tokens": [outputs[r.request_id].outputs[0].token_ids for r in requests],
     }

@@ -18,7 +18,7 @@ class SpecDecodeStats:
         num_verify_steps: engine steps with at least one verifying request.
         draft_seconds: time spent proposing drafts (seconds).
         verify_seconds: time of the steps that verified drafts (forward, verification and
-            rollback; seconds).
+            rollback; seconds), less the draft forwards a self-drafting model runs inside them.
     """
 
     num_drafts: int = 0

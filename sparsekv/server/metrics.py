@@ -85,7 +85,8 @@ _COUNTERS = (
     ),
     (
         "spec_decode_verify_seconds",
-        "Speculative decoding: seconds of the steps that verified draft tokens.",
+        "Speculative decoding: seconds of the steps that verified draft tokens, less the "
+        "draft forwards run inside them.",
         "spec_decode.verify_seconds",
     ),
 )

@@ -5,10 +5,13 @@ plain requests, across preemption and prefix-cache hits."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from sparsekv.config import CompressionConfig, SpeculativeConfig
 from sparsekv.sampling_params import SamplingParams
+from sparsekv.spec_decode import self_draft
 from tests.model.spec_models import engine, generate, repetitive_prompts, tiny_checkpoint, token_ids
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -115,3 +118,19 @@ def test_per_request_settings(checkpoint):
     assert token_ids(generate(plain, [prompt], [params])) == expected
     stats = plain.stats.spec_decode
     assert stats.num_drafts > 0 and stats.num_draft_tokens <= 2 * stats.num_drafts
+
+
+def test_verify_time_leaves_out_the_draft_forwards(checkpoint, monkeypatch):
+    # Draft forwards made 200 ms slower: they count as drafting, not as the verifying step.
+    fill = self_draft.fill_self_drafts
+
+    def slow_fill(*args, **kwargs):
+        time.sleep(0.2)
+        return fill(*args, **kwargs) + 0.2
+
+    monkeypatch.setattr(self_draft, "fill_self_drafts", slow_fill)
+    spec = engine(checkpoint, speculative=SELF)
+    generate(spec, _prompts([40]), [SamplingParams(max_tokens=8, **GREEDY)])
+    stats = spec.stats.spec_decode
+    assert stats.num_verify_steps > 0
+    assert stats.draft_seconds >= 0.2 * stats.num_verify_steps > stats.verify_seconds > 0

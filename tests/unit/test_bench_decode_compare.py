@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sparsekv.bench import decode_compare
+from sparsekv.bench import common, decode_compare
 from sparsekv.bench.llama_bench import gguf_shape, run_llama_bench
 
 GGUF = Path(__file__).parents[1] / "model" / "fixtures" / "gguf" / "llama3.gguf"
@@ -113,9 +113,9 @@ def test_report_rows_and_bandwidth_fractions(tmp_path):
 
 
 def test_paired_ratio_is_the_median_of_per_round_ratios():
-    assert decode_compare.paired_ratio([90.0, 60.0, 80.0], [100.0, 60.0, 100.0]) == 0.9
+    assert common.paired_ratio([90.0, 60.0, 80.0], [100.0, 60.0, 100.0]) == 0.9
     with pytest.raises(ValueError, match="do not pair"):
-        decode_compare.paired_ratio([1.0], [1.0, 2.0])
+        common.paired_ratio([1.0], [1.0, 2.0])
 
 
 def test_rejects_bad_lengths(tmp_path):

@@ -10,14 +10,18 @@ import math
 import pytest
 import torch
 
-from sparsekv.attention.cpu import ops
+from sparsekv.attention.cpu import chunk_paged, ops
 from sparsekv.attention.cpu import window_fused as wf
 from sparsekv.bench import kernels
+from sparsekv.bench.kernels import packed
+from sparsekv.models.quant import ops as quant_ops
+from sparsekv.models.quant.formats import PackedTensor
 
 # bf16 matmul slow enough that the tiny row below is FLOP-bound (bandwidth bound 3.7 us).
 MACHINE = {"read_bandwidth": 1e10, "matmul_flops": {"fp32": 1e11, "bf16": 1e11}}
 TINY = ["--batch", "1", "--tokens", "40", "--layers", "1", "--dtypes", "bf16", "--no-reference"]
 TINY += ["--prefill-tokens", "0", "--fused-layers", "2", "--fused-slots", "48", "--repeats", "2"]
+TINY += ["--chunk-rows", "0", "--packed-rows", ""]  # the tests below that want them set them
 FUSED_NAME = "window fused 2 layers 9h x32 rows x48 slots bf16"
 
 amx = pytest.mark.kernel_variant("window_fused")  # a fused window kernel
@@ -158,3 +162,37 @@ def test_list_names_the_packed_weight_variant(capsys, monkeypatch):
     assert kernels.main(["--list"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert f"packed       avx2 ({quant_ops.ISA_ENV}=avx2; runs {', '.join(runs)})" in lines
+
+
+@pytest.mark.kernel_variant("chunk_paged")
+def test_chunk_and_packed_rows_per_variant(tmp_path):
+    # one request's 3-row chunk over 40 held slots; SmolLM2's packed linears at 1 and 2 rows
+    argv = TINY + ["--fused-layers", "0", "--chunk-rows", "3", "--packed-rows", "1,2"]
+    report = kernels.run(
+        kernels.build_parser().parse_args(argv + ["--output", str(tmp_path / "k.json")]), MACHINE
+    )
+    rows = {row["name"]: row for row in report["results"]}
+    for isa in chunk_paged.chunk_isas():
+        chunk = rows[f"chunk {isa} 1x3 rows x40 bf16"]
+        # 2 x 3 KV heads x 40 slots x 64 x 2 bytes at 1e10 B/s vs 4 x 9 x 3 x 40 x 64 FLOP at 1e11
+        assert chunk["bound_ms"] == pytest.approx(max(30720 / 1e10, 276480 / 1e11) * 1e3)
+        assert math.isfinite(chunk["ms"]) and chunk["ms"] > 0
+    packed_isas = quant_ops.available_isas()
+    names = [name for name in rows if name.startswith("packed ")]
+    assert len(names) == len(packed.SHAPES) * 2 * len(packed_isas)
+    head = rows[f"packed lm_head q8_0 49152x576 m=2 {packed_isas[0]}"]
+    assert head["bound_ms"] == pytest.approx(49152 * 18 * 34 / 1e10 * 1e3)
+
+
+def test_packed_rows_reject_a_zero_count(tmp_path):
+    args = kernels.build_parser().parse_args(TINY + ["--packed-rows", "1,0"])
+    with pytest.raises(ValueError, match="--packed-rows"):
+        packed.bench_packed(args, MACHINE)
+
+
+def test_random_packed_weights_dequantize_to_their_scale():
+    weight = packed.random_packed("q4_1", 4, 64)
+    dense = quant_ops.dequantize(PackedTensor("q4_1", 64, weight))
+    codes = torch.stack([weight[:, 4:20] & 15, weight[:, 4:20] >> 4], -1)  # first block's bytes
+    expected = 0.01 * torch.cat([codes[..., 0], codes[..., 1]], 1).float() + 0.01
+    torch.testing.assert_close(dense[:, :32], expected, rtol=1e-3, atol=1e-5)

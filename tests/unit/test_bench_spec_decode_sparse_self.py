@@ -54,6 +54,8 @@ def test_sparse_self_rows_with_long_prompts(tmp_path, smollm2_tokenizer):
     plain, spec = document["rows"]
     assert (plain["system"], spec["system"]) == ("plain", "sparse_self")
     assert spec["same_tokens"] == "2/2" and spec["mean_accepted_length"] >= 1
+    # three draft forwards and one verifying forward per step, timed apart
+    assert spec["draft_ms_per_step"] > 0 and spec["verify_ms_per_step"] > 0
     assert document["read_bandwidth"] == 20e9
     assert 350 < plain["context_slots"] < 500 and spec["view_slots"] == 16 + 32 + 16
     assert spec["draft_step_mb"] < spec["target_step_mb"] == plain["target_step_mb"]

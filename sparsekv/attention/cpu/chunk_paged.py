@@ -23,7 +23,7 @@ import torch
 
 from sparsekv.attention.cpu import build
 
-VARIANTS = ("avx512", "avx2", "generic")
+VARIANTS = ("avx512_bf16", "avx512", "avx2", "generic")
 # Longest chunk for which the kernel beats gathering bf16 pages for the flash prefill kernel
 # (``ops.prefill_attention``), which packs K / V once and blocks its queries: at 4k held slots
 # (9 heads, 3 KV heads, head_dim 64, 1 thread, AMD Zen 4) 0.8 vs 2.6 ms at 5 rows, 2.5 vs 2.8 ms
@@ -32,7 +32,7 @@ VARIANTS = ("avx512", "avx2", "generic")
 # spread) where the flash kernel takes fp32, and faster at every length where the gather
 # feeds PyTorch attention (AVX2: 256 vs 302 ms at 512).
 BF16_MAX_ROWS = 16
-_LANES = {"avx512": 16, "avx2": 8, "generic": 4}
+_LANES = {"avx512_bf16": 16, "avx512": 16, "avx2": 8, "generic": 4}
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -151,6 +151,7 @@ def chunk_attention_paged_batch(
     num_cached: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    isa: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Several sequences' chunks in one call (a ragged batch, rows concatenated).
 
@@ -163,16 +164,17 @@ def chunk_attention_paged_batch(
         row_starts: ``[batch + 1]`` int64, from 0 to ``rows``.
         num_cached: ``[batch]`` int64 held slots of each sequence.
         scale, sliding_window: as :func:`chunk_attention_paged`.
+        isa: the variant to run (benchmarks), or ``None`` for :func:`chunk_isa`'s choice.
 
     Returns:
         out ``[num_heads, rows, head_dim]`` in the query dtype, lse ``[num_heads, rows]`` fp32.
 
     Raises:
         RuntimeError: no variant for these tensors, or the kernel rejects them (page ids out
-            of range, inconsistent shapes).
+            of range, inconsistent shapes, an ``isa`` this CPU does not run).
     """
     ext = build.load_extension()
-    isa = chunk_isa(query.shape[-1])
+    isa = isa or chunk_isa(query.shape[-1])
     if ext is None or isa is None:
         raise RuntimeError("no native chunk attention kernel for these tensors")
     query = query if query.stride(-1) == 1 else query.contiguous()

@@ -13,12 +13,16 @@ times, for the given shapes (default: SmolLM2 S1, 16 requests x 2000 tokens, 30 
   with a message where the kernel does not run;
 - prefill attention with LSE (``attention_with_lse`` vs ``CpuNativeBackend.prefill_attention``) against
   the FLOP bound of causal attention;
+- the verification chunk kernel (``--chunk-rows`` rows per request over the held slots, one
+  layer), each variant, against the larger of its bandwidth and FLOP bounds (``chunk.py``);
 - with ``--kv-dtypes`` (e.g. ``bf16,int8,fp8,int4``), native paged decode over pages of each KV
   dtype at the same shape (int8 / fp8: ``kv_cache.quant`` codes and per-slot fp32 scales, read
   in place by ``ops.paged_decode_attention_quantized``; int4: KIVI codes with fp16 per-channel
   key and per-slot value scales and zeros, ``ops.paged_decode_attention_int4``): ms per step,
   bytes read per call (codes + scales) and the GB/s that makes. ``--dtypes ''`` skips the rows
-  above.
+  above;
+- packed-weight matmuls on SmolLM2's Q4_1 / Q8_0 linears at each ``--packed-rows`` count of
+  rows of x, each variant, against reading the packed weight once (``packed.py``).
 
 ``--list`` prints the CPU's kernel-relevant features and which variant each kernel family runs
 and why (``bench/kernels/variants.py``), and exits.
@@ -40,7 +44,9 @@ import torch
 
 from sparsekv.attention.backends.cpu_native import CpuNativeBackend
 from sparsekv.attention.cpu import build, ops
+from sparsekv.bench.kernels.chunk import bench_chunk
 from sparsekv.bench.kernels.decode import bench_decode, bench_decode_kv
+from sparsekv.bench.kernels.packed import bench_packed
 from sparsekv.bench.kernels.pages import KV_DTYPES
 from sparsekv.bench.kernels.prefill import bench_prefill
 from sparsekv.bench.kernels.probe import DTYPES, measure_machine, native_isa
@@ -88,6 +94,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="held slots per layer of the fused call (compaction at a 1024 budget + one block)",
     )
     parser.add_argument("--prefill-tokens", type=int, default=4000, help="0 skips prefill")
+    parser.add_argument(
+        "--chunk-rows",
+        type=int,
+        default=5,
+        help="rows per request of the chunk-kernel rows (a K = 4 verification); 0 skips them",
+    )
+    parser.add_argument(
+        "--packed-rows",
+        default="1,5,16",
+        help="rows of x of the packed-weight matmul rows (comma-separated); '' skips them",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats (best is kept)")
     parser.add_argument("--no-reference", action="store_true", help="skip the torch_ref rows")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
@@ -145,10 +162,11 @@ def bench_rows(
             results += bench_window_fused(args, machine)
         if args.prefill_tokens > 0:
             results += bench_prefill(args, dtype_name, machine)
+        results += bench_chunk(args, dtype_name, machine)
     if kv_names and native:
         for kv_name in kv_names:
             results.append(bench_decode_kv(args, kv_name, machine))
-    return results
+    return results + bench_packed(args, machine)
 
 
 def write_report(output: Path, report: dict) -> None:

@@ -68,8 +68,8 @@ def row(name: str, times: tuple[float, float], bound: float, note: str) -> dict:
     it as the report's dict (``name``, ``ms``, ``cpu_ms_per_thread``, ``bound_ms``, ``ratio``)."""
     seconds, cpu = times
     print(
-        f"{name:<46} {seconds * 1e3:9.1f} ms (cpu/thread {cpu * 1e3:8.1f})  "
-        f"bound {bound * 1e3:8.1f} ms ({note})  x{seconds / bound:5.2f}"
+        f"{name:<46} {seconds * 1e3:9.3f} ms (cpu/thread {cpu * 1e3:8.3f})  "
+        f"bound {bound * 1e3:8.3f} ms ({note})  x{seconds / bound:5.2f}"
     )
     return {
         "name": name,

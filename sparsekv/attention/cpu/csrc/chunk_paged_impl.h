@@ -300,6 +300,9 @@ static void chunk_item_t(const ChunkArgs& a, const ChunkItem& it, float* scratch
 #undef SKV_CHUNK_ROW_PASSES
 
 #include "chunk_paged_narrow.h"
+#if defined(SKV_CHUNK_BF16)
+#include "chunk_paged_bf16.h"
+#endif
 
 // Rows per item up to which the keys go in lanes (chunk_narrow) rather than the rows: measured
 // on Zen 4 (7.7k held slots, group 3, 1 thread), with 16 lanes 3 rows take 0.6 ms that way
@@ -311,7 +314,11 @@ static int64_t chunk_scratch(const ChunkArgs& a, int64_t rows) {
   const int64_t rp = chunk_lanes(rows);
   const int64_t lanes = rp * (a.head_dim + a.tile + 1) + 2 * a.tile * a.head_dim;
   const int64_t narrow = narrow_scratch(a, rows);
-  return lanes > narrow ? lanes : narrow;
+  int64_t most = narrow > lanes ? narrow : lanes;
+#if defined(SKV_CHUNK_BF16)
+  most = bf16_scratch(a, rows) > most ? bf16_scratch(a, rows) : most;
+#endif
+  return most;
 }
 
 template <typename T>
@@ -334,6 +341,12 @@ static void chunk_item(const ChunkArgs& a, const ChunkItem& it, float* scratch, 
       chunk_narrow<float>(a, it, scratch, states);
     return;
   }
+#if defined(SKV_CHUNK_BF16)
+  if (a.pool_bf16) {
+    chunk_item_bf16(a, it, scratch, states);
+    return;
+  }
+#endif
   if (a.pool_bf16)
     chunk_item_dim<uint16_t>(a, it, scratch, states);
   else

@@ -132,91 +132,132 @@ static void gemv_bf16_rows(const MatmulArgs& a, int64_t begin, int64_t end) {
   for (; i < end; ++i) gemv_group<F, 1>(a, codes, i);
 }
 
-constexpr int kBf16TileRows = 4;        // weight rows expanded together
-constexpr int kBf16ChunkBlocks = 16;    // at most this many blocks of 32 per expanded tile
-constexpr int64_t kBf16PassRows = 64;   // rows of x whose partial sums stay on the stack
+// The small-M GEMM puts four weight rows in the lanes of one vector (a "quad"), so that a block
+// costs each row of x four vdpbf16ps and one scaling FMA for four weight rows, and no
+// horizontal sum until the row's end. Row g's 32 codes take 128-bit lane g of four vectors:
+// vector s holds its bf16 pairs 4s .. 4s + 3 (elements 8s .. 8s + 7), met by the same eight
+// elements of x broadcast to every lane. Lane l of row g's lane then sums the pairs
+// l, 4 + l, 8 + l, 12 + l of every block, scaled per block by d (and Q4_1's offset m * sum(x
+// block) added in lane 0); the row's four lanes are added at the end.
+constexpr int kQuadChunkBlocks = 32;   // blocks of a quad expanded at a time (12 KiB)
+constexpr int64_t kBf16PassRows = 64;  // rows of x whose accumulators stay on the stack
 
-// One expanded tile: kBf16TileRows weight rows x nb blocks of bf16 codes (4 KiB), with each
-// block's scale and offset; rows past the last weight row hold zeros.
-struct Bf16Tile {
-  __m512bh codes[kBf16TileRows][kBf16ChunkBlocks];
-  alignas(64) float scale[kBf16TileRows][kBf16ChunkBlocks];
-  alignas(64) float offset[kBf16TileRows][kBf16ChunkBlocks];
+// One expanded chunk of a quad: per block the four code vectors, the scale d of row g in lane
+// group g, and Q4_1's offset m of row g in lane 4g (0 elsewhere and for the other formats).
+struct QuadChunk {
+  __m512i codes[kQuadChunkBlocks][4];
+  __m512 scale[kQuadChunkBlocks];
+  __m512 offset[kQuadChunkBlocks];
 };
 
+// Expands blocks [b0, b0 + nb) of weight rows i0 .. i0 + nr - 1 (nr <= 4; missing rows are 0).
 template <int F>
-static void expand_tile(const MatmulArgs& a, const BlockCodes<F>& codes, int64_t i0, int nr,
-                        int64_t b0, int nb, Bf16Tile& t) {
-  for (int i = 0; i < kBf16TileRows; ++i) {
-    for (int b = 0; b < kBf16ChunkBlocks; ++b) {
-      const bool live = i < nr && b < nb;
-      const uint8_t* blk = a.w + (i0 + i) * a.row_bytes + (b0 + b) * block_bytes<F>();
-      t.codes[i][b] = live ? codes(blk) : (__m512bh)_mm512_setzero_si512();
-      t.scale[i][b] = live ? half_to_float(blk) : 0.0f;
-      t.offset[i][b] = live ? codes.offset(blk) : 0.0f;
-    }
-  }
-}
-
-// part[r][i] += x rows r0, r0 + 1 (x1 may repeat x0; its sums are then dropped) times the tile.
-template <int F>
-static inline void tile_rows(const MatmulArgs& a, const Bf16Tile& t, int64_t r0, bool pair,
-                             int64_t b0, int nb, float (*part)[kBf16TileRows]) {
-  const uint16_t* x0 = a.x_bf16 + r0 * a.x_stride + b0 * kBlock;
-  const uint16_t* x1 = pair ? x0 + a.x_stride : x0;
-  __m512 c0[kBf16TileRows], c1[kBf16TileRows];
-  for (int i = 0; i < kBf16TileRows; ++i) c0[i] = c1[i] = _mm512_setzero_ps();
+static void expand_quad(const MatmulArgs& a, const BlockCodes<F>& codes, int64_t i0, int nr,
+                        int64_t b0, int nb, QuadChunk& t) {
+  const __m512i scale_lanes = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6);
+  const __m512i offset_lanes = _mm512_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3, 5, 5, 5, 5, 7, 7, 7, 7);
   for (int b = 0; b < nb; ++b) {
-    const __m512bh xa = (__m512bh)_mm512_loadu_si512(x0 + b * kBlock);
-    const __m512bh xb = (__m512bh)_mm512_loadu_si512(x1 + b * kBlock);
-    for (int i = 0; i < kBf16TileRows; ++i) {
-      const __m512 d = _mm512_set1_ps(t.scale[i][b]);
-      c0[i] = _mm512_fmadd_ps(d, _mm512_dpbf16_ps(_mm512_setzero_ps(), t.codes[i][b], xa), c0[i]);
-      c1[i] = _mm512_fmadd_ps(d, _mm512_dpbf16_ps(_mm512_setzero_ps(), t.codes[i][b], xb), c1[i]);
+    __m512i r[4];
+    int32_t head[4] = {0, 0, 0, 0};  // fp16 d (low half), Q4_1's m (high half)
+    for (int g = 0; g < 4; ++g) {
+      if (g < nr) {
+        const uint8_t* blk = a.w + (i0 + g) * a.row_bytes + (b0 + b) * block_bytes<F>();
+        _mm_prefetch((const char*)(blk + kPrefetchRows * a.row_bytes), _MM_HINT_T0);
+        r[g] = (__m512i)codes(blk);
+        if constexpr (F == kQ4_1) {
+          __builtin_memcpy(&head[g], blk, 4);
+        } else {
+          uint16_t d;
+          __builtin_memcpy(&d, blk, 2);
+          head[g] = d;
+        }
+      } else {
+        r[g] = _mm512_setzero_si512();
+      }
     }
-  }
-  if constexpr (F == kQ4_1) {  // sum_b m[i][b] * sum(x block b), 16 blocks per instruction
-    const __mmask16 live = static_cast<__mmask16>((1u << nb) - 1);
-    const int64_t blocks = a.k / kBlock;
-    const __m512 s0 = _mm512_maskz_loadu_ps(live, a.x_block_sums + r0 * blocks + b0);
-    const __m512 s1 = _mm512_maskz_loadu_ps(live, a.x_block_sums + (r0 + pair) * blocks + b0);
-    for (int i = 0; i < kBf16TileRows; ++i) {
-      const __m512 m = _mm512_load_ps(t.offset[i]);
-      c0[i] = _mm512_fmadd_ps(m, s0, c0[i]);
-      c1[i] = _mm512_fmadd_ps(m, s1, c1[i]);
-    }
-  }
-  for (int i = 0; i < kBf16TileRows; ++i) {
-    part[0][i] += _mm512_reduce_add_ps(c0[i]);
-    if (pair) part[1][i] += _mm512_reduce_add_ps(c1[i]);
+    // 4 x 4 transpose of 128-bit lanes: vector s, lane g <- row g, lane s
+    const __m512i t0 = _mm512_shuffle_i32x4(r[0], r[1], 0x44);  // r0.0 r0.1 r1.0 r1.1
+    const __m512i t1 = _mm512_shuffle_i32x4(r[0], r[1], 0xEE);  // r0.2 r0.3 r1.2 r1.3
+    const __m512i t2 = _mm512_shuffle_i32x4(r[2], r[3], 0x44);
+    const __m512i t3 = _mm512_shuffle_i32x4(r[2], r[3], 0xEE);
+    t.codes[b][0] = _mm512_shuffle_i32x4(t0, t2, 0x88);  // r0.0 r1.0 r2.0 r3.0
+    t.codes[b][1] = _mm512_shuffle_i32x4(t0, t2, 0xDD);  // r0.1 r1.1 r2.1 r3.1
+    t.codes[b][2] = _mm512_shuffle_i32x4(t1, t3, 0x88);
+    t.codes[b][3] = _mm512_shuffle_i32x4(t1, t3, 0xDD);
+    // [d0, m0, d1, m1, d2, m2, d3, m3] as fp32
+    const __m128i halves = _mm_setr_epi32(head[0], head[1], head[2], head[3]);
+    const __m512 h = _mm512_castps256_ps512(_mm256_cvtph_ps(halves));
+    t.scale[b] = _mm512_permutexvar_ps(scale_lanes, h);
+    t.offset[b] = F == kQ4_1 ? _mm512_maskz_permutexvar_ps(0x1111, offset_lanes, h)
+                             : _mm512_setzero_ps();
   }
 }
 
-// Tiles of 4 weight rows x up to 16 blocks are expanded once per pass of up to 64 rows of x and
-// multiplied with each of them, two rows of x at a time.
+// The eight bf16 elements at x broadcast to every 128-bit lane.
+static inline __m512bh lane_splat(const uint16_t* x) {
+  return (__m512bh)_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)x));
+}
+
+// acc[r] += rows r0 .. r0 + R - 1 of x times the chunk (blocks b0 .. b0 + nb - 1).
+template <int F, int R>
+static inline void quad_rows(const MatmulArgs& a, const QuadChunk& t, int64_t r0, int64_t b0,
+                             int nb, __m512* acc) {
+  const int64_t blocks = a.k / kBlock;
+  __m512 c[R];
+  for (int r = 0; r < R; ++r) c[r] = acc[r];
+  for (int b = 0; b < nb; ++b) {
+    const __m512bh w0 = (__m512bh)t.codes[b][0], w1 = (__m512bh)t.codes[b][1];
+    const __m512bh w2 = (__m512bh)t.codes[b][2], w3 = (__m512bh)t.codes[b][3];
+    for (int r = 0; r < R; ++r) {
+      const uint16_t* x = a.x_bf16 + (r0 + r) * a.x_stride + (b0 + b) * kBlock;
+      __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), w0, lane_splat(x));
+      s = _mm512_dpbf16_ps(s, w1, lane_splat(x + 8));
+      s = _mm512_dpbf16_ps(s, w2, lane_splat(x + 16));
+      s = _mm512_dpbf16_ps(s, w3, lane_splat(x + 24));
+      c[r] = _mm512_fmadd_ps(t.scale[b], s, c[r]);
+      if constexpr (F == kQ4_1) {
+        const float sum = a.x_block_sums[(r0 + r) * blocks + b0 + b];
+        c[r] = _mm512_fmadd_ps(t.offset[b], _mm512_set1_ps(sum), c[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) acc[r] = c[r];
+}
+
+// Weight rows go in quads; each quad's blocks are expanded a chunk at a time and multiplied
+// with up to 64 rows of x, four at a time, whose accumulators persist across the chunks.
 template <int F>
 static void gemm_bf16_rows(const MatmulArgs& a, int64_t begin, int64_t end) {
   const BlockCodes<F> codes;
-  Bf16Tile tile;
-  float part[kBf16PassRows][kBf16TileRows];
+  QuadChunk chunk;
+  __m512 acc[kBf16PassRows];
   const int64_t blocks = a.k / kBlock;
-  // Equal chunks (18 blocks: 2 x 9, not 16 + 2) so each chunk's fixed cost is spread evenly.
-  const int64_t chunks = (blocks + kBf16ChunkBlocks - 1) / kBf16ChunkBlocks;
-  const int64_t chunk = chunks ? (blocks + chunks - 1) / chunks : 0;
-  for (int64_t i0 = begin; i0 < end; i0 += kBf16TileRows) {
-    const int nr = static_cast<int>(end - i0 < kBf16TileRows ? end - i0 : kBf16TileRows);
+  for (int64_t i0 = begin; i0 < end; i0 += 4) {
+    const int nr = static_cast<int>(end - i0 < 4 ? end - i0 : 4);
     for (int64_t r0 = 0; r0 < a.m; r0 += kBf16PassRows) {
       const int64_t rows = a.m - r0 < kBf16PassRows ? a.m - r0 : kBf16PassRows;
-      for (int64_t r = 0; r < rows; ++r)
-        for (int i = 0; i < kBf16TileRows; ++i) part[r][i] = 0.0f;
-      for (int64_t b0 = 0; b0 < blocks; b0 += chunk) {
-        const int nb = static_cast<int>(blocks - b0 < chunk ? blocks - b0 : chunk);
-        expand_tile<F>(a, codes, i0, nr, b0, nb, tile);
-        for (int64_t r = 0; r < rows; r += 2)
-          tile_rows<F>(a, tile, r0 + r, r + 1 < rows, b0, nb, part + r);
+      for (int64_t r = 0; r < rows; ++r) acc[r] = _mm512_setzero_ps();
+      for (int64_t b0 = 0; b0 < blocks; b0 += kQuadChunkBlocks) {
+        const int nb = static_cast<int>(blocks - b0 < kQuadChunkBlocks ? blocks - b0
+                                                                       : kQuadChunkBlocks);
+        expand_quad<F>(a, codes, i0, nr, b0, nb, chunk);
+        int64_t r = 0;
+        for (; r + 4 <= rows; r += 4) quad_rows<F, 4>(a, chunk, r0 + r, b0, nb, acc + r);
+        switch (rows - r) {
+          case 3: quad_rows<F, 3>(a, chunk, r0 + r, b0, nb, acc + r); break;
+          case 2: quad_rows<F, 2>(a, chunk, r0 + r, b0, nb, acc + r); break;
+          case 1: quad_rows<F, 1>(a, chunk, r0 + r, b0, nb, acc + r); break;
+          default: break;
+        }
       }
-      for (int64_t r = 0; r < rows; ++r)
-        for (int i = 0; i < nr; ++i) store_y(a, r0 + r, i0 + i, part[r][i]);
+      for (int64_t r = 0; r < rows; ++r) {
+        // lanes 4g .. 4g + 3 summed into lane 4g: (l0 + l2) + (l1 + l3)
+        __m512 v = _mm512_add_ps(acc[r], _mm512_shuffle_ps(acc[r], acc[r], 0x4E));
+        v = _mm512_add_ps(v, _mm512_shuffle_ps(v, v, 0xB1));
+        alignas(64) float sums[16];
+        _mm512_store_ps(sums, v);
+        for (int g = 0; g < nr; ++g) store_y(a, r0 + r, i0 + g, sums[4 * g]);
+      }
     }
   }
 }
