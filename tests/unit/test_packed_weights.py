@@ -384,3 +384,21 @@ def test_packed_tensor_checks_its_layout():
         cat_rows([random_weight("q4_0", 2, 32), random_weight("q8_0", 2, 32)])
     joined = cat_rows([random_weight("q4_0", 2, 32, 1), random_weight("q4_0", 3, 32, 2)])
     assert joined.shape == (5, 32)
+
+
+def test_a_large_weight_takes_the_kernels_up_to_more_rows(monkeypatch):
+    # An output head (bf16 copy over LARGE_DENSE_BYTES) stays on the kernels up to
+    # LARGE_M_MAX_ROWS rows; the layer-sized weights switch to the dense path after 64.
+    assert ops.kernel_max_rows(3072, 576) == ops.SMALL_M_MAX_ROWS == 64
+    assert ops.kernel_max_rows(49152, 576) == ops.LARGE_M_MAX_ROWS == 96
+    head = QuantizedLinear([random_weight("q8_0", 16384, 576, 4)])  # 18.9 MB in bf16
+    assert head.max_kernel_rows == ops.LARGE_M_MAX_ROWS
+    dense = dequantize_reference(head.parts[0])
+    routes = []
+    real_dense = ops.dense_matmul
+    monkeypatch.setattr(ops, "dense_matmul", lambda *a: routes.append("dense") or real_dense(*a))
+    for rows in (80, ops.LARGE_M_MAX_ROWS, ops.LARGE_M_MAX_ROWS + 1):
+        x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
+        y = head(x)
+        assert_close_to_exact(y, x, dense)
+    assert routes == ["dense"]  # only the 97-row call

@@ -35,7 +35,7 @@ class QuantizedLinear(nn.Module):
         ValueError: no parts, or parts of different ``in_features``.
 
     ``forward``: ``x`` ``[..., in_features]`` fp32 or bf16 -> ``[..., out_features]`` in ``x``'s
-    dtype. Up to ``ops.SMALL_M_MAX_ROWS`` rows accumulate in fp32 on the packed weight, add the
+    dtype. Up to ``ops.kernel_max_rows`` rows accumulate in fp32 on the packed weight, add the
     bias in fp32 and round once to ``x``'s dtype inside the kernel op (bf16 ``x`` is read as it
     is by the ``avx512_bf16`` kernels of Q4_0 / Q4_1 / Q8_0; other formats and variants convert
     it to fp32 inside the op); more rows multiply densely in ``x``'s dtype.
@@ -47,6 +47,7 @@ class QuantizedLinear(nn.Module):
             raise ValueError("weight: packed parts must share in_features")
         self.in_features = parts[0].in_features
         self.out_features = sum(p.shape[0] for p in parts)
+        self.max_kernel_rows = ops.kernel_max_rows(self.out_features, self.in_features)
         self.formats = tuple(p.format for p in parts)
         # (kernel calls, fp32 bias) of a decode-sized forward, built on first use.
         self._calls: tuple[tuple[ops.KernelPart, ...], torch.Tensor | None] | None = None
@@ -89,7 +90,7 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.dim() == 2  # the decoder's [num_tokens, features]: no reshapes (~1 us each)
         rows = x if flat else x.reshape(-1, self.in_features)
-        if rows.shape[0] <= ops.SMALL_M_MAX_ROWS:
+        if rows.shape[0] <= self.max_kernel_rows:
             calls, bias32 = self._calls or self.kernel_calls()
             y = ops.matmul_kernel_parts(rows, calls, self.out_features, bias32)
         else:
