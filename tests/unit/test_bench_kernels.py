@@ -184,10 +184,20 @@ def test_chunk_and_packed_rows_per_variant(tmp_path):
     assert head["bound_ms"] == pytest.approx(49152 * 18 * 34 / 1e10 * 1e3)
 
 
-def test_packed_rows_reject_a_zero_count(tmp_path):
-    args = kernels.build_parser().parse_args(TINY + ["--packed-rows", "1,0"])
-    with pytest.raises(ValueError, match="--packed-rows"):
-        packed.bench_packed(args, MACHINE)
+@pytest.mark.parametrize("counts", ["1,0", "1,x", "-2"])
+def test_bad_packed_rows_fail_before_any_row_runs(counts, capsys):
+    args = kernels.build_parser().parse_args(TINY + ["--packed-rows", counts])
+    with pytest.raises(ValueError, match="--packed-rows: every count must be an integer >= 1"):
+        kernels.run(args, MACHINE)
+    assert "ms (cpu/thread" not in capsys.readouterr().out
+    assert packed.packed_counts("") == [] and packed.packed_counts("1,16") == [1, 16]
+
+
+def test_negative_chunk_rows_fail(capsys):
+    args = kernels.build_parser().parse_args(TINY + ["--chunk-rows", "-1"])
+    with pytest.raises(ValueError, match="--chunk-rows: must be >= 0"):
+        kernels.run(args, MACHINE)
+    assert "ms (cpu/thread" not in capsys.readouterr().out
 
 
 def test_random_packed_weights_dequantize_to_their_scale():

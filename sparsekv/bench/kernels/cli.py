@@ -46,7 +46,7 @@ from sparsekv.attention.backends.cpu_native import CpuNativeBackend
 from sparsekv.attention.cpu import build, ops
 from sparsekv.bench.kernels.chunk import bench_chunk
 from sparsekv.bench.kernels.decode import bench_decode, bench_decode_kv
-from sparsekv.bench.kernels.packed import bench_packed
+from sparsekv.bench.kernels.packed import bench_packed, packed_counts
 from sparsekv.bench.kernels.pages import KV_DTYPES
 from sparsekv.bench.kernels.prefill import bench_prefill
 from sparsekv.bench.kernels.probe import DTYPES, measure_machine, native_isa
@@ -190,13 +190,17 @@ def run(args: argparse.Namespace, machine: dict | None = None) -> dict:
             to use instead of measuring it (:func:`probe.measure_machine`).
 
     Raises:
-        ValueError: an unknown ``--kv-dtypes`` name, an ``--isa`` this CPU does not run, or
-            ``--fused-slots`` below ``--window``.
+        ValueError: an unknown ``--kv-dtypes`` name, an ``--isa`` this CPU does not run,
+            ``--fused-slots`` below ``--window``, a negative ``--chunk-rows`` or a bad
+            ``--packed-rows``.
     """
     kv_names = list(filter(None, args.kv_dtypes.split(",")))
     unknown = sorted(set(kv_names) - set(KV_DTYPES))
     if unknown:
         raise ValueError(f"--kv-dtypes: unknown {unknown}; choose from {KV_DTYPES}")
+    if args.chunk_rows < 0:
+        raise ValueError(f"--chunk-rows: must be >= 0 (0 skips the rows), got {args.chunk_rows}")
+    packed_counts(args.packed_rows)  # fails before any row is timed
     if args.threads:
         torch.set_num_threads(args.threads)
     start = time.perf_counter()

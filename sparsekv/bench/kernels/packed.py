@@ -38,14 +38,31 @@ def random_packed(fmt: str, out_features: int, in_features: int) -> torch.Tensor
     return data.view(out_features, -1).contiguous()
 
 
+def packed_counts(text: str) -> list[int]:
+    """The row counts of ``--packed-rows`` (comma-separated; empty: none).
+
+    Raises:
+        ValueError: an entry that is not an integer >= 1 (the message names ``--packed-rows``).
+    """
+    try:
+        counts = [int(m) for m in filter(None, text.split(","))]
+    except ValueError:
+        counts = [0]
+    if any(m < 1 for m in counts):
+        raise ValueError(f"--packed-rows: every count must be an integer >= 1, got {text!r}")
+    return counts
+
+
 def bench_packed(args: argparse.Namespace, machine: dict) -> list[dict]:
-    """One row per (shape, rows of x, variant); none without the packed-weight extension."""
-    counts = [int(m) for m in filter(None, args.packed_rows.split(","))]
+    """One row per (shape, rows of x, variant); none without the packed-weight extension.
+
+    Raises:
+        ValueError: a bad ``--packed-rows`` (:func:`packed_counts`).
+    """
+    counts = packed_counts(args.packed_rows)
     ext = quant_build.load_extension()
     if not counts or ext is None:
         return []
-    if any(m < 1 for m in counts):
-        raise ValueError(f"--packed-rows: every count must be >= 1, got {args.packed_rows!r}")
     isas = str(ext.available_isas()).split(",")
     results = []
     for name, fmt, n, k in SHAPES:
