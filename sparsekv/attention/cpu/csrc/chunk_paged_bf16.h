@@ -11,14 +11,6 @@
 // the online softmax and every sum stay fp32. The item's state is the lanes path's (max, sum,
 // accumulator in chunk order), so chunk_combine merges it unchanged.
 
-// x rounded to the nearest even bf16, as its bit pattern (NaN stays NaN).
-static inline uint32_t bf16_bits(float x) {
-  uint32_t bits;
-  __builtin_memcpy(&bits, &x, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u;
-  return (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-}
-
 static inline __m512 bf16_dot(__m512 acc, __m512i a, __m512i b) {
   return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
 }
@@ -47,10 +39,14 @@ static void bf16_load_queries(const ChunkArgs& a, const ChunkItem& it, int64_t r
   const int64_t d = a.head_dim, rows = a.num_heads / a.num_kv_heads * it.num_rows;
   chunk_scaled_queries<float>(a, it, qf, d, 1);  // natural element order
   for (int64_t p = 0; p < d / 2; ++p)
-    for (int64_t r = 0; r < rp; ++r)
-      qp[p * rp + r] = r < rows ? bf16_bits(qf[r * d + 2 * p]) |
-                                      bf16_bits(qf[r * d + 2 * p + 1]) << 16
-                                : 0u;
+    for (int64_t r = 0; r < rp; ++r) {
+      uint16_t pair[2] = {0, 0};  // low half: element 2p (little-endian words)
+      if (r < rows) {
+        from_float(qf[r * d + 2 * p], pair);
+        from_float(qf[r * d + 2 * p + 1], pair + 1);
+      }
+      __builtin_memcpy(qp + p * rp + r, pair, 4);
+    }
 }
 
 // s[j][R vectors] for keys j in [0, KB) of `keys`, rows of R vectors of qp from lane c.
@@ -84,10 +80,16 @@ static void bf16_qk(const ChunkTile<uint16_t>& t, const uint32_t* qp, int64_t rp
   for (; j < t.n; ++j) bf16_qk_block<R, 1>(t.k + j, qp, rp, d / 2, s + j * rp);
 }
 
+// The word shuffles of the pair packing, built once per item.
+struct PairIndex {
+  __m512i values_lo = interleave_index(0, 32), values_hi = interleave_index(16, 48);
+  __m512i weights = interleave_index(0, 16);
+};
+
 // vp [pairs][d]: word e of pair i is (v[2i][e], v[2i + 1][e]); pairs = padded / 2.
 static void bf16_value_pairs(const ChunkTile<uint16_t>& t, int64_t pairs, int64_t d,
-                             uint32_t* vp) {
-  const __m512i lo = interleave_index(0, 32), hi = interleave_index(16, 48);
+                             const PairIndex& index, uint32_t* vp) {
+  const __m512i lo = index.values_lo, hi = index.values_hi;
   for (int64_t i = 0; i < pairs; ++i)
     for (int64_t e = 0; e < d; e += 32) {
       const __m512i x = _mm512_loadu_si512(t.v[2 * i] + e);
@@ -98,8 +100,9 @@ static void bf16_value_pairs(const ChunkTile<uint16_t>& t, int64_t pairs, int64_
 }
 
 // pp [pairs][rp]: lane r of word i is row r's weight pair (s[2i][r], s[2i + 1][r]) in bf16.
-static void bf16_weight_pairs(const float* s, int64_t pairs, int64_t rp, uint32_t* pp) {
-  const __m512i order = interleave_index(0, 16);
+static void bf16_weight_pairs(const float* s, int64_t pairs, int64_t rp, const PairIndex& index,
+                              uint32_t* pp) {
+  const __m512i order = index.weights;
   for (int64_t i = 0; i < pairs; ++i)
     for (int64_t c = 0; c < rp; c += 16) {
       const __m512 even = _mm512_loadu_ps(s + 2 * i * rp + c);
@@ -145,17 +148,6 @@ static void bf16_pv(const uint32_t* vp, const uint32_t* pp, int64_t pairs, const
   }
 }
 
-// Runs CALL(R) for each run of at most four row vectors (c: the run's first lane).
-#define SKV_BF16_ROW_PASSES(rp, CALL)            \
-  for (int64_t c = 0; c < (rp); c += 64) {       \
-    switch (((rp)-c) / 16 < 4 ? ((rp)-c) / 16 : 4) { \
-      case 1: CALL(1); break;                    \
-      case 2: CALL(2); break;                    \
-      case 3: CALL(3); break;                    \
-      default: CALL(4); break;                   \
-    }                                            \
-  }
-
 // Scratch floats of chunk_item_bf16 for `rows` rows.
 static int64_t bf16_scratch(const ChunkArgs& a, int64_t rows) {
   const int64_t rp = chunk_lanes(rows), d = a.head_dim, tile = a.tile;
@@ -175,47 +167,24 @@ static void chunk_item_bf16(const ChunkArgs& a, const ChunkItem& it, float* scra
   float* qf = (float*)(vp + tile / 2 * d);    // [rp][d]
   float* st = states + it.state;              // max [rp], sum [rp], acc [d][rp]
   bf16_load_queries(a, it, rp, qf, qp);
-  for (int64_t r = 0; r < rp; ++r) st[r] = kNegInf;
-  for (int64_t i = rp; i < (d + 2) * rp; ++i) st[i] = 0.0f;
-  const int64_t last = a.num_cached[it.b] + it.row0 + it.num_rows;  // keys seen: < last
-  ChunkTile<uint16_t> tiles[3];  // tile ti in tiles[ti % 3]: the current one and the two ahead
-  ChunkLines lines[3];
-  int64_t end = it.tile_end;
-  while (end > it.tile_begin && (end - 1) * tile >= last) --end;
+  chunk_reset_state(rp, d, st);
+  const PairIndex index;
   const int64_t passes = (rp / 16 + 3) / 4;
   const int64_t steps = passes * (tile / 4 + d / 4);
-  auto gather = [&](int64_t ti) {
-    const int64_t j0 = ti * tile, j1 = chunk_min(j0 + tile, last);
-    // an odd last key gets a partner (key 0's rows) whose weight is set to 0
-    chunk_tile_rows<uint16_t>(a, it, j0, j1, (j1 - j0 + 1) / 2 * 2, tiles[ti % 3]);
-    lines[ti % 3].start(tiles[ti % 3], d, steps);
-  };
-  for (int64_t ti = it.tile_begin; ti < end && ti < it.tile_begin + 2; ++ti) {
-    gather(ti);
-    lines[ti % 3].touch();
-  }
-  if (it.tile_begin < end) lines[it.tile_begin % 3].finish();
-  for (int64_t ti = it.tile_begin; ti < end; ++ti) {
-    const int64_t j0 = ti * tile;
-    if (ti + 2 < end) {
-      gather(ti + 2);
-      lines[(ti + 2) % 3].touch();
-    }
-    ChunkLines& ahead = lines[(ti + 1) % 3];
-    const ChunkTile<uint16_t>& t = tiles[ti % 3];
+  // an odd last key gets a partner (key 0's rows) whose weight is set to 0
+  chunk_each_tile<uint16_t>(a, it, true, steps,
+                            [&](int64_t j0, const ChunkTile<uint16_t>& t, ChunkLines& ahead) {
     const int64_t n = t.n, pairs = (n + 1) / 2;
 #define SKV_QK(R) bf16_qk<R>(t, qp + c, rp, d, s + c, ahead)
-    SKV_BF16_ROW_PASSES(rp, SKV_QK)
+    SKV_CHUNK_ROW_PASSES(rp, SKV_QK)
 #undef SKV_QK
     chunk_softmax(a, it, rows, rp, j0, n, s, st, alpha);
     if (n % 2)
       for (int64_t r = 0; r < rp; ++r) s[n * rp + r] = 0.0f;
-    bf16_value_pairs(t, pairs, d, vp);
-    bf16_weight_pairs(s, pairs, rp, pp);
+    bf16_value_pairs(t, pairs, d, index, vp);
+    bf16_weight_pairs(s, pairs, rp, index, pp);
 #define SKV_PV(R) bf16_pv<R>(vp, pp + c, pairs, alpha + c, rp, d, st + 2 * rp + c, ahead)
-    SKV_BF16_ROW_PASSES(rp, SKV_PV)
+    SKV_CHUNK_ROW_PASSES(rp, SKV_PV)
 #undef SKV_PV
-    ahead.finish();
-  }
+  });
 }
-#undef SKV_BF16_ROW_PASSES

@@ -84,6 +84,12 @@ static void chunk_scaled_queries(const ChunkArgs& a, const ChunkItem& it, float*
   }
 }
 
+// An item's state before its first key: max -inf, sum and accumulator 0 (rp lanes).
+static inline void chunk_reset_state(int64_t rp, int64_t d, float* st) {
+  for (int64_t r = 0; r < rp; ++r) st[r] = kNegInf;
+  for (int64_t i = rp; i < (d + 2) * rp; ++i) st[i] = 0.0f;
+}
+
 // Queries transposed into qt [head_dim][rp] (padding lanes 0); states reset.
 template <typename T>
 static void chunk_load_queries(const ChunkArgs& a, const ChunkItem& it, int64_t rp, float* qt,
@@ -91,8 +97,7 @@ static void chunk_load_queries(const ChunkArgs& a, const ChunkItem& it, int64_t 
   const int64_t d = a.head_dim;
   for (int64_t i = 0; i < d * rp; ++i) qt[i] = 0.0f;
   chunk_scaled_queries<T>(a, it, qt, 1, rp);
-  for (int64_t r = 0; r < rp; ++r) st[r] = kNegInf;
-  for (int64_t i = rp; i < (d + 2) * rp; ++i) st[i] = 0.0f;
+  chunk_reset_state(rp, d, st);
 }
 
 #include "chunk_paged_prefetch.h"
@@ -246,6 +251,42 @@ static void chunk_softmax(const ChunkArgs& a, const ChunkItem& it, int64_t rows,
     }                                              \
   }
 
+// Runs body(j0, tile, ahead) over the item's key tiles that hold a key its rows see, in order:
+// `tile` holds the key rows of keys j0 .. j0 + tile.n - 1 (with `even`, an odd count is padded
+// by one entry repeating key 0's rows), `ahead` the prefetch set of the next tile, whose
+// step() the body spreads over its `steps` register blocks and finish()es. Two tiles ahead the
+// first line of each page run is touched (chunk_paged_prefetch.h).
+template <typename T, typename Body>
+static void chunk_each_tile(const ChunkArgs& a, const ChunkItem& it, bool even, int64_t steps,
+                            Body&& body) {
+  const int64_t tile = a.tile, d = a.head_dim;
+  const int64_t last = a.num_cached[it.b] + it.row0 + it.num_rows;  // keys seen: < last
+  ChunkTile<T> tiles[3];  // tile ti in tiles[ti % 3]: the current one and the two ahead
+  ChunkLines lines[3];
+  int64_t end = it.tile_end;
+  while (end > it.tile_begin && (end - 1) * tile >= last) --end;
+  auto gather = [&](int64_t ti) {
+    const int64_t j0 = ti * tile, j1 = chunk_min(j0 + tile, last);
+    chunk_tile_rows<T>(a, it, j0, j1, even ? (j1 - j0 + 1) / 2 * 2 : 0, tiles[ti % 3]);
+    lines[ti % 3].start(tiles[ti % 3], d, steps);
+  };
+  for (int64_t ti = it.tile_begin; ti < end && ti < it.tile_begin + 2; ++ti) {
+    gather(ti);
+    lines[ti % 3].touch();
+  }
+  if (it.tile_begin < end) lines[it.tile_begin % 3].finish();
+  for (int64_t ti = it.tile_begin; ti < end; ++ti) {
+    if (ti + 2 < end) {
+      gather(ti + 2);
+      lines[(ti + 2) % 3].touch();
+    }
+    // after the last tile: a set already finished (or never started), whose steps do nothing
+    ChunkLines& ahead = lines[(ti + 1) % 3];
+    body(ti * tile, tiles[ti % 3], ahead);
+    ahead.finish();
+  }
+}
+
 template <typename T, int D>
 static void chunk_item_t(const ChunkArgs& a, const ChunkItem& it, float* scratch,
                          float* states) {
@@ -257,33 +298,11 @@ static void chunk_item_t(const ChunkArgs& a, const ChunkItem& it, float* scratch
   float* wide = alpha + rp;       // [2][tile][d]
   float* st = states + it.state;  // max [rp], sum [rp], acc [d][rp]
   chunk_load_queries<T>(a, it, rp, qt, st);
-  const int64_t last = a.num_cached[it.b] + it.row0 + it.num_rows;  // keys seen: < last
-  ChunkTile<T> tiles[3];  // tile ti in tiles[ti % 3]: the current one and the two ahead
-  ChunkLines lines[3];
-  int64_t end = it.tile_end;
-  while (end > it.tile_begin && (end - 1) * tile >= last) --end;
   // register blocks per tile: the step() calls that spread the next tile's prefetches
   const int64_t rvecs = rp / W, passes = (rvecs + 3) / 4;
   const int64_t steps = passes * (tile / 8 + d / 16);
-  auto gather = [&](int64_t ti) {
-    const int64_t j0 = ti * tile;
-    chunk_tile_rows<T>(a, it, j0, chunk_min(j0 + tile, last), 0, tiles[ti % 3]);
-    lines[ti % 3].start(tiles[ti % 3], d, steps);
-  };
-  for (int64_t ti = it.tile_begin; ti < end && ti < it.tile_begin + 2; ++ti) {
-    gather(ti);
-    lines[ti % 3].touch();
-  }
-  if (it.tile_begin < end) lines[it.tile_begin % 3].finish();
-  for (int64_t ti = it.tile_begin; ti < end; ++ti) {
-    const int64_t j0 = ti * tile;
-    if (ti + 2 < end) {
-      gather(ti + 2);
-      lines[(ti + 2) % 3].touch();
-    }
-    // after the last tile: a set already finished (or never started), whose steps do nothing
-    ChunkLines& ahead = lines[(ti + 1) % 3];
-    const ChunkTile<T>& t = tiles[ti % 3];
+  chunk_each_tile<T>(a, it, false, steps,
+                     [&](int64_t j0, const ChunkTile<T>& t, ChunkLines& ahead) {
     const int64_t n = t.n;
     const float *k, *v;
     chunk_stage(t, d, tile, wide, &k, &v);
@@ -294,15 +313,14 @@ static void chunk_item_t(const ChunkArgs& a, const ChunkItem& it, float* scratch
 #define SKV_PV(R) chunk_pv<D, R>(v, n, s + c, alpha + c, rp, d, st + 2 * rp + c, ahead)
     SKV_CHUNK_ROW_PASSES(rp, SKV_PV)
 #undef SKV_PV
-    ahead.finish();
-  }
+  });
 }
-#undef SKV_CHUNK_ROW_PASSES
 
 #include "chunk_paged_narrow.h"
 #if defined(SKV_CHUNK_BF16)
 #include "chunk_paged_bf16.h"
 #endif
+#undef SKV_CHUNK_ROW_PASSES
 
 // Rows per item up to which the keys go in lanes (chunk_narrow) rather than the rows: measured
 // on Zen 4 (7.7k held slots, group 3, 1 thread), with 16 lanes 3 rows take 0.6 ms that way
