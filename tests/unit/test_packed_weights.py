@@ -169,6 +169,8 @@ def test_matmul_writes_only_its_columns(isa, dtype, rows):
         assert_close_to_exact(y[:, 4:13], x, dequantize_reference(weight))
     else:  # bf16 results: checked to the bit in the bf16 tests below
         exact = x.double() @ dequantize_reference(weight).double().T
+        if isa == "avx512_vnni":  # x quantized to int8 per block first
+            exact = int8_x_reference(x, weight)[0]
         torch.testing.assert_close(y[:, 4:13].double(), exact, rtol=2**-7, atol=1e-3)
 
 
@@ -210,10 +212,47 @@ def bf16_ulp(value: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(value, dtype=torch.float64), exponent - 8)
 
 
+def int8_x_reference(x: torch.Tensor, weight: PackedTensor) -> tuple[torch.Tensor, ...]:
+    """What the ``avx512_vnni`` variant computes for bf16 ``x`` (fp64): ``x`` quantized per block
+    of 32 (``dx = max|x| / 127``, codes ``round(x * 127 / max|x|)`` to nearest even, in fp32 as
+    the kernel) times the weight's code part ``d (q - z)``, plus Q4_1's offsets ``m`` times the
+    exact ``x``. Returns ``(reference, the fp32 accumulation scale, the x-rounding bound)``: the
+    kernel is within ``RTOL`` times the scale of the reference, and the reference within the
+    bound (``sum_blocks dx / 2 * sum |code part|``) of the exact product of ``x``."""
+    rows, k = x.shape
+    blocks = x.float().reshape(rows, k // 32, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inverse = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    dx = amax / 127.0
+    xq = ((blocks * inverse).round() * dx).double().reshape(rows, k)
+    dense = dequantize_reference(weight).double()
+    offsets = torch.zeros_like(dense)
+    if weight.format in OFFSET_AT:
+        at = OFFSET_AT[weight.format]
+        per_block = weight.data.reshape(dense.shape[0], k // 32, -1)[..., at : at + 2]
+        offsets = per_block.contiguous().view(torch.float16)[..., 0].double()
+        offsets = offsets.repeat_interleave(32, 1)
+    codes = dense - offsets
+    reference = xq @ codes.T + x.double() @ offsets.T
+    scale = xq.abs() @ codes.abs().T + x.double().abs() @ offsets.abs().T
+    half_steps = (dx.double() / 2).expand(rows, k // 32, 32).reshape(rows, k)
+    return reference, scale, half_steps @ codes.abs().T
+
+
+def bf16_x_product(x: torch.Tensor, weight: PackedTensor, isa: str) -> torch.Tensor:
+    """The fp64 product variant ``isa`` approximates for bf16 ``x`` on its kernels: the
+    int8-activation reference on ``avx512_vnni``'s formats, else the exact product."""
+    if isa == "avx512_vnni" and weight.format in BF16_FORMATS:
+        return int8_x_reference(x, weight)[0]
+    return x.double() @ dequantize_reference(weight).double().T
+
+
 @pytest.mark.parametrize("fmt", BF16_FORMATS)
 @pytest.mark.parametrize("in_features", [64, 576, 1536])
 def test_bf16_x_equals_fp64_reference(isa, fmt, in_features):
-    # bf16 x, fp32 and bf16 y, with and without bias; 37 weight rows: ragged groups of 4.
+    # bf16 x, fp32 and bf16 y, with and without bias; 37 weight rows: ragged groups of 4. The
+    # int8-activation variant is checked against the product of its quantized x (and that
+    # within the rounding bound of the exact product), the others against the exact product.
     weight = random_weight(fmt, 37, in_features, seed=in_features)
     dense, code = dequantize_reference(weight).double(), FORMATS[fmt].code
     x = torch.randn(70, in_features, generator=torch.Generator().manual_seed(2)).bfloat16()
@@ -226,16 +265,59 @@ def test_bf16_x_equals_fp64_reference(isa, fmt, in_features):
         _ext().matmul_(xr, weight.data, code, in_features, y32_bias, 0, isa, bias)
         _ext().matmul_(xr, weight.data, code, in_features, y16, 0, isa)
         _ext().matmul_(xr, weight.data, code, in_features, y16_bias, 0, isa, bias)
-        assert_close_to_exact(y32, xr.float(), dense)
+        exact = xr.double() @ dense.T
+        if isa == "avx512_vnni":
+            reference, scale, rounding = int8_x_reference(xr, weight)
+            assert ((y32.double() - reference).abs() <= RTOL * scale + 1e-30).all()
+            assert ((reference - exact).abs() <= rounding * (1 + 1e-9) + 1e-30).all()
+            assert (rounding > 0).all()  # the bound is not vacuous: x was rounded
+        else:
+            assert_close_to_exact(y32, xr.float(), dense)
+            reference, scale = exact, xr.double().abs() @ dense.abs().T
         # The bias is added in fp32, then the sum is rounded once to nearest even.
         assert torch.equal(y32_bias, y32 + bias)
         assert torch.equal(y16, y32.bfloat16()) and torch.equal(y16_bias, y32_bias.bfloat16())
-        # Within one bf16 ulp of the exact product rounded to bf16, plus the fp32 accumulation
+        # Within one bf16 ulp of the reference rounded to bf16, plus the fp32 accumulation
         # error bound (a result that nearly cancels to 0 has ulps far below that bound).
-        exact = xr.double() @ dense.T
-        error = (y16.double() - exact.bfloat16().double()).abs()
-        bound = bf16_ulp(exact) + RTOL * (xr.double().abs() @ dense.abs().T)
+        error = (y16.double() - reference.bfloat16().double()).abs()
+        bound = bf16_ulp(reference) + RTOL * scale
         assert (error <= bound).all(), f"{rows} rows: max excess {(error - bound).max():.2e}"
+
+
+@pytest.mark.kernel_variant("packed_weights", "avx512_vnni")
+@pytest.mark.parametrize("fmt", BF16_FORMATS)
+def test_int8_x_rows_do_not_depend_on_the_batch(fmt):
+    # The int8-activation kernels run one row of x and many through the same arithmetic in the
+    # same order: a row's result is bit-identical alone and in any batch (a verification chunk
+    # of speculative decoding equals the decode steps it replaces).
+    weight = random_weight(fmt, 45, 576, seed=7)
+    x = torch.randn(70, 576, generator=torch.Generator().manual_seed(4)).bfloat16()
+    code = FORMATS[fmt].code
+    alone = torch.empty(70, 45)
+    for r in range(70):
+        _ext().matmul_(x[r : r + 1], weight.data, code, 576, alone[r : r + 1], 0, "avx512_vnni")
+    for rows in (2, 5, 16, 64, 70):
+        batch = torch.empty(rows, 45)
+        _ext().matmul_(x[:rows], weight.data, code, 576, batch, 0, "avx512_vnni")
+        assert torch.equal(batch, alone[:rows]), f"{rows} rows"
+
+
+def test_int8_x_quantization_edge_blocks():
+    # An all-zero block contributes 0 (dx = 0, no division by zero); a block of one huge and
+    # tiny values keeps the huge one exact and rounds the tiny ones to 0.
+    if "avx512_vnni" not in ops.available_isas():
+        pytest.skip("no AVX512-VNNI on this CPU")
+    weight = random_weight("q8_0", 8, 64, seed=9)
+    dense = dequantize_reference(weight).double()
+    x = torch.zeros(2, 64, dtype=torch.bfloat16)
+    x[1, 0], x[1, 1] = 512.0, 0.5
+    y = torch.empty(2, 8)
+    _ext().matmul_(x, weight.data, FORMATS["q8_0"].code, 64, y, 0, "avx512_vnni")
+    assert torch.equal(y[0], torch.zeros(8))
+    reference, scale, _ = int8_x_reference(x, weight)
+    assert ((y.double() - reference).abs() <= RTOL * scale + 1e-30).all()
+    # 0.5 * 127 / 512 rounds to 0: the tiny value is dropped, the huge one kept exactly
+    assert torch.equal(reference[1], 512.0 * dense[:, 0])
 
 
 @pytest.mark.parametrize("rows", [1, 9])
@@ -251,7 +333,9 @@ def test_bf16_x_through_ops_and_forced_variant(isa, rows, monkeypatch):
     expected = torch.cat([ops.matmul(x.float(), [p]) for p in parts], dim=-1) + bias
     dense = torch.cat([dequantize_reference(p) for p in parts]).double()
     assert_close_to_exact(expected - bias, x.float(), dense)
-    torch.testing.assert_close(y.double(), expected.double(), rtol=2**-8, atol=1e-4)
+    # the bf16-x kernels' own product (int8 x on avx512_vnni), rounded once to bf16
+    product = torch.cat([bf16_x_product(x, p, isa) for p in parts], dim=-1) + bias.double()
+    torch.testing.assert_close(y.double(), product, rtol=2**-8, atol=1e-4)
 
 
 @pytest.mark.kernel_variant("packed_weights")
@@ -284,6 +368,10 @@ def test_quantized_linear_mixed_parts_with_bias(dtype):
         if dtype == torch.float32:
             torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
         else:
+            if rows <= ops.SMALL_M_MAX_ROWS:  # the kernels' product (int8 x where quantized)
+                isa = ops.kernel_isa() or ops.available_isas()[0]
+                product = torch.cat([bf16_x_product(x, p, isa) for p in parts], dim=-1)
+                expected = (product + bias.double()).float()
             torch.testing.assert_close(y.float(), expected, rtol=1.6e-2, atol=1e-2 * rows**0.5)
 
 

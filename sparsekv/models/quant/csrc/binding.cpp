@@ -36,6 +36,16 @@ bool has_avx512_bf16() {
 #endif
 }
 
+bool has_avx512_vnni() {
+#if defined(__x86_64__) && !defined(__clang__) && __GNUC__ >= 10  // as isa_avx512_vnni.cpp
+  __builtin_cpu_init();
+  return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+#else
+  return false;
+#endif
+}
+
 bool always() { return true; }
 
 struct Variant {
@@ -45,6 +55,7 @@ struct Variant {
 };
 
 const Variant kVariants[] = {  // fastest first
+    {"avx512_vnni", &qk::kQuantAvx512Vnni, has_avx512_vnni},
     {"avx512_bf16", &qk::kQuantAvx512Bf16, has_avx512_bf16},
     {"avx2", &qk::kQuantAvx2, has_avx2},
     {"generic", &qk::kQuantGeneric, always},
@@ -164,6 +175,32 @@ void run_rows(const qk::MatmulArgs& args, int64_t n,
                    [&](int64_t begin, int64_t end) { kernel(args, begin, end); });
 }
 
+// The int8-activation path: bf16 x quantized per block of 32 (rows split over the threads),
+// then the variant's gemm_q8 over the weight rows.
+void run_q8(const at::Tensor& x, const qk::QuantTable& table, qk::MatmulArgs& args, int64_t n,
+            const at::Tensor& y, const c10::optional<at::Tensor>& bias) {
+  const int64_t m = args.m, k = args.k, blocks = k / qk::kBlock;
+  std::vector<int8_t> codes(m * k);
+  std::vector<float> scales(m * blocks), x_sums(m * blocks);
+  std::vector<int32_t> code_sums(m * blocks);
+  const auto* xb = reinterpret_cast<const uint16_t*>(x.const_data_ptr<at::BFloat16>());
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    table.quantize_x(xb, args.x_stride, k, begin, end, codes.data(), scales.data(),
+                     code_sums.data(), x_sums.data());
+  });
+  args.x_q8 = codes.data();
+  args.x_q8_scales = scales.data();
+  args.x_q8_sums = code_sums.data();
+  args.x_block_sums = x_sums.data();
+  if (y.scalar_type() == at::kBFloat16) {
+    args.y_bf16 = reinterpret_cast<uint16_t*>(y.mutable_data_ptr<at::BFloat16>());
+  } else {
+    args.y = y.mutable_data_ptr<float>();
+  }
+  args.bias = bias.has_value() ? bias->const_data_ptr<float>() : nullptr;
+  run_rows(args, n, table.gemm_q8);
+}
+
 // y[:, col : col + n] = x [m, k] W^T (+ bias) for the packed W [n, k]; x and y fp32 or bf16
 // (bf16 y: the fp32 result rounded once), bias fp32 [n], last dimensions contiguous. One row of
 // x goes through the GEMV, more through the tiled GEMM. bf16 x runs the variant's bf16 kernels
@@ -181,7 +218,12 @@ void matmul_(const at::Tensor& x, const at::Tensor& w, int64_t format, int64_t k
   qk::MatmulArgs args{w.const_data_ptr<uint8_t>(), w.size(1), static_cast<int>(format),
                       nullptr, m, k, x.stride(0), nullptr, nullptr, y.stride(0), col};
   std::vector<float> sums;
-  if (x.scalar_type() == at::kBFloat16 && (table.bf16_formats >> format & 1u)) {
+  const bool x_bf16 = x.scalar_type() == at::kBFloat16;
+  if (x_bf16 && (table.q8_formats >> format & 1u)) {
+    run_q8(x, table, args, n, y, bias);
+    return;
+  }
+  if (x_bf16 && (table.bf16_formats >> format & 1u)) {
     args.x_bf16 = reinterpret_cast<const uint16_t*>(x.const_data_ptr<at::BFloat16>());
     if (y_bf16) {
       args.y_bf16 = reinterpret_cast<uint16_t*>(y.mutable_data_ptr<at::BFloat16>());

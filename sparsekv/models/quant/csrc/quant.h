@@ -51,7 +51,13 @@ struct MatmulArgs {
   int64_t y_stride, col;
   const uint16_t* x_bf16 = nullptr;  // [m, k] bf16 bit patterns, row stride x_stride
   uint16_t* y_bf16 = nullptr;        // [m, y_stride] bf16 bit patterns, instead of y
-  const float* bias = nullptr;       // [n] fp32 (bf16 kernels only), or nullptr
+  const float* bias = nullptr;       // [n] fp32 (bf16 and int8 kernels only), or nullptr
+  // bf16 x quantized per block of 32 for the int8-activation kernel (`gemm_q8`): codes [m, k]
+  // (row stride k), their scales [m, k / 32] and code sums [m, k / 32]; x_block_sums then holds
+  // the exact fp32 block sums of x.
+  const int8_t* x_q8 = nullptr;
+  const float* x_q8_scales = nullptr;
+  const int32_t* x_q8_sums = nullptr;
 };
 
 struct QuantTable {
@@ -70,8 +76,18 @@ struct QuantTable {
   unsigned bf16_formats;
   void (*gemv_bf16)(const MatmulArgs&, int64_t begin, int64_t end);
   void (*gemm_bf16)(const MatmulArgs&, int64_t begin, int64_t end);
+  // Formats whose int8-activation kernel exists (bit 1 << format; 0: none), taken before the
+  // bf16 kernels for bf16 x: `quantize_x` fills rows [r_begin, r_end) of the MatmulArgs
+  // x_q8 / x_q8_scales / x_q8_sums / x_block_sums buffers from bf16 x [m, k] (row stride
+  // `stride`), and `gemm_q8` multiplies any number of rows with them.
+  unsigned q8_formats = 0;
+  void (*quantize_x)(const uint16_t* x, int64_t stride, int64_t k, int64_t r_begin,
+                     int64_t r_end, int8_t* q, float* scales, int32_t* sums,
+                     float* x_sums) = nullptr;
+  void (*gemm_q8)(const MatmulArgs&, int64_t begin, int64_t end) = nullptr;
 };
 
+extern const QuantTable kQuantAvx512Vnni;
 extern const QuantTable kQuantAvx512Bf16;
 extern const QuantTable kQuantAvx2;
 extern const QuantTable kQuantGeneric;

@@ -53,24 +53,6 @@ struct BlockCodes {
   static float offset(const uint8_t* blk) { return F == kQ4_1 ? half_to_float(blk + 2) : 0.0f; }
 };
 
-static inline uint16_t round_bf16(float value) {
-  uint32_t bits;
-  __builtin_memcpy(&bits, &value, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN
-  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);  // nearest even
-}
-
-// y[r, col + i] <- value (+ bias[i]), rounded once to bf16 when y is bf16.
-static inline void store_y(const MatmulArgs& a, int64_t r, int64_t i, float value) {
-  if (a.bias) value += a.bias[i];
-  const int64_t at = r * a.y_stride + a.col + i;
-  if (a.y_bf16) {
-    a.y_bf16[at] = round_bf16(value);
-  } else {
-    a.y[at] = value;
-  }
-}
-
 // Weight rows this far ahead are prefetched: decode streams every layer's weight from memory,
 // and without it the 4-bit GEMV's four interleaved row streams ran 1.5-2x slower there
 // (1536 x 576 and 576 x 1536 Q4_1, one thread, weights cycled through 110 MB).
