@@ -43,7 +43,7 @@ FIXTURES = Path(__file__).parent / "fixtures" / "gguf"
 NUM_TEXTS, PROMPT_LEN, FORCED = 8, 128, 64
 AGREEMENT_FLOOR = {"gguf": 0.99, "int8": 0.90}
 BF16_AGREEMENT_FLOOR = 0.95
-BF16_ISAS = ("avx512_bf16", "avx2")
+BF16_ISAS = ("avx512_vnni", "avx512_bf16", "avx2")
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +84,25 @@ def test_engine_packs_every_linear(smollm2_gguf, make_engine):
     assert weight_bytes(packed.parts.model) == (
         weight_bytes(dense.parts.model) - linear_bytes + packed_bytes
     )
+
+
+@pytest.mark.kernel_variant("packed_weights", "avx512_vnni")
+def test_bf16_engine_repacks_to_x16(smollm2_gguf, make_engine):
+    # Where the avx512_vnni kernels run, a bf16 engine holds its Q4_1 / Q8_0 weights in the x16
+    # group layouts: the same bytes, the same values.
+    fp32 = make_engine(smollm2_gguf, weight_dtype="gguf")
+    bf16 = make_engine(smollm2_gguf, weight_dtype="gguf", dtype="bfloat16")
+    model = bf16.parts.model
+    assert model.lm_head.formats == ("q8_0x16",)
+    assert model.layers[0].self_attn.qkv_proj.formats == ("q4_1x16",) * 3
+    assert len(model.layers[0].self_attn.qkv_proj.kernel_calls()[0]) == 1  # merged
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    fp32_layers = [m for m in fp32.parts.model.modules() if isinstance(m, QuantizedLinear)]
+    assert sum(m.weight_bytes for m in layers) == sum(m.weight_bytes for m in fp32_layers)
+    for name in ("lm_head", "layers.7.mlp.gate_up_proj", "layers.29.mlp.down_proj"):
+        x16, source = model.get_submodule(name), fp32.parts.model.get_submodule(name)
+        for a, b in zip(x16.parts, source.parts):
+            assert torch.equal(ops.dequantize(a), dequantize_reference(b)), name
 
 
 @pytest.fixture(scope="module")
@@ -158,9 +177,9 @@ def test_gemma_teacher_forced_agreement(gemma_gguf):
     [pytest.param(v, marks=pytest.mark.kernel_variant("packed_weights", v)) for v in BF16_ISAS],
 )
 def test_bf16_activations_on_packed_weights(smollm2_gguf, references, isa, monkeypatch):
-    # A bf16 engine's packed linears take bf16 activations as they are (avx512_bf16: vdpbf16ps
-    # on codes expanded to bf16; avx2: converted to fp32 inside the op), against the fp32 dense
-    # engine's references.
+    # A bf16 engine's packed linears take bf16 activations (avx512_vnni: quantized to int8 per
+    # block of 32, weights repacked to x16 at load; avx512_bf16: vdpbf16ps on codes expanded to
+    # bf16; avx2: converted to fp32 inside the op), against the fp32 dense engine's references.
     monkeypatch.setenv(ops.ISA_ENV, isa)
     agreement, per_text = _agreement(smollm2_gguf, references, "gguf", "bfloat16")
     assert agreement >= BF16_AGREEMENT_FLOOR, per_text

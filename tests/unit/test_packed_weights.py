@@ -27,6 +27,7 @@ from sparsekv.models.quant.formats import (
     dequantize_reference,
     pack_bf16,
     quantize_int8,
+    unpack_x16_reference,
 )
 from sparsekv.models.quant.linear import QuantizedLinear
 from tests.kernel_variants import PACKED_VARIANTS
@@ -214,17 +215,22 @@ def bf16_ulp(value: torch.Tensor) -> torch.Tensor:
 
 def int8_x_reference(x: torch.Tensor, weight: PackedTensor) -> tuple[torch.Tensor, ...]:
     """What the ``avx512_vnni`` variant computes for bf16 ``x`` (fp64): ``x`` quantized per block
-    of 32 (``dx = max|x| / 127``, codes ``round(x * 127 / max|x|)`` to nearest even, in fp32 as
-    the kernel) times the weight's code part ``d (q - z)``, plus Q4_1's offsets ``m`` times the
-    exact ``x``. Returns ``(reference, the fp32 accumulation scale, the x-rounding bound)``: the
-    kernel is within ``RTOL`` times the scale of the reference, and the reference within the
-    bound (``sum_blocks dx / 2 * sum |code part|``) of the exact product of ``x``."""
+    of 32 in two int8 levels as the kernel does in fp32 (high codes ``round(x * 127 / max|x|)``
+    to nearest even, the residual ``x - high * max|x| / 127`` rounded once, in units of 1/256 of
+    that step, saturated to +-127), times the weight's code part ``d (q - z)``, plus Q4_1's
+    offsets ``m`` times the exact ``x``. Returns ``(reference, the fp32 accumulation scale, the
+    x-rounding bound)``: the kernel is within ``RTOL`` times the scale of the reference, and the
+    reference within the bound (``sum_blocks unit * sum |code part|``) of the exact product."""
     rows, k = x.shape
     blocks = x.float().reshape(rows, k // 32, 32)
     amax = blocks.abs().amax(-1, keepdim=True)
     inverse = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
-    dx = amax / 127.0
-    xq = ((blocks * inverse).round() * dx).double().reshape(rows, k)
+    step = amax / 127.0
+    high = (blocks * inverse).round()
+    rest = (blocks.double() - high.double() * step.double()).float()  # one fused rounding
+    low = (rest * (inverse * 256.0)).round().clamp(-127, 127)
+    unit = (step / 256.0).double()
+    xq = ((high.double() * 256.0 + low.double()) * unit).reshape(rows, k)
     dense = dequantize_reference(weight).double()
     offsets = torch.zeros_like(dense)
     if weight.format in OFFSET_AT:
@@ -235,8 +241,8 @@ def int8_x_reference(x: torch.Tensor, weight: PackedTensor) -> tuple[torch.Tenso
     codes = dense - offsets
     reference = xq @ codes.T + x.double() @ offsets.T
     scale = xq.abs() @ codes.abs().T + x.double().abs() @ offsets.abs().T
-    half_steps = (dx.double() / 2).expand(rows, k // 32, 32).reshape(rows, k)
-    return reference, scale, half_steps @ codes.abs().T
+    units = unit.expand(rows, k // 32, 32).reshape(rows, k)
+    return reference, scale, units @ codes.abs().T
 
 
 def bf16_x_product(x: torch.Tensor, weight: PackedTensor, isa: str) -> torch.Tensor:
@@ -303,8 +309,8 @@ def test_int8_x_rows_do_not_depend_on_the_batch(fmt):
 
 
 def test_int8_x_quantization_edge_blocks():
-    # An all-zero block contributes 0 (dx = 0, no division by zero); a block of one huge and
-    # tiny values keeps the huge one exact and rounds the tiny ones to 0.
+    # An all-zero block contributes 0 (unit 0, no division by zero); a block of one huge and one
+    # tiny value keeps the huge one exact and the tiny one in the residual level.
     if "avx512_vnni" not in ops.available_isas():
         pytest.skip("no AVX512-VNNI on this CPU")
     weight = random_weight("q8_0", 8, 64, seed=9)
@@ -316,8 +322,12 @@ def test_int8_x_quantization_edge_blocks():
     assert torch.equal(y[0], torch.zeros(8))
     reference, scale, _ = int8_x_reference(x, weight)
     assert ((y.double() - reference).abs() <= RTOL * scale + 1e-30).all()
-    # 0.5 * 127 / 512 rounds to 0: the tiny value is dropped, the huge one kept exactly
-    assert torch.equal(reference[1], 512.0 * dense[:, 0])
+    # 0.5 is 0.124 high steps of 512 / 127: high code 0, residual round(31.75) = 32 units of
+    # u = fp32(512 / 127) / 256, so x holds 512 as 127 * 256 u and 0.5 as 32 u = 0.504
+    unit = torch.tensor(512.0 / 127.0, dtype=torch.float32).double() / 256
+    kept = 127 * 256 * unit * dense[:, 0] + 32 * unit * dense[:, 1]
+    assert torch.allclose(reference[1], kept, rtol=1e-12, atol=0)
+    assert abs(127 * 256 * unit.item() - 512) < 1e-4
 
 
 @pytest.mark.parametrize("rows", [1, 9])
@@ -490,3 +500,128 @@ def test_a_large_weight_takes_the_kernels_up_to_more_rows(monkeypatch):
         y = head(x)
         assert_close_to_exact(y, x, dense)
     assert routes == ["dense"]  # only the 97-row call
+
+
+X16 = pytest.mark.kernel_variant("packed_weights", "avx512_vnni")
+
+
+@pytest.mark.parametrize("fmt", BF16_FORMATS)
+def test_x16_repack_round_trips_to_the_same_values(fmt):
+    weight = random_weight(fmt, 48, 576, seed=5)
+    x16 = ops.repack_x16(weight)
+    assert x16.format == fmt + "x16" and x16.shape == weight.shape
+    assert x16.data.shape == (3, 18 * FORMATS[fmt].block_bytes * 16)
+    assert x16.nbytes == weight.nbytes
+    assert torch.equal(unpack_x16_reference(x16).data, weight.data)
+    assert torch.equal(_ext().unpack_x16(x16.data, FORMATS[x16.format].code, 576), weight.data)
+    assert torch.equal(dequantize_reference(x16), dequantize_reference(weight))
+    assert torch.equal(ops.dequantize(x16), dequantize_reference(weight))
+    # row 16 g + i of the weight is lane i of group g: its scale d is the group-block's i-th
+    d = weight.data.reshape(48, 18, -1)[17, 3, :2]
+    assert torch.equal(x16.data.reshape(3, 18, -1)[1, 3, 2:4], d)
+
+
+def test_x16_repack_rejects_what_it_cannot_hold():
+    with pytest.raises(ValueError, match="multiple of 16 rows"):
+        ops.repack_x16(random_weight("q4_1", 40, 64))
+    with pytest.raises(ValueError, match="q4_k with 16 rows"):
+        ops.repack_x16(random_weight("q4_k", 16, 256))
+    with pytest.raises(RuntimeError, match="multiple of 16 rows"):
+        _ext().repack_x16(random_weight("q8_0", 8, 64).data, FORMATS["q8_0"].code, 64)
+    with pytest.raises(ValueError, match="1088 bytes"):  # a group row of k = 64 holds 2 x 544
+        PackedTensor("q8_0x16", 64, torch.zeros(2, 1088 + 64, dtype=torch.uint8))
+
+
+@X16
+@pytest.mark.parametrize("fmt", BF16_FORMATS)
+@pytest.mark.parametrize("in_features", [64, 576, 1536])
+def test_x16_kernel_equals_the_int8_reference(fmt, in_features):
+    weight = random_weight(fmt, 48, in_features, seed=in_features + 1)
+    x16 = ops.repack_x16(weight)
+    code = FORMATS[x16.format].code
+    x = torch.randn(70, in_features, generator=torch.Generator().manual_seed(6)).bfloat16()
+    bias = torch.randn(48, generator=torch.Generator().manual_seed(7))
+    for rows in (1, 2, 3, 5, 17, 64, 70):
+        xr = x[:rows]
+        y32, y32_bias = torch.empty(rows, 50), torch.empty(rows, 50)
+        y16 = torch.empty(rows, 48, dtype=torch.bfloat16)
+        _ext().matmul_(xr, x16.data, code, in_features, y32, 1, "avx512_vnni")
+        _ext().matmul_(xr, x16.data, code, in_features, y32_bias, 1, "avx512_vnni", bias)
+        _ext().matmul_(xr, x16.data, code, in_features, y16, 0, "avx512_vnni")
+        reference, scale, _ = int8_x_reference(xr, weight)
+        assert ((y32[:, 1:49].double() - reference).abs() <= RTOL * scale + 1e-30).all()
+        assert torch.equal(y32_bias[:, 1:49], y32[:, 1:49] + bias)
+        assert torch.equal(y16, y32[:, 1:49].bfloat16())
+
+
+@X16
+@pytest.mark.parametrize("fmt", BF16_FORMATS)
+def test_x16_rows_do_not_depend_on_the_batch_or_the_threads(fmt):
+    weight = ops.repack_x16(random_weight(fmt, 1024, 576, seed=8))  # 2 threads split it
+    code = FORMATS[weight.format].code
+    x = torch.randn(70, 576, generator=torch.Generator().manual_seed(9)).bfloat16()
+    alone = torch.empty(70, 1024)
+    for r in range(70):
+        _ext().matmul_(x[r : r + 1], weight.data, code, 576, alone[r : r + 1], 0, "avx512_vnni")
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            for rows in (2, 5, 16, 70):
+                batch = torch.empty(rows, 1024)
+                _ext().matmul_(x[:rows], weight.data, code, 576, batch, 0, "avx512_vnni")
+                assert torch.equal(batch, alone[:rows]), f"{rows} rows on {count} threads"
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("variant", ["", "avx512_bf16", "generic"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_x16_parts_run_densely_where_no_kernel_reads_them(variant, dtype, monkeypatch):
+    # fp32 x, or a variant without x16 kernels: the x16 parts take the dense path (exact in
+    # fp32) next to kernel-run parts, in output order, with the bias.
+    if variant:
+        monkeypatch.setenv(ops.ISA_ENV, variant)
+    source = [random_weight("q4_1", 32, 256, 1), random_weight("q4_k", 8, 256, 2)]
+    source.append(random_weight("q8_0", 16, 256, 3))
+    parts = [ops.repack_x16(source[0]), source[1], ops.repack_x16(source[2])]
+    bias = torch.randn(56)
+    x = torch.randn(3, 256).to(dtype)
+    y = QuantizedLinear(parts, bias)(x)
+    expected = QuantizedLinear(source, bias)(x.float() if dtype == torch.float32 else x)
+    kernels = dtype == torch.bfloat16 and ops.x16_runs()
+    if dtype == torch.float32 or not kernels:
+        dense = torch.cat([dequantize_reference(p) for p in source]).double()
+        exact = x.double() @ dense.T + bias.double()
+        tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2**-8, "atol": 1e-4}
+        torch.testing.assert_close(y.double(), exact, **tol)
+    else:  # the x16 kernels: the quad kernels' products up to fp32 accumulation order
+        torch.testing.assert_close(y.float(), expected.float(), rtol=2**-7, atol=1e-3)
+
+
+@X16
+def test_x16_weights_need_bf16_x_in_the_kernel_op():
+    weight = ops.repack_x16(random_weight("q4_0", 16, 64))
+    with pytest.raises(RuntimeError, match="x16-repacked weights need bf16 x"):
+        _ext().matmul_(torch.randn(1, 64), weight.data, 8, 64, torch.empty(1, 16), 0, "")
+    with pytest.raises(RuntimeError, match="x16-repacked weights need bf16 x"):
+        x = torch.randn(1, 64).bfloat16()
+        _ext().matmul_(x, weight.data, 8, 64, torch.empty(1, 16), 0, "avx512_bf16")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_linear_merges_adjacent_x16_parts(dtype):
+    # A fused QKV of three Q4_1 tensors repacked: one kernel call over 3 x 2 groups; prefill
+    # sizes take the dense path, slicing groups.
+    source = [random_weight("q4_1", 32, 64, s) for s in (1, 2, 3)]
+    parts = [ops.repack_x16(p) for p in source]
+    layer = QuantizedLinear(parts)
+    calls, _ = layer.kernel_calls()
+    assert [(code, n, data.shape[0]) for data, code, _, n in calls] == [(9, 96, 6)]
+    assert layer.out_features == 96 and layer.weight_bytes == 3 * 32 * 40
+    for rows in (1, 5, ops.SMALL_M_MAX_ROWS + 3):
+        x = torch.randn(rows, 64).to(dtype)
+        if rows <= ops.SMALL_M_MAX_ROWS:
+            assert torch.equal(layer(x), ops.matmul(x, parts))  # one call = one per part
+        else:  # the dense path sees the source's values
+            assert torch.equal(layer(x), QuantizedLinear(source)(x))

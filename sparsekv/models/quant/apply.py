@@ -4,7 +4,10 @@
 name table the dense loader walks, so fused QKV / gate-up projections collect their split
 parts); ``int8`` quantizes every linear weight per output channel; ``bf16`` stores them as bf16
 rows. Embeddings and norms stay dense; so does a linear whose weight the file keeps in a
-format the kernels do not read (logged).
+format the kernels do not read (logged). In a bf16 model on a CPU whose packed-weight kernels
+run the ``avx512_vnni`` variant, Q4_0 / Q4_1 / Q8_0 weights with a multiple of 16 output
+features are repacked to their x16 group layouts (``ops.repack_x16``: same values, same bytes,
+about 2x faster decode matmuls).
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ from collections import Counter
 import torch
 from torch import nn
 
-from sparsekv.models.quant.formats import PackedTensor, pack_bf16, quantize_int8
+from sparsekv.models.quant import ops
+from sparsekv.models.quant.formats import X16_FORMATS, PackedTensor, pack_bf16, quantize_int8
 from sparsekv.models.quant.linear import QuantizedLinear
 from sparsekv.models.weights import source_forms
 
@@ -51,7 +55,8 @@ def apply_weight_dtype(model: nn.Module, weight_dtype: str, checkpoint=None) -> 
                 "weight_dtype: gguf needs a GGUF checkpoint loaded with weight_dtype='gguf'; "
                 "use int8 or bf16 for other checkpoints"
             )
-        return _pack_gguf(model, packed, file_dense)
+        x16 = model.embed_tokens.weight.dtype == torch.bfloat16 and ops.x16_runs()
+        return _pack_gguf(model, packed, file_dense, x16)
     if weight_dtype == "bf16" and model.embed_tokens.weight.dtype == torch.bfloat16:
         return 0  # already bf16: the dense bf16 path (oneDNN / AMX where present) is faster
     if weight_dtype in ("int8", "bf16"):
@@ -69,7 +74,9 @@ def _linears(model: nn.Module) -> list[tuple[nn.Module, str, str, nn.Linear]]:
     ]
 
 
-def _pack_gguf(model: nn.Module, packed: dict[str, PackedTensor], file_dense: list[str]) -> int:
+def _pack_gguf(
+    model: nn.Module, packed: dict[str, PackedTensor], file_dense: list[str], x16: bool
+) -> int:
     counts: Counter[str] = Counter()
     dense, replaced = [], 0
     tied = getattr(model.variant, "tie_word_embeddings", False)
@@ -78,6 +85,8 @@ def _pack_gguf(model: nn.Module, packed: dict[str, PackedTensor], file_dense: li
         if parts is None:
             dense.append(name)
             continue
+        if x16:
+            parts = [_to_x16(p) for p in parts]
         setattr(parent, attribute, QuantizedLinear(parts, linear.bias))
         counts.update(p.format for p in parts)
         replaced += 1
@@ -89,6 +98,13 @@ def _pack_gguf(model: nn.Module, packed: dict[str, PackedTensor], file_dense: li
         "".join(f", {n}" for n in dense + file_dense),
     )
     return replaced
+
+
+def _to_x16(part: PackedTensor) -> PackedTensor:
+    """``part`` in its x16 group layout where it has one and 16 divides its rows."""
+    if part.format in X16_FORMATS and part.shape[0] % 16 == 0:
+        return ops.repack_x16(part)
+    return part
 
 
 def _gguf_parts(param: str, packed: dict[str, PackedTensor], tied: bool):

@@ -23,7 +23,13 @@ from sparsekv.ext_cache import cache_folder, compile_operators
 
 EXTENSION_NAME = "sparsekv_quant_ops"
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("binding.cpp", "isa_avx512_vnni.cpp", "isa_avx512_bf16.cpp", "isa_avx2.cpp", "isa_generic.cpp")
+SOURCES = (
+    "binding.cpp",
+    "isa_avx512_vnni.cpp",
+    "isa_avx512_bf16.cpp",
+    "isa_avx2.cpp",
+    "isa_generic.cpp",
+)
 # -ffp-contract=fast: a * b + c becomes one fused multiply-add in the AVX2 variant (ISO C++
 # mode turns contraction off by default). -fopenmp: at::parallel_for runs on OpenMP.
 EXTRA_CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno", "-Wno-psabi")

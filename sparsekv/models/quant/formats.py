@@ -25,6 +25,11 @@ one. The k-quants (``block_q4_K`` / ``block_q6_K``) group 256 values in a super-
 - ``int8``: per output channel, symmetric: an fp32 scale ``s = max|w| / 127``, then the row's
   int8 codes ``round(w / s)``; ``w = s * q``.
 - ``bf16``: the row in bf16.
+
+And the GGUF blocks repacked at load for the int8-activation kernels (bf16 models on CPUs with
+AVX512-VNNI): ``q4_0x16``, ``q4_1x16``, ``q8_0x16`` hold 16 weight rows per packed row, their
+blocks interleaved so that one integer dot-product instruction advances all 16 (layout at
+:data:`FORMATS`); they dequantize to exactly the values of their source format.
 """
 
 from __future__ import annotations
@@ -39,11 +44,14 @@ class PackedFormat:
     """One packed layout.
 
     Attributes:
-        name: ``q4_0``, ``q4_1``, ``q8_0``, ``q5_0``, ``q4_k``, ``q6_k``, ``int8`` or ``bf16``.
+        name: ``q4_0``, ``q4_1``, ``q8_0``, ``q5_0``, ``q4_k``, ``q6_k``, ``int8``, ``bf16``,
+            or an x16 group layout (``q4_0x16``, ``q4_1x16``, ``q8_0x16``).
         code: the native kernels' format number (``csrc/quant.h``).
         block_values: values per block (``in_features`` must be a multiple); 1 for row formats.
         block_bytes: bytes per block.
         row_header: bytes before a row's blocks (the ``int8`` scale).
+        group_rows: weight rows one row of the packed tensor holds (16 for the ``x16`` group
+            layouts, whose blocks interleave 16 weight rows; else 1).
     """
 
     name: str
@@ -51,9 +59,10 @@ class PackedFormat:
     block_values: int
     block_bytes: int
     row_header: int = 0
+    group_rows: int = 1
 
     def row_bytes(self, in_features: int) -> int:
-        """Bytes of one packed row of ``in_features`` weights."""
+        """Bytes of one packed row (``group_rows`` weight rows) of ``in_features`` weights."""
         return self.row_header + in_features // self.block_values * self.block_bytes
 
 
@@ -68,8 +77,18 @@ FORMATS: dict[str, PackedFormat] = {
         PackedFormat("q4_k", 5, 256, 144),
         PackedFormat("q6_k", 6, 256, 210),
         PackedFormat("q5_0", 7, 32, 22),
+        # Q4_0 / Q4_1 / Q8_0 repacked in groups of 16 rows for the int8-activation kernels
+        # (csrc/quant.h): per group and block of 32, the 16 fp16 scales d (and Q4_1's 16 fp16
+        # offsets m), then code vectors of 64 bytes whose 4-byte word i holds row i's code bytes
+        # 4t .. 4t + 3 (vector t; Q8_0's codes stored as q + 128). Same bytes per value.
+        PackedFormat("q4_0x16", 8, 32, 16 * 18, group_rows=16),
+        PackedFormat("q4_1x16", 9, 32, 16 * 20, group_rows=16),
+        PackedFormat("q8_0x16", 10, 32, 16 * 34, group_rows=16),
     )
 }
+
+# The x16 group layout of each format that has one.
+X16_FORMATS = {"q4_0": "q4_0x16", "q4_1": "q4_1x16", "q8_0": "q8_0x16"}
 
 # GGML type names (``gguf.GGMLQuantizationType``) whose blocks are kept packed.
 GGUF_FORMATS = {
@@ -89,7 +108,8 @@ class PackedTensor:
     Attributes:
         format: a :data:`FORMATS` name.
         in_features: values per row.
-        data: ``uint8`` ``[out_features, row_bytes]``, contiguous.
+        data: ``uint8`` ``[out_features / group_rows, row_bytes]``, contiguous
+            (``group_rows`` and ``row_bytes`` of the format).
     """
 
     format: str
@@ -113,7 +133,7 @@ class PackedTensor:
     @property
     def shape(self) -> tuple[int, int]:
         """``(out_features, in_features)``."""
-        return self.data.shape[0], self.in_features
+        return self.data.shape[0] * FORMATS[self.format].group_rows, self.in_features
 
     @property
     def nbytes(self) -> int:
@@ -121,7 +141,8 @@ class PackedTensor:
         return self.data.numel()
 
     def with_rows(self, data: torch.Tensor) -> PackedTensor:
-        """The same format over other rows (a permutation, slice or concatenation of rows)."""
+        """The same format over other rows of the packed tensor (a permutation, slice or
+        concatenation; for an x16 format, of groups of 16 weight rows)."""
         return PackedTensor(self.format, self.in_features, data.contiguous())
 
 
@@ -148,6 +169,8 @@ def dequantize_reference(weight: PackedTensor) -> torch.Tensor:
     The fallback without the native kernels and the reference they are tested against; equal
     bit for bit to ``gguf.quants.dequantize`` for the GGUF formats.
     """
+    if FORMATS[weight.format].group_rows > 1:
+        return dequantize_reference(unpack_x16_reference(weight))
     layout = FORMATS[weight.format]
     rows, k = weight.shape
     data = weight.data
@@ -171,6 +194,25 @@ def dequantize_reference(weight: PackedTensor) -> torch.Tensor:
     if weight.format == "q4_0":
         return (d * (q - 8.0)).reshape(rows, k)
     return (d * q + _halves(blocks, 2).unsqueeze(-1)).reshape(rows, k)
+
+
+def unpack_x16_reference(weight: PackedTensor) -> PackedTensor:
+    """An x16 weight back in its source format (Q4_0 / Q4_1 / Q8_0 rows), in PyTorch: the
+    inverse of the native ``repack_x16``."""
+    source = weight.format.removesuffix("x16")
+    block_bytes = FORMATS[source].block_bytes
+    groups, k = weight.data.shape[0], weight.in_features
+    blocks = k // 32
+    header = 64 if source == "q4_1" else 32
+    data = weight.data.reshape(groups, blocks, -1)
+    heads = data[..., :header].reshape(groups, blocks, header // 32, 16, 2)
+    heads = heads.permute(0, 3, 1, 2, 4).reshape(groups * 16, blocks, header // 16)
+    codes = data[..., header:].reshape(groups, blocks, -1, 16, 4)  # [g, b, vector, row, 4]
+    codes = codes.permute(0, 3, 1, 2, 4).reshape(groups * 16, blocks, block_bytes - header // 16)
+    if source == "q8_0":
+        codes = codes ^ 0x80
+    rows = torch.cat([heads, codes], dim=-1).reshape(groups * 16, -1).contiguous()
+    return PackedTensor(source, k, rows)
 
 
 def _q4_k_values(blocks: torch.Tensor) -> torch.Tensor:

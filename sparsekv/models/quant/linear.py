@@ -36,9 +36,10 @@ class QuantizedLinear(nn.Module):
 
     ``forward``: ``x`` ``[..., in_features]`` fp32 or bf16 -> ``[..., out_features]`` in ``x``'s
     dtype. Up to ``ops.kernel_max_rows`` rows accumulate in fp32 on the packed weight, add the
-    bias in fp32 and round once to ``x``'s dtype inside the kernel op (bf16 ``x`` is read as it
-    is by the ``avx512_bf16`` kernels of Q4_0 / Q4_1 / Q8_0; other formats and variants convert
-    it to fp32 inside the op); more rows multiply densely in ``x``'s dtype.
+    bias in fp32 and round once to ``x``'s dtype inside the kernel op (bf16 ``x`` is quantized to
+    int8 per block of 32 by the ``avx512_vnni`` kernels of Q4_0 / Q4_1 / Q8_0 and their x16
+    layouts, read as it is by the ``avx512_bf16`` ones; other formats and variants convert it
+    to fp32 inside the op); more rows multiply densely in ``x``'s dtype.
     """
 
     def __init__(self, parts: list[PackedTensor], bias: torch.Tensor | None = None) -> None:
@@ -78,8 +79,8 @@ class QuantizedLinear(nn.Module):
             for data, code, k, n in ops.kernel_parts(self.parts):
                 if calls and _follows(calls[-1], data, code):
                     first, _, _, rows = calls[-1]
-                    width = first.shape[1]
-                    span = first.as_strided((rows + n, width), (width, 1))
+                    width = first.shape[1]  # packed rows: weight rows, or groups of 16 (x16)
+                    span = first.as_strided((first.shape[0] + data.shape[0], width), (width, 1))
                     calls[-1] = (span, code, k, rows + n)
                 else:
                     calls.append((data, code, k, n))
@@ -129,7 +130,7 @@ def _adjacent_rows(parts: list[PackedTensor]) -> list[torch.Tensor]:
             out.append(parts[start].data)
         else:
             merged = torch.cat([p.data for p in parts[start:end]])
-            out += list(merged.split([p.shape[0] for p in parts[start:end]]))
+            out += list(merged.split([p.data.shape[0] for p in parts[start:end]]))
         start = end
     return out
 

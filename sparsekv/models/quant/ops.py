@@ -5,13 +5,18 @@ Decode-sized inputs (1 to :func:`kernel_max_rows` rows) go through the native ke
 read the packed weight once and dequantize it in registers (one row: the GEMV; more: a tiled
 GEMM that dequantizes each tile of 4 weight rows once for all rows of ``x``); on CPUs with
 AVX512-BF16 the ``avx512_bf16`` variant multiplies bf16 ``x`` with Q4_0 / Q4_1 / Q8_0 codes
-expanded to bf16 (``vdpbf16ps``, fp32 accumulation). Larger inputs
+expanded to bf16 (``vdpbf16ps``, fp32 accumulation), and on CPUs with AVX512-VNNI the
+``avx512_vnni`` variant quantizes bf16 ``x`` to int8 per block of 32 (as llama.cpp does for its
+quantized dot products) and multiplies with integer dot products (``vpdpbusd``), fastest on
+weights repacked in groups of 16 rows (:func:`repack_x16`; ``apply`` does it at load for bf16
+models). Larger inputs
 (prefill) dequantize the weight in slices of :data:`DEQUANT_SLICE_ROWS` output features and
 multiply densely in ``x``'s dtype, so they keep the dense path's speed.
 
-``SPARSEKV_KERNEL_ISA`` forces a variant as for the other native kernels (``avx512_bf16``,
-``avx2`` or ``generic``); naming one this CPU does not run, or one these kernels do not have,
-uses the fastest with a warning.
+``SPARSEKV_KERNEL_ISA`` forces a variant as for the other native kernels (``avx512_vnni``,
+``avx512_bf16``, ``avx2`` or ``generic``); naming one this CPU does not run, or one these
+kernels do not have, uses the fastest with a warning. x16 weights run on ``avx512_vnni`` with
+bf16 ``x`` only; elsewhere (fp32 ``x``, another variant) they take the dense path.
 """
 
 from __future__ import annotations
@@ -25,7 +30,12 @@ import torch
 
 from sparsekv.ext_cache import ExtensionScope
 from sparsekv.models.quant import build
-from sparsekv.models.quant.formats import FORMATS, PackedTensor, dequantize_reference
+from sparsekv.models.quant.formats import (
+    FORMATS,
+    X16_FORMATS,
+    PackedTensor,
+    dequantize_reference,
+)
 
 ISA_ENV = "SPARSEKV_KERNEL_ISA"
 # Rows of x up to this go through the native kernels; more dequantize tiles for a dense matmul.
@@ -73,6 +83,36 @@ def _isa_for(ext, setting: str) -> str:
         return forced
     _warn_unusable(forced)
     return ""
+
+
+X16_VARIANT = "avx512_vnni"  # the variant with kernels for the x16 group layouts
+_X16_CODES = frozenset(FORMATS[name].code for name in X16_FORMATS.values())
+
+
+def x16_runs() -> bool:
+    """Whether bf16 matmuls would run the x16 kernels now: the extension is loaded and the
+    variant in use (forced or the fastest) is ``avx512_vnni``."""
+    runs = available_isas()
+    return bool(runs) and (kernel_isa() or runs[0]) == X16_VARIANT
+
+
+def repack_x16(weight: PackedTensor) -> PackedTensor:
+    """``weight`` (Q4_0 / Q4_1 / Q8_0, out_features a multiple of 16) in its x16 group layout
+    (native; dequantizes to the same values).
+
+    Raises:
+        ValueError: another format, out_features not a multiple of 16, or no extension.
+    """
+    if weight.format not in X16_FORMATS or weight.shape[0] % 16:
+        raise ValueError(
+            f"weight: only q4_0 / q4_1 / q8_0 with a multiple of 16 rows repack to x16, got "
+            f"{weight.format} with {weight.shape[0]} rows"
+        )
+    ext = build.load_extension()
+    if ext is None:
+        raise ValueError("weight: repacking to x16 needs the native packed-weight kernels")
+    data = ext.repack_x16(weight.data, FORMATS[weight.format].code, weight.in_features)
+    return PackedTensor(X16_FORMATS[weight.format], weight.in_features, data)
 
 
 def native_scope() -> ExtensionScope:
@@ -182,11 +222,27 @@ def matmul_kernel_parts(
     xk = (x if native else x.float()).contiguous()
     out = torch.empty(xk.shape[0], out_features, dtype=xk.dtype)
     op, col = ext.matmul_.default, 0  # the single overload: skips overload resolution
+    x16_kernels = None  # resolved on the first x16 call only
     for data, code, in_features, n in calls:
         part_bias = None if bias32 is None else bias32[col : col + n]
+        if code in _X16_CODES:
+            if x16_kernels is None:
+                x16_kernels = xk.dtype == torch.bfloat16 and (isa or _fastest()) == X16_VARIANT
+            if not x16_kernels:  # fp32 x or another variant: no kernel reads this layout
+                part = PackedTensor(_FORMAT_NAMES[code], in_features, data)
+                y = _dense(xk.float(), part)
+                out[:, col : col + n] = y if part_bias is None else y + part_bias
+                col += n
+                continue
         op(xk, data, code, in_features, out, col, isa, part_bias)
         col += n
     return out if native else out.to(x.dtype)
+
+
+@functools.cache
+def _fastest() -> str:
+    runs = available_isas()
+    return runs[0] if runs else ""
 
 
 _FORMAT_NAMES = {f.code: name for name, f in FORMATS.items()}
@@ -199,8 +255,9 @@ def dense_matmul(x: torch.Tensor, parts: list[PackedTensor]) -> torch.Tensor:
 
 def _dense(x: torch.Tensor, part: PackedTensor) -> torch.Tensor:
     pieces = []
-    for start in range(0, part.shape[0], DEQUANT_SLICE_ROWS):
-        piece = part.with_rows(part.data[start : start + DEQUANT_SLICE_ROWS])
+    step = DEQUANT_SLICE_ROWS // FORMATS[part.format].group_rows  # rows of the packed tensor
+    for start in range(0, part.data.shape[0], step):
+        piece = part.with_rows(part.data[start : start + step])
         pieces.append(torch.nn.functional.linear(x, dequantize(piece).to(x.dtype)))
     return torch.cat(pieces, dim=-1)
 

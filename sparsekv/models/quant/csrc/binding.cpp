@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "quant.h"
+#include "repack.h"
 
 namespace qk = sparsekv_quant;
 
@@ -84,7 +85,14 @@ const qk::QuantTable& table_for(c10::string_view isa) {
               "' is not supported on this CPU");
 }
 
-// Bytes one row of k weights takes in `format`.
+bool is_x16(int64_t format) {
+  return format == qk::kQ4_0X16 || format == qk::kQ4_1X16 || format == qk::kQ8_0X16;
+}
+
+// Weight rows per row of the packed tensor: 16 for the x16 group layouts, else 1.
+int64_t rows_per_row(int64_t format) { return is_x16(format) ? 16 : 1; }
+
+// Bytes one row of the packed tensor takes in `format` for k inputs (x16: a group of 16).
 int64_t row_bytes_of(int64_t format, int64_t k) {
   switch (format) {
     case qk::kQ4_0: return k / qk::kBlock * 18;
@@ -95,6 +103,9 @@ int64_t row_bytes_of(int64_t format, int64_t k) {
     case qk::kQ4_K: return k / 256 * 144;
     case qk::kQ6_K: return k / 256 * 210;
     case qk::kQ5_0: return k / qk::kBlock * 22;
+    case qk::kQ4_0X16:
+    case qk::kQ4_1X16:
+    case qk::kQ8_0X16: return k / qk::kBlock * qk::x16_layout(format).group_block_bytes();
     default: TORCH_CHECK(false, "unknown packed format code ", format);
   }
 }
@@ -103,7 +114,7 @@ void check_weight(const at::Tensor& w, int64_t format, int64_t k) {
   TORCH_CHECK(format >= 0 && format < qk::kNumFormats, "unknown packed format code ", format);
   const bool super = format == qk::kQ4_K || format == qk::kQ6_K;
   const bool blocks = format == qk::kQ4_0 || format == qk::kQ4_1 || format == qk::kQ8_0 ||
-                      format == qk::kQ5_0;
+                      format == qk::kQ5_0 || is_x16(format);
   TORCH_CHECK(k >= 0 && (!blocks || k % qk::kBlock == 0),
               "in_features must be a multiple of 32 for a block format, got ", k);
   TORCH_CHECK(k >= 0 && (!super || k % 256 == 0),
@@ -169,10 +180,13 @@ void check_matmul_args(const at::Tensor& x, int64_t k, int64_t n, const at::Tens
 }
 
 // Runs `kernel` over the n weight rows, split over the threads above kMinTaskBytes of weights.
+// The x16 layouts are split at whole groups of 16 rows (at::parallel_for cuts a range into
+// equal parts, not at multiples of its grain).
 void run_rows(const qk::MatmulArgs& args, int64_t n,
               void (*kernel)(const qk::MatmulArgs&, int64_t, int64_t)) {
-  at::parallel_for(0, n, grain_rows(args.row_bytes, 4),
-                   [&](int64_t begin, int64_t end) { kernel(args, begin, end); });
+  const int64_t group = rows_per_row(args.format);
+  at::parallel_for(0, n / group, std::max<int64_t>(1, grain_rows(args.row_bytes, 4) / group),
+                   [&](int64_t begin, int64_t end) { kernel(args, begin * group, end * group); });
 }
 
 // The int8-activation path: bf16 x quantized per block of 32 (rows split over the threads),
@@ -180,7 +194,7 @@ void run_rows(const qk::MatmulArgs& args, int64_t n,
 void run_q8(const at::Tensor& x, const qk::QuantTable& table, qk::MatmulArgs& args, int64_t n,
             const at::Tensor& y, const c10::optional<at::Tensor>& bias) {
   const int64_t m = args.m, k = args.k, blocks = k / qk::kBlock;
-  std::vector<int8_t> codes(m * k);
+  std::vector<int8_t> codes(2 * m * k);  // per row: k high codes, then k residual codes
   std::vector<float> scales(m * blocks), x_sums(m * blocks);
   std::vector<int32_t> code_sums(m * blocks);
   const auto* xb = reinterpret_cast<const uint16_t*>(x.const_data_ptr<at::BFloat16>());
@@ -198,7 +212,7 @@ void run_q8(const at::Tensor& x, const qk::QuantTable& table, qk::MatmulArgs& ar
     args.y = y.mutable_data_ptr<float>();
   }
   args.bias = bias.has_value() ? bias->const_data_ptr<float>() : nullptr;
-  run_rows(args, n, table.gemm_q8);
+  run_rows(args, n, is_x16(args.format) ? table.gemm_x16 : table.gemm_q8);
 }
 
 // y[:, col : col + n] = x [m, k] W^T (+ bias) for the packed W [n, k]; x and y fp32 or bf16
@@ -210,16 +224,19 @@ void matmul_(const at::Tensor& x, const at::Tensor& w, int64_t format, int64_t k
              const at::Tensor& y, int64_t col, c10::string_view isa,
              const c10::optional<at::Tensor>& bias) {
   check_weight(w, format, k);
-  const int64_t m = x.size(0), n = w.size(0);
+  const int64_t m = x.size(0), n = w.size(0) * rows_per_row(format);
   check_matmul_args(x, k, n, y, col, bias);
   if (m == 0 || n == 0) return;
   const auto& table = table_for(isa);
+  TORCH_CHECK(!is_x16(format) || (x.scalar_type() == at::kBFloat16 && table.gemm_x16),
+              "x16-repacked weights need bf16 x and the avx512_vnni kernel variant, got ",
+              x.scalar_type(), " x on '", table.name, "'");
   const bool y_bf16 = y.scalar_type() == at::kBFloat16;
   qk::MatmulArgs args{w.const_data_ptr<uint8_t>(), w.size(1), static_cast<int>(format),
                       nullptr, m, k, x.stride(0), nullptr, nullptr, y.stride(0), col};
   std::vector<float> sums;
   const bool x_bf16 = x.scalar_type() == at::kBFloat16;
-  if (x_bf16 && (table.q8_formats >> format & 1u)) {
+  if (x_bf16 && (is_x16(format) || (table.q8_formats >> format & 1u))) {
     run_q8(x, table, args, n, y, bias);
     return;
   }
@@ -256,8 +273,42 @@ void matmul_(const at::Tensor& x, const at::Tensor& w, int64_t format, int64_t k
   if (y_bf16) y.narrow(1, col, n).copy_(out);
 }
 
+// The source-format rows [n, row_bytes] of an x16 weight [n / 16, group bytes].
+at::Tensor unpack_x16(const at::Tensor& w, int64_t format, int64_t k) {
+  check_weight(w, format, k);
+  TORCH_CHECK(is_x16(format), "unpack_x16 takes an x16 format code, got ", format);
+  const int source = qk::x16_layout(format).source;
+  at::Tensor rows = at::empty({w.size(0) * 16, row_bytes_of(source, k)}, w.options());
+  const uint8_t* src = w.const_data_ptr<uint8_t>();
+  uint8_t* dst = rows.mutable_data_ptr<uint8_t>();
+  at::parallel_for(0, w.size(0), 16, [&](int64_t g0, int64_t g1) {
+    qk::unpack_x16(src, static_cast<int>(format), k, dst, rows.size(1), g0, g1);
+  });
+  return rows;
+}
+
+// W [n, row_bytes] in Q4_0 / Q4_1 / Q8_0 (n a multiple of 16) repacked to its x16 layout.
+at::Tensor repack_x16(const at::Tensor& w, int64_t format, int64_t k) {
+  check_weight(w, format, k);
+  TORCH_CHECK(qk::x16_layout(format).source == format,
+              "repack_x16 takes Q4_0, Q4_1 or Q8_0 (codes 0, 1, 2), got ", format);
+  TORCH_CHECK(w.size(0) % 16 == 0, "repack_x16 needs a multiple of 16 rows, got ", w.size(0));
+  const int64_t groups = w.size(0) / 16;
+  const int64_t x16 = format == qk::kQ4_0 ? qk::kQ4_0X16 : format == qk::kQ4_1 ? qk::kQ4_1X16
+                                                                               : qk::kQ8_0X16;
+  at::Tensor out = at::empty({groups, row_bytes_of(x16, k)}, w.options());
+  const uint8_t* src = w.const_data_ptr<uint8_t>();
+  uint8_t* dst = out.mutable_data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 16, [&](int64_t g0, int64_t g1) {
+    qk::repack_x16(src, w.size(1), static_cast<int>(format), k, dst, g0, g1);
+  });
+  return out;
+}
+
 // W [n, k] dequantized to a new fp32 tensor (prefill-sized matmuls run densely on it).
 at::Tensor dequantize(const at::Tensor& w, int64_t format, int64_t k, c10::string_view isa) {
+  if (is_x16(format))
+    return dequantize(unpack_x16(w, format, k), qk::x16_layout(format).source, k, isa);
   check_weight(w, format, k);
   const int64_t n = w.size(0);
   at::Tensor out = at::empty({n, k}, w.options().dtype(at::kFloat));
@@ -282,4 +333,6 @@ TORCH_LIBRARY(sparsekv_quant, m) {
       &matmul_);
   m.def("dequantize(Tensor weight, int format, int in_features, str isa=\"\") -> Tensor",
         &dequantize);
+  m.def("repack_x16(Tensor weight, int format, int in_features) -> Tensor", &repack_x16);
+  m.def("unpack_x16(Tensor weight, int format, int in_features) -> Tensor", &unpack_x16);
 }

@@ -17,6 +17,7 @@ namespace isa_avx512_vnni {
 #include "quant_impl.h"
 #include "store_impl.h"
 #include "quant_q8_impl.h"
+#include "quant_x16_impl.h"
 #undef QK_AVX2
 }  // namespace isa_avx512_vnni
 
@@ -30,7 +31,8 @@ const QuantTable kQuantAvx512Vnni = {"avx512_vnni",
                                      nullptr,
                                      isa_avx512_vnni::kQ8Formats,
                                      &isa_avx512_vnni::quantize_x,
-                                     &isa_avx512_vnni::gemm_q8};
+                                     &isa_avx512_vnni::gemm_q8,
+                                     &isa_avx512_vnni::gemm_x16};
 }  // namespace sparsekv_quant
 #else
 namespace sparsekv_quant {

@@ -28,7 +28,16 @@ enum Format : int {
   // scales, fp16 d; w = d * scale * (q - 32) per sub-block of 16.
   kQ6_K = 6,
   kQ5_0 = 7,  // blocks of 32: fp16 d, 32-bit qh (fifth bits), 16 bytes of nibbles; w = d * (q - 16)
-  kNumFormats = 8,
+  // Q4_0 / Q4_1 / Q8_0 repacked in groups of 16 rows for the int8-activation kernels
+  // (quant_x16_impl.h): a weight [n, k] is n / 16 group rows of k / 32 group-blocks, each the
+  // 16 rows' fp16 d, then (Q4_1) their 16 fp16 m, then code vectors of 64 bytes whose 4-byte
+  // word i is row i's code bytes 4t .. 4t + 3 (vector t; Q4: the block's nibble bytes, 4
+  // vectors; Q8_0: its int8 codes + 128 as unsigned bytes, 8 vectors). Same bytes per value as
+  // the source format.
+  kQ4_0X16 = 8,
+  kQ4_1X16 = 9,
+  kQ8_0X16 = 10,
+  kNumFormats = 11,
 };
 
 // Nibbles of a 4-bit block: byte j holds element j (low nibble) and element j + 16 (high).
@@ -52,9 +61,11 @@ struct MatmulArgs {
   const uint16_t* x_bf16 = nullptr;  // [m, k] bf16 bit patterns, row stride x_stride
   uint16_t* y_bf16 = nullptr;        // [m, y_stride] bf16 bit patterns, instead of y
   const float* bias = nullptr;       // [n] fp32 (bf16 and int8 kernels only), or nullptr
-  // bf16 x quantized per block of 32 for the int8-activation kernel (`gemm_q8`): codes [m, k]
-  // (row stride k), their scales [m, k / 32] and code sums [m, k / 32]; x_block_sums then holds
-  // the exact fp32 block sums of x.
+  // bf16 x quantized per block of 32 for the int8-activation kernels (`gemm_q8`, `gemm_x16`;
+  // quant_q8_impl.h): per row of x its k high codes, then its k residual codes (row stride
+  // 2k), per block the unit u [m, k / 32] (x ~= u * (256 * high + residual)) and the sum of
+  // 256 * high + residual over the block [m, k / 32]; x_block_sums then holds the exact fp32
+  // block sums of x.
   const int8_t* x_q8 = nullptr;
   const float* x_q8_scales = nullptr;
   const int32_t* x_q8_sums = nullptr;
@@ -78,13 +89,16 @@ struct QuantTable {
   void (*gemm_bf16)(const MatmulArgs&, int64_t begin, int64_t end);
   // Formats whose int8-activation kernel exists (bit 1 << format; 0: none), taken before the
   // bf16 kernels for bf16 x: `quantize_x` fills rows [r_begin, r_end) of the MatmulArgs
-  // x_q8 / x_q8_scales / x_q8_sums / x_block_sums buffers from bf16 x [m, k] (row stride
-  // `stride`), and `gemm_q8` multiplies any number of rows with them.
+  // x_q8 ([m, 2k]) / x_q8_scales / x_q8_sums / x_block_sums buffers from bf16 x [m, k] (row
+  // stride `stride`), and `gemm_q8` multiplies any number of rows with them.
   unsigned q8_formats = 0;
   void (*quantize_x)(const uint16_t* x, int64_t stride, int64_t k, int64_t r_begin,
                      int64_t r_end, int8_t* q, float* scales, int32_t* sums,
                      float* x_sums) = nullptr;
   void (*gemm_q8)(const MatmulArgs&, int64_t begin, int64_t end) = nullptr;
+  // The int8-activation kernel of the x16 formats (weight rows [begin, end), multiples of 16),
+  // on the same quantized x; nullptr where the variant has none.
+  void (*gemm_x16)(const MatmulArgs&, int64_t begin, int64_t end) = nullptr;
 };
 
 extern const QuantTable kQuantAvx512Vnni;

@@ -3,20 +3,26 @@
 // int32 lanes). Formats Q4_0, Q4_1, Q8_0 (layouts in quant.h). Included by isa_avx512_vnni.cpp
 // after quant_impl.h, in the same namespace (block_bytes, half_to_float, kBlock).
 //
-// bf16 activations are first quantized per block of 32 as llama.cpp quantizes them for its
-// 4- and 8-bit dot products (its Q8_0 activation blocks; Dettmers et al., "LLM.int8()", for
-// the symmetric absmax scheme): dx = max|x| / 127, qx = round(x * 127 / max|x|) to nearest
-// even. A block then costs integer products only, exact in int32:
-//   y = sum_blocks d * dx * (sum_j q_j qx_j - z sum_j qx_j)  (+ m * sum_j x_j for Q4_1)
+// bf16 activations are first quantized per block of 32 in two int8 levels: the high codes as
+// llama.cpp quantizes activations for its 4- and 8-bit dot products (its Q8_0 activation
+// blocks; symmetric absmax), qh = round(x * 127 / max|x|), then the residual in units of
+// 1/256 of that step, ql = round((x - qh * max|x| / 127) * 256 * 127 / max|x|), so that
+// x ~= u * (256 qh + ql) with u = max|x| / (127 * 256): about 15 bits per block, finer than
+// bf16's 8-bit mantissa for the block's large values (one level alone cost SmolLM2 ~4% of its
+// greedy agreement with fp32). A block then costs integer products only, exact in int32
+// (|256 sum q qh| < 2^28):
+//   y = sum_blocks d * u * (256 sum_j q_j qh_j + sum_j q_j ql_j - z sum_j (256 qh_j + ql_j))
+//       (+ m * sum_j x_j for Q4_1)
 // with the weight codes q as unsigned bytes (4-bit codes 0..15; Q8_0's int8 codes + 128) and z
 // the zero point those unsigned codes carry (Q4_0: 8, Q8_0: 128, Q4_1: 0; Q4_1's offset m
 // multiplies the exact sum of the block's bf16 x). The only error beyond fp32 accumulation is
-// x's rounding: |y - x W^T| <= sum_blocks dx / 2 * sum_j |d q_j - d z|.
+// x's rounding: |y - x W^T| <= sum_blocks u * sum_j |d q_j - d z| (u / 2 but where the
+// residual saturates at 127).
 //
 // Four weight rows share the lanes of one vector (a "quad"): 128-bit lane g holds row g's 16
 // codes of one half of a block, met by the same 16 bytes of qx broadcast to every lane, so a
-// block costs each row of x two vpdpbusd, one conversion and one scaling FMA for four weight
-// rows. One row of x and many run the same per-row arithmetic in the same order, so a row's
+// block costs each row of x four vpdpbusd (two per level), one conversion and one scaling FMA
+// for four weight rows. One row of x and many run the same per-row arithmetic in the same order, so a row's
 // result does not depend on how many rows share the call.
 
 constexpr int64_t kQ8PrefetchRows = 16;  // weight rows prefetched ahead (as the bf16 kernels)
@@ -30,6 +36,11 @@ struct Q8Block {
   __m512i lo, hi;
   __m512 scale, offset;
 };
+
+// The 16 bytes at p broadcast to every 128-bit lane.
+static inline __m512i splat16(const int8_t* p) {
+  return _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)p));
+}
 
 template <int F>
 constexpr int zero_point() {
@@ -80,20 +91,23 @@ static inline Q8Block expand_q8(const MatmulArgs& a, int64_t i0, int nr, int64_t
   return out;
 }
 
-// acc += row r of x times block b of the quad (q: the block's 32 int8 codes of x).
+// acc += row r of x times block b of the quad.
 template <int F>
 static inline __m512 q8_block_row(const MatmulArgs& a, const Q8Block& w, int64_t r, int64_t b,
                                   __m512 acc) {
   const int64_t at = r * (a.k / kBlock) + b;
-  const int8_t* q = a.x_q8 + r * a.k + b * kBlock;
-  // -z * sum(qx) in lane 4g of every row's group: the unsigned codes' zero point, in int32
-  __m512i dot = zero_point<F>() ? _mm512_maskz_set1_epi32(0x1111, -zero_point<F>() * a.x_q8_sums[at])
-                                : _mm512_setzero_si512();
-  dot = _mm512_dpbusd_epi32(dot, w.lo, _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)q)));
-  dot = _mm512_dpbusd_epi32(dot, w.hi,
-                            _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(q + 16))));
+  const int8_t* high = a.x_q8 + 2 * r * a.k + b * kBlock;
+  const int8_t* low = high + a.k;
+  // -z * sum(256 qh + ql) in lane 4g of every row's group: the unsigned codes' zero point
+  __m512i lo = zero_point<F>() ? _mm512_maskz_set1_epi32(0x1111, -zero_point<F>() * a.x_q8_sums[at])
+                               : _mm512_setzero_si512();
+  __m512i hi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w.lo, splat16(high));
+  hi = _mm512_dpbusd_epi32(hi, w.hi, splat16(high + 16));
+  lo = _mm512_dpbusd_epi32(lo, w.lo, splat16(low));
+  lo = _mm512_dpbusd_epi32(lo, w.hi, splat16(low + 16));
+  const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(hi, 8), lo));
   const __m512 scale = _mm512_mul_ps(w.scale, _mm512_set1_ps(a.x_q8_scales[at]));
-  acc = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(dot), acc);
+  acc = _mm512_fmadd_ps(scale, dot, acc);
   if constexpr (F == kQ4_1) acc = _mm512_fmadd_ps(w.offset, _mm512_set1_ps(a.x_block_sums[at]), acc);
   return acc;
 }
@@ -172,30 +186,40 @@ static void gemm_q8(const MatmulArgs& a, int64_t begin, int64_t end) {
   }
 }
 
-// Rows [r_begin, r_end) of bf16 x [m, k] (row stride `stride`) quantized per block of 32:
-// q [m, k] int8, scales [m, k / 32] (dx), sums [m, k / 32] (sum of the block's int8 codes) and
-// x_sums [m, k / 32] (fp32 sum of the block's bf16 values). An all-zero block gets dx = 0.
+// Rows [r_begin, r_end) of bf16 x [m, k] (row stride `stride`) quantized per block of 32 in two
+// levels: q [m, 2k] (per row the k high codes, then the k residual codes), units [m, k / 32]
+// (u), sums [m, k / 32] (of 256 qh + ql over the block) and x_sums [m, k / 32] (fp32 sum of the
+// block's bf16 values). An all-zero block gets u = 0 and zero codes.
 static void quantize_x(const uint16_t* x, int64_t stride, int64_t k, int64_t r_begin,
-                       int64_t r_end, int8_t* q, float* scales, int32_t* sums, float* x_sums) {
+                       int64_t r_end, int8_t* q, float* units, int32_t* sums, float* x_sums) {
   const int64_t blocks = k / kBlock;
   for (int64_t r = r_begin; r < r_end; ++r) {
     for (int64_t b = 0; b < blocks; ++b) {
       const uint16_t* src = x + r * stride + b * kBlock;
-      const __m512 v0 = _mm512_castsi512_ps(_mm512_slli_epi32(
-          _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)src)), 16));
-      const __m512 v1 = _mm512_castsi512_ps(_mm512_slli_epi32(
-          _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(src + 16))), 16));
-      const float amax = _mm512_reduce_max_ps(
-          _mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+      __m512 v[2];
+      for (int h = 0; h < 2; ++h)
+        v[h] = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(src + 16 * h))), 16));
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
       const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inv)));
-      const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inv)));
-      _mm_storeu_si128((__m128i*)(q + r * k + b * kBlock), _mm512_cvtsepi32_epi8(q0));
-      _mm_storeu_si128((__m128i*)(q + r * k + b * kBlock + 16), _mm512_cvtsepi32_epi8(q1));
+      const float step = amax / 127.0f;
+      __m512i total = _mm512_setzero_si512();
+      for (int h = 0; h < 2; ++h) {
+        const __m512i high = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], _mm512_set1_ps(inv)));
+        // x - qh * step, rounded once; then in units of step / 256, saturated to int8
+        const __m512 rest =
+            _mm512_fnmadd_ps(_mm512_cvtepi32_ps(high), _mm512_set1_ps(step), v[h]);
+        __m512i low = _mm512_cvtps_epi32(_mm512_mul_ps(rest, _mm512_set1_ps(256.0f * inv)));
+        low = _mm512_max_epi32(_mm512_min_epi32(low, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+        int8_t* out = q + 2 * r * k + b * kBlock + 16 * h;
+        _mm_storeu_si128((__m128i*)out, _mm512_cvtsepi32_epi8(high));
+        _mm_storeu_si128((__m128i*)(out + k), _mm512_cvtsepi32_epi8(low));
+        total = _mm512_add_epi32(total, _mm512_add_epi32(_mm512_slli_epi32(high, 8), low));
+      }
       const int64_t at = r * blocks + b;
-      scales[at] = amax / 127.0f;
-      sums[at] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-      x_sums[at] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+      units[at] = step / 256.0f;
+      sums[at] = _mm512_reduce_add_epi32(total);
+      x_sums[at] = _mm512_reduce_add_ps(_mm512_add_ps(v[0], v[1]));
     }
   }
 }
