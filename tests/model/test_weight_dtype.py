@@ -7,8 +7,9 @@ agrees on all 8 x 64 positions (measured 1.0, KL ~1e-11 nats on the 2-core AMD t
 the floor 0.99 is the required bound). ``int8`` requantizes the dequantized weights per output
 channel: measured 0.949 mean agreement (worst text 0.906), floor 0.90. A bf16 engine on the
 ``gguf`` weights (bf16 activations into the packed kernels; bf16 rounding everywhere else too)
-measured 0.977 with the ``avx512_bf16`` variant (worst text 0.938) and 0.975 with ``avx2``
-(worst 0.953) on the AMD Zen 4 test machine, floor 0.95. Bad values fail with ``ValueError``
+measured 0.977 with the ``avx512_bf16`` variant (worst text 0.938), 0.977 with ``avx512_vnni``
+(activations quantized in two int8 levels, weights repacked to x16; one level alone measured
+0.92-0.95) and 0.975 with ``avx2`` (worst 0.953) on the AMD Zen 4 test machine, floor 0.95. Bad values fail with ``ValueError``
 naming the parameter.
 
 On the built-in Gemma 3 270M (a Q4_K_M GGUF: Q5_0 / Q8_0 attention and gate/up projections,

@@ -47,6 +47,10 @@ OFFSET_AT = {"q4_1": 2, "q4_k": 2}
 ALL_FORMATS = (*BLOCK_FORMATS, "int8", "bf16")
 # |y - exact| <= RTOL * sum_j |x_j W_ij| (fp32 accumulation over in_features).
 RTOL = 1e-5
+# Formats with bf16-x kernels (avx512_bf16) and int8-x kernels and x16 layouts (avx512_vnni).
+BF16_FORMATS = ("q4_0", "q4_1", "q8_0")
+# Cases of the avx512_vnni variant's int8-activation and x16 kernels alone.
+X16 = pytest.mark.kernel_variant("packed_weights", "avx512_vnni")
 
 
 def _ext():
@@ -193,6 +197,29 @@ def test_unknown_forced_variant_warns_and_uses_the_fastest(monkeypatch):
     assert_close_to_exact(ops.matmul(x, [weight]), x, dequantize_reference(weight))
 
 
+@X16
+@pytest.mark.parametrize("fmt", BF16_FORMATS)
+def test_int8_x_non_finite_and_tiny_blocks(fmt):
+    # A NaN or an infinity in a block makes that row's results NaN (not a finite value from a
+    # saturated code); a block whose max |x| is below 2^-100 counts as zero. Other rows keep
+    # their exact results.
+    weight = random_weight(fmt, 16, 64, seed=10)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(11)).bfloat16()
+    x[1, 5], x[2, 40], x[3, 0] = float("nan"), float("inf"), float("-inf")
+    x[4, :32] = (x[4, :32].float() * 1e-37).bfloat16()  # a tiny block next to a normal one
+    for data, code in ((weight.data, FORMATS[fmt].code), (ops.repack_x16(weight).data, None)):
+        code = FORMATS[fmt + "x16"].code if code is None else code
+        y = torch.empty(5, 16)
+        _ext().matmul_(x, data, code, 64, y, 0, "avx512_vnni")
+        assert y[1:4].isnan().all(), fmt
+        clean = x[[0, 4]].clone()
+        reference, scale, _ = int8_x_reference(clean, weight)
+        assert ((y[[0, 4]].double() - reference).abs() <= RTOL * scale + 1e-30).all()
+        tiny_free = clean.clone()
+        tiny_free[1, :32] = 0
+        assert torch.equal(int8_x_reference(tiny_free, weight)[0], reference)
+
+
 @pytest.mark.kernel_variant("packed_weights")
 def test_kernel_rejects_bad_arguments():
     weight = random_weight("q4_1", 4, 64)
@@ -200,11 +227,10 @@ def test_kernel_rejects_bad_arguments():
         _ext().matmul_(torch.randn(1, 96), weight.data, 1, 96, torch.empty(1, 4), 0, "")
     with pytest.raises(RuntimeError, match="do not fit"):
         _ext().matmul_(torch.randn(1, 64), weight.data, 1, 64, torch.empty(1, 3), 0, "")
+    with pytest.raises(RuntimeError, match="do not fit"):  # col + n would overflow
+        _ext().matmul_(torch.randn(1, 64), weight.data, 1, 64, torch.empty(1, 8), 2**63 - 2, "")
     with pytest.raises(RuntimeError, match="float32"):
         _ext().matmul_(torch.randn(1, 64).double(), weight.data, 1, 64, torch.empty(1, 4), 0, "")
-
-
-BF16_FORMATS = ("q4_0", "q4_1", "q8_0")  # the avx512_bf16 variant's bf16-x kernels
 
 
 def bf16_ulp(value: torch.Tensor) -> torch.Tensor:
@@ -223,6 +249,7 @@ def int8_x_reference(x: torch.Tensor, weight: PackedTensor) -> tuple[torch.Tenso
     reference within the bound (``sum_blocks unit * sum |code part|``) of the exact product."""
     rows, k = x.shape
     blocks = x.float().reshape(rows, k // 32, 32)
+    blocks = torch.where(blocks.abs().amax(-1, keepdim=True) < 2.0**-100, 0.0, blocks)  # tiny
     amax = blocks.abs().amax(-1, keepdim=True)
     inverse = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
     step = amax / 127.0
@@ -502,9 +529,6 @@ def test_a_large_weight_takes_the_kernels_up_to_more_rows(monkeypatch):
     assert routes == ["dense"]  # only the 97-row call
 
 
-X16 = pytest.mark.kernel_variant("packed_weights", "avx512_vnni")
-
-
 @pytest.mark.parametrize("fmt", BF16_FORMATS)
 def test_x16_repack_round_trips_to_the_same_values(fmt):
     weight = random_weight(fmt, 48, 576, seed=5)
@@ -593,7 +617,11 @@ def test_x16_parts_run_densely_where_no_kernel_reads_them(variant, dtype, monkey
     if dtype == torch.float32 or not kernels:
         dense = torch.cat([dequantize_reference(p) for p in source]).double()
         exact = x.double() @ dense.T + bias.double()
-        tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2**-8, "atol": 1e-4}
+        tol = (
+            {"rtol": 1e-5, "atol": 1e-5}
+            if dtype == torch.float32
+            else {"rtol": 2**-8, "atol": 1e-4}
+        )
         torch.testing.assert_close(y.double(), exact, **tol)
     else:  # the x16 kernels: the quad kernels' products up to fp32 accumulation order
         torch.testing.assert_close(y.float(), expected.float(), rtol=2**-7, atol=1e-3)

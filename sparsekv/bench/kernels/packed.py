@@ -2,7 +2,8 @@
 ``sparsekv.models.quant`` on SmolLM2-135M's packed linears (Q4_1 fused QKV ``960 x 576``, gate +
 up ``3072 x 576``, down ``576 x 1536``; the Q8_0 output head ``49152 x 576``), with bf16
 activations as the model runs them, at each ``--packed-rows`` count and on every packed-weight
-variant this CPU runs (``avx512_bf16``, ``avx2``, ``generic``). Weights hold random codes with
+variant this CPU runs (``avx512_vnni``, ``avx512_bf16``, ``avx2``, ``generic``; ``avx512_vnni``
+also on the x16 group layout a bf16 model loads its weights in). Weights hold random codes with
 fp16 scales of 0.01; the bound is reading the packed bytes once (bandwidth), which a call over
 weights already in cache can beat."""
 
@@ -15,7 +16,7 @@ import torch
 
 from sparsekv.bench.kernels.probe import row, timed
 from sparsekv.models.quant import build as quant_build
-from sparsekv.models.quant.formats import FORMATS
+from sparsekv.models.quant.formats import FORMATS, X16_FORMATS
 
 # (name, format, out_features, in_features) of SmolLM2-135M's packed linears
 SHAPES = (
@@ -70,11 +71,17 @@ def bench_packed(args: argparse.Namespace, machine: dict) -> list[dict]:
         bound = weight.numel() / machine["read_bandwidth"]
         note = f"bandwidth: {weight.numel() / 1e6:.2f} MB of {fmt}"
         code = FORMATS[fmt].code
+        layouts = [(fmt, weight, code, isas)]
+        if "avx512_vnni" in isas:
+            x16 = X16_FORMATS[fmt]
+            packed = ext.repack_x16(weight, code, k)
+            layouts.append((x16, packed, FORMATS[x16].code, ["avx512_vnni"]))
         for m in counts:
             x = torch.randn(m, k).bfloat16()
             y = torch.empty(m, n, dtype=torch.bfloat16)
-            for isa in isas:
-                call = functools.partial(ext.matmul_, x, weight, code, k, y, 0, isa, None)
-                label = f"packed {name} {fmt} {n}x{k} m={m} {isa}"
-                results.append(row(label, timed(call, args.repeats), bound, note))
+            for layout, data, layout_code, runs in layouts:
+                for isa in runs:
+                    call = functools.partial(ext.matmul_, x, data, layout_code, k, y, 0, isa, None)
+                    label = f"packed {name} {layout} {n}x{k} m={m} {isa}"
+                    results.append(row(label, timed(call, args.repeats), bound, note))
     return results

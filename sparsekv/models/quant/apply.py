@@ -55,7 +55,8 @@ def apply_weight_dtype(model: nn.Module, weight_dtype: str, checkpoint=None) -> 
                 "weight_dtype: gguf needs a GGUF checkpoint loaded with weight_dtype='gguf'; "
                 "use int8 or bf16 for other checkpoints"
             )
-        x16 = model.embed_tokens.weight.dtype == torch.bfloat16 and ops.x16_runs()
+        embed = model.embed_tokens.weight
+        x16 = embed.dtype == torch.bfloat16 and embed.device.type == "cpu" and ops.x16_runs()
         return _pack_gguf(model, packed, file_dense, x16)
     if weight_dtype == "bf16" and model.embed_tokens.weight.dtype == torch.bfloat16:
         return 0  # already bf16: the dense bf16 path (oneDNN / AMX where present) is faster

@@ -170,8 +170,8 @@ void check_matmul_args(const at::Tensor& x, int64_t k, int64_t n, const at::Tens
                   y.size(0) == m && (y.stride(1) == 1 || y.size(1) <= 1),
               "y must be a CPU float32 or bfloat16 [", m,
               ", cols] with a contiguous last dimension, got ", yt, " ", y.sizes());
-  TORCH_CHECK(col >= 0 && col + n <= y.size(1), "columns ", col, " + ", n,
-              " do not fit in y's ", y.size(1));
+  TORCH_CHECK(col >= 0 && n <= y.size(1) && col <= y.size(1) - n, "columns ", col, " + ", n,
+              " do not fit in y's ", y.size(1));  // no col + n: it may overflow
   if (bias.has_value())
     TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == at::kFloat &&
                     bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous(),
@@ -185,7 +185,8 @@ void check_matmul_args(const at::Tensor& x, int64_t k, int64_t n, const at::Tens
 void run_rows(const qk::MatmulArgs& args, int64_t n,
               void (*kernel)(const qk::MatmulArgs&, int64_t, int64_t)) {
   const int64_t group = rows_per_row(args.format);
-  at::parallel_for(0, n / group, std::max<int64_t>(1, grain_rows(args.row_bytes, 4) / group),
+  const int64_t grain = grain_rows(args.row_bytes / group, std::max<int64_t>(4, group)) / group;
+  at::parallel_for(0, n / group, grain,
                    [&](int64_t begin, int64_t end) { kernel(args, begin * group, end * group); });
 }
 

@@ -22,12 +22,15 @@
 // Four weight rows share the lanes of one vector (a "quad"): 128-bit lane g holds row g's 16
 // codes of one half of a block, met by the same 16 bytes of qx broadcast to every lane, so a
 // block costs each row of x four vpdpbusd (two per level), one conversion and one scaling FMA
-// for four weight rows. One row of x and many run the same per-row arithmetic in the same order, so a row's
-// result does not depend on how many rows share the call.
+// for four weight rows. One row of x and many run the same per-row arithmetic in the same
+// order, so a row's result does not depend on how many rows share the call.
 
 constexpr int64_t kQ8PrefetchRows = 16;  // weight rows prefetched ahead (as the bf16 kernels)
 constexpr int kQ8ChunkBlocks = 32;       // blocks of a quad expanded at a time (8 KiB)
 constexpr int64_t kQ8PassRows = 64;      // rows of x whose accumulators stay on the stack
+// Blocks of x whose largest |value| is below 2^-100 quantize to zero: their unit would be
+// subnormal (or 127 / max|x| overflow), and such a block adds below 2^-100 * sum |w| anyway.
+constexpr float kTinyBlock = 7.8886091e-31f;
 
 // One block of a quad: the codes of elements 0-15 (lo) and 16-31 (hi) of row g in 128-bit
 // lane g, row g's scale d in lanes 4g .. 4g + 3, and Q4_1's offset m in lane 4g (0 elsewhere
@@ -108,7 +111,8 @@ static inline __m512 q8_block_row(const MatmulArgs& a, const Q8Block& w, int64_t
   const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(hi, 8), lo));
   const __m512 scale = _mm512_mul_ps(w.scale, _mm512_set1_ps(a.x_q8_scales[at]));
   acc = _mm512_fmadd_ps(scale, dot, acc);
-  if constexpr (F == kQ4_1) acc = _mm512_fmadd_ps(w.offset, _mm512_set1_ps(a.x_block_sums[at]), acc);
+  if constexpr (F == kQ4_1)
+    acc = _mm512_fmadd_ps(w.offset, _mm512_set1_ps(a.x_block_sums[at]), acc);
   return acc;
 }
 
@@ -128,7 +132,8 @@ static void gemv_q8_rows(const MatmulArgs& a, int64_t begin, int64_t end) {
   for (int64_t i0 = begin; i0 < end; i0 += 4) {
     const int nr = static_cast<int>(end - i0 < 4 ? end - i0 : 4);
     __m512 acc = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b) acc = q8_block_row<F>(a, expand_q8<F>(a, i0, nr, b), 0, b, acc);
+    for (int64_t b = 0; b < blocks; ++b)
+      acc = q8_block_row<F>(a, expand_q8<F>(a, i0, nr, b), 0, b, acc);
     store_quad(a, 0, i0, nr, acc);
   }
 }
@@ -159,7 +164,8 @@ static void gemm_q8_rows(const MatmulArgs& a, int64_t begin, int64_t end) {
       const int64_t rows = a.m - r0 < kQ8PassRows ? a.m - r0 : kQ8PassRows;
       for (int64_t r = 0; r < rows; ++r) acc[r] = _mm512_setzero_ps();
       for (int64_t b0 = 0; b0 < blocks; b0 += kQ8ChunkBlocks) {
-        const int nb = static_cast<int>(blocks - b0 < kQ8ChunkBlocks ? blocks - b0 : kQ8ChunkBlocks);
+        const int nb =
+            static_cast<int>(blocks - b0 < kQ8ChunkBlocks ? blocks - b0 : kQ8ChunkBlocks);
         for (int b = 0; b < nb; ++b) chunk[b] = expand_q8<F>(a, i0, nr, b0 + b);
         int64_t r = 0;
         for (; r + 4 <= rows; r += 4) q8_chunk_rows<F, 4>(a, chunk, r0 + r, b0, nb, acc + r);
@@ -180,16 +186,20 @@ constexpr unsigned kQ8Formats = (1u << kQ4_0) | (1u << kQ4_1) | (1u << kQ8_0);
 static void gemm_q8(const MatmulArgs& a, int64_t begin, int64_t end) {
   const bool one = a.m == 1;
   switch (a.format) {
-    case kQ4_0: return one ? gemv_q8_rows<kQ4_0>(a, begin, end) : gemm_q8_rows<kQ4_0>(a, begin, end);
-    case kQ4_1: return one ? gemv_q8_rows<kQ4_1>(a, begin, end) : gemm_q8_rows<kQ4_1>(a, begin, end);
-    default: return one ? gemv_q8_rows<kQ8_0>(a, begin, end) : gemm_q8_rows<kQ8_0>(a, begin, end);
+    case kQ4_0:
+      return one ? gemv_q8_rows<kQ4_0>(a, begin, end) : gemm_q8_rows<kQ4_0>(a, begin, end);
+    case kQ4_1:
+      return one ? gemv_q8_rows<kQ4_1>(a, begin, end) : gemm_q8_rows<kQ4_1>(a, begin, end);
+    default:
+      return one ? gemv_q8_rows<kQ8_0>(a, begin, end) : gemm_q8_rows<kQ8_0>(a, begin, end);
   }
 }
 
 // Rows [r_begin, r_end) of bf16 x [m, k] (row stride `stride`) quantized per block of 32 in two
 // levels: q [m, 2k] (per row the k high codes, then the k residual codes), units [m, k / 32]
 // (u), sums [m, k / 32] (of 256 qh + ql over the block) and x_sums [m, k / 32] (fp32 sum of the
-// block's bf16 values). An all-zero block gets u = 0 and zero codes.
+// block's bf16 values). A block of zeros (or of values all below kTinyBlock) gets u = 0 and zero
+// codes; one holding a NaN or an infinity gets zero codes and u = NaN.
 static void quantize_x(const uint16_t* x, int64_t stride, int64_t k, int64_t r_begin,
                        int64_t r_end, int8_t* q, float* units, int32_t* sums, float* x_sums) {
   const int64_t blocks = k / kBlock;
@@ -200,8 +210,24 @@ static void quantize_x(const uint16_t* x, int64_t stride, int64_t k, int64_t r_b
       for (int h = 0; h < 2; ++h)
         v[h] = _mm512_castsi512_ps(_mm512_slli_epi32(
             _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(src + 16 * h))), 16));
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
-      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      const bool nan = _mm512_cmp_ps_mask(v[0], v[0], _CMP_UNORD_Q) |
+                       _mm512_cmp_ps_mask(v[1], v[1], _CMP_UNORD_Q);
+      const float amax =
+          _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+      const int64_t at = r * blocks + b;
+      int8_t* out = q + 2 * r * k + b * kBlock;
+      x_sums[at] = _mm512_reduce_add_ps(_mm512_add_ps(v[0], v[1]));
+      // A NaN or an infinity makes the block's unit NaN (the row's results NaN, as an fp32
+      // product's would be); a block whose largest value is below kTinyBlock counts as zero
+      // (127 / max|x| would overflow, or the unit be subnormal). Both get zero codes.
+      if (nan || !(amax >= kTinyBlock && amax <= 3.4028235e38f)) {
+        __builtin_memset(out, 0, kBlock);
+        __builtin_memset(out + k, 0, kBlock);
+        units[at] = nan || amax > 3.4028235e38f ? __builtin_nanf("") : 0.0f;
+        sums[at] = 0;
+        continue;
+      }
+      const float inv = 127.0f / amax;
       const float step = amax / 127.0f;
       __m512i total = _mm512_setzero_si512();
       for (int h = 0; h < 2; ++h) {
@@ -210,16 +236,14 @@ static void quantize_x(const uint16_t* x, int64_t stride, int64_t k, int64_t r_b
         const __m512 rest =
             _mm512_fnmadd_ps(_mm512_cvtepi32_ps(high), _mm512_set1_ps(step), v[h]);
         __m512i low = _mm512_cvtps_epi32(_mm512_mul_ps(rest, _mm512_set1_ps(256.0f * inv)));
-        low = _mm512_max_epi32(_mm512_min_epi32(low, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
-        int8_t* out = q + 2 * r * k + b * kBlock + 16 * h;
-        _mm_storeu_si128((__m128i*)out, _mm512_cvtsepi32_epi8(high));
-        _mm_storeu_si128((__m128i*)(out + k), _mm512_cvtsepi32_epi8(low));
+        low = _mm512_max_epi32(_mm512_min_epi32(low, _mm512_set1_epi32(127)),
+                               _mm512_set1_epi32(-127));
+        _mm_storeu_si128((__m128i*)(out + 16 * h), _mm512_cvtsepi32_epi8(high));
+        _mm_storeu_si128((__m128i*)(out + k + 16 * h), _mm512_cvtsepi32_epi8(low));
         total = _mm512_add_epi32(total, _mm512_add_epi32(_mm512_slli_epi32(high, 8), low));
       }
-      const int64_t at = r * blocks + b;
       units[at] = step / 256.0f;
       sums[at] = _mm512_reduce_add_epi32(total);
-      x_sums[at] = _mm512_reduce_add_ps(_mm512_add_ps(v[0], v[1]));
     }
   }
 }

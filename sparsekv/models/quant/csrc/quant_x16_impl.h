@@ -7,8 +7,10 @@
 // high nibbles elements 16 + 4t .. 16 + 4t + 3; Q8_0: elements 4t .. 4t + 3 as q + 128), so one
 // vpdpbusd against those four codes of x broadcast to every lane advances all 16 rows, the
 // scales d of the 16 rows load as one vector, and every output stays in its own lane: no
-// transposes, no horizontal sums. The arithmetic per row is that of quant_q8_impl.h:
-//   y_i = sum_blocks d_i * dx * (sum_j q_ij qx_j - z sum_j qx_j)  (+ m_i * sum_j x_j for Q4_1)
+// transposes, no horizontal sums. The arithmetic per row is that of quant_q8_impl.h (x in two
+// int8 levels, x ~= u * (256 qh + ql)):
+//   y_i = sum_blocks d_i * u * (256 sum_j q_ij qh_j + sum_j q_ij ql_j - z sum_j (256 qh_j + ql_j))
+//         (+ m_i * sum_j x_j for Q4_1)
 // in the same integer sums, so the results differ from the quad kernels only by the fp32
 // accumulation (one lane per row here, four lanes per row there).
 
@@ -40,6 +42,14 @@ static inline void x16_codes(const uint8_t* gb, __m512i* codes) {
       codes[4 + t] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
     }
   }
+}
+
+// The 16 rows' scales d and (Q4_1) offsets m of a group-block as fp32 (m = 0 otherwise).
+template <int F>
+static inline void x16_scales(const uint8_t* gb, __m512& d, __m512& m) {
+  d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)gb));
+  m = F == kQ4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(gb + 32)))
+                 : _mm512_setzero_ps();
 }
 
 // acc += row r of x times one group-block (codes split, d and Q4_1's m as fp32 vectors).
@@ -88,7 +98,8 @@ static inline void x16_chunk_rows(const MatmulArgs& a, const X16Chunk& t, int64_
   __m512 c[R];
   for (int r = 0; r < R; ++r) c[r] = acc[r];
   for (int b = 0; b < nb; ++b)
-    for (int r = 0; r < R; ++r) c[r] = x16_block_row<F>(a, t.codes[b], t.d[b], t.m[b], r0 + r, b0 + b, c[r]);
+    for (int r = 0; r < R; ++r)
+      c[r] = x16_block_row<F>(a, t.codes[b], t.d[b], t.m[b], r0 + r, b0 + b, c[r]);
   for (int r = 0; r < R; ++r) acc[r] = c[r];
 }
 
@@ -105,9 +116,8 @@ static void gemm_x16_rows(const MatmulArgs& a, int64_t begin, int64_t end) {
         const uint8_t* gb = group + b * x16_group_block_bytes<F>();
         __m512i codes[8];
         x16_codes<F>(gb, codes);
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)gb));
-        const __m512 m = F == kQ4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(gb + 32)))
-                                    : _mm512_setzero_ps();
+        __m512 d, m;
+        x16_scales<F>(gb, d, m);
         acc = x16_block_row<F>(a, codes, d, m, 0, b, acc);
       }
       store_group(a, 0, i0, acc);
@@ -119,13 +129,12 @@ static void gemm_x16_rows(const MatmulArgs& a, int64_t begin, int64_t end) {
       const int64_t rows = a.m - r0 < kQ8PassRows ? a.m - r0 : kQ8PassRows;
       for (int64_t r = 0; r < rows; ++r) acc[r] = _mm512_setzero_ps();
       for (int64_t b0 = 0; b0 < blocks; b0 += kX16ChunkBlocks) {
-        const int nb = static_cast<int>(blocks - b0 < kX16ChunkBlocks ? blocks - b0 : kX16ChunkBlocks);
+        const int nb =
+            static_cast<int>(blocks - b0 < kX16ChunkBlocks ? blocks - b0 : kX16ChunkBlocks);
         for (int b = 0; b < nb; ++b) {
           const uint8_t* gb = group + (b0 + b) * x16_group_block_bytes<F>();
           x16_codes<F>(gb, chunk.codes[b]);
-          chunk.d[b] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)gb));
-          chunk.m[b] = F == kQ4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(gb + 32)))
-                                  : _mm512_setzero_ps();
+          x16_scales<F>(gb, chunk.d[b], chunk.m[b]);
         }
         int64_t r = 0;
         for (; r + 4 <= rows; r += 4) x16_chunk_rows<F, 4>(a, chunk, r0 + r, b0, nb, acc + r);
