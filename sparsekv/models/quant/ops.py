@@ -92,8 +92,7 @@ _X16_CODES = frozenset(FORMATS[name].code for name in X16_FORMATS.values())
 def x16_runs() -> bool:
     """Whether bf16 matmuls would run the x16 kernels now: the extension is loaded and the
     variant in use (forced or the fastest) is ``avx512_vnni``."""
-    runs = available_isas()
-    return bool(runs) and (kernel_isa() or runs[0]) == X16_VARIANT
+    return bool(available_isas()) and (kernel_isa() or _fastest()) == X16_VARIANT
 
 
 def repack_x16(weight: PackedTensor) -> PackedTensor:

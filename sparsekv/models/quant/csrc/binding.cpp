@@ -28,25 +28,20 @@ bool has_avx2() {
 #endif
 }
 
-bool has_avx512_bf16() {
-#if defined(__x86_64__) && !defined(__clang__) && __GNUC__ >= 10  // as isa_avx512_bf16.cpp
+// AVX-512 F/BW/VL (with AVX2) plus one extension; GCC 10 or later, as the isa_avx512_*.cpp
+// translation units need (their tables are empty otherwise).
+#if defined(__x86_64__) && !defined(__clang__) && __GNUC__ >= 10
+bool has_avx512() {
   __builtin_cpu_init();
   return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
-#else
-  return false;
-#endif
+         __builtin_cpu_supports("avx512vl");
 }
-
-bool has_avx512_vnni() {
-#if defined(__x86_64__) && !defined(__clang__) && __GNUC__ >= 10  // as isa_avx512_vnni.cpp
-  __builtin_cpu_init();
-  return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+bool has_avx512_bf16() { return has_avx512() && __builtin_cpu_supports("avx512bf16"); }
+bool has_avx512_vnni() { return has_avx512() && __builtin_cpu_supports("avx512vnni"); }
 #else
-  return false;
+bool has_avx512_bf16() { return false; }
+bool has_avx512_vnni() { return false; }
 #endif
-}
 
 bool always() { return true; }
 

@@ -121,8 +121,7 @@ static void gemv_bf16_rows(const MatmulArgs& a, int64_t begin, int64_t end) {
 // elements of x broadcast to every lane. Lane l of row g's lane then sums the pairs
 // l, 4 + l, 8 + l, 12 + l of every block, scaled per block by d (and Q4_1's offset m * sum(x
 // block) added in lane 0); the row's four lanes are added at the end.
-constexpr int kQuadChunkBlocks = 32;   // blocks of a quad expanded at a time (12 KiB)
-constexpr int64_t kBf16PassRows = 64;  // rows of x whose accumulators stay on the stack
+constexpr int kQuadChunkBlocks = 32;  // blocks of a quad expanded at a time (12 KiB)
 
 // One expanded chunk of a quad: per block the four code vectors, the scale d of row g in lane
 // group g, and Q4_1's offset m of row g in lane 4g (0 elsewhere and for the other formats).
@@ -212,35 +211,14 @@ template <int F>
 static void gemm_bf16_rows(const MatmulArgs& a, int64_t begin, int64_t end) {
   const BlockCodes<F> codes;
   QuadChunk chunk;
-  __m512 acc[kBf16PassRows];
-  const int64_t blocks = a.k / kBlock;
   for (int64_t i0 = begin; i0 < end; i0 += 4) {
     const int nr = static_cast<int>(end - i0 < 4 ? end - i0 : 4);
-    for (int64_t r0 = 0; r0 < a.m; r0 += kBf16PassRows) {
-      const int64_t rows = a.m - r0 < kBf16PassRows ? a.m - r0 : kBf16PassRows;
-      for (int64_t r = 0; r < rows; ++r) acc[r] = _mm512_setzero_ps();
-      for (int64_t b0 = 0; b0 < blocks; b0 += kQuadChunkBlocks) {
-        const int nb = static_cast<int>(blocks - b0 < kQuadChunkBlocks ? blocks - b0
-                                                                       : kQuadChunkBlocks);
-        expand_quad<F>(a, codes, i0, nr, b0, nb, chunk);
-        int64_t r = 0;
-        for (; r + 4 <= rows; r += 4) quad_rows<F, 4>(a, chunk, r0 + r, b0, nb, acc + r);
-        switch (rows - r) {
-          case 3: quad_rows<F, 3>(a, chunk, r0 + r, b0, nb, acc + r); break;
-          case 2: quad_rows<F, 2>(a, chunk, r0 + r, b0, nb, acc + r); break;
-          case 1: quad_rows<F, 1>(a, chunk, r0 + r, b0, nb, acc + r); break;
-          default: break;
-        }
-      }
-      for (int64_t r = 0; r < rows; ++r) {
-        // lanes 4g .. 4g + 3 summed into lane 4g: (l0 + l2) + (l1 + l3)
-        __m512 v = _mm512_add_ps(acc[r], _mm512_shuffle_ps(acc[r], acc[r], 0x4E));
-        v = _mm512_add_ps(v, _mm512_shuffle_ps(v, v, 0xB1));
-        alignas(64) float sums[16];
-        _mm512_store_ps(sums, v);
-        for (int g = 0; g < nr; ++g) store_y(a, r0 + r, i0 + g, sums[4 * g]);
-      }
-    }
+    small_m_passes<kQuadChunkBlocks>(
+        a, [&](int64_t b0, int nb) { expand_quad<F>(a, codes, i0, nr, b0, nb, chunk); },
+        [&]<int R>(int64_t r, int64_t b0, int nb, __m512* acc) {
+          quad_rows<F, R>(a, chunk, r, b0, nb, acc);
+        },
+        [&](int64_t r, __m512 acc) { store_quad(a, r, i0, nr, acc); });
   }
 }
 

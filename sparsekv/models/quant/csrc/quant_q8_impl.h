@@ -27,7 +27,6 @@
 
 constexpr int64_t kQ8PrefetchRows = 16;  // weight rows prefetched ahead (as the bf16 kernels)
 constexpr int kQ8ChunkBlocks = 32;       // blocks of a quad expanded at a time (8 KiB)
-constexpr int64_t kQ8PassRows = 64;      // rows of x whose accumulators stay on the stack
 // Blocks of x whose largest |value| is below 2^-100 quantize to zero: their unit would be
 // subnormal (or 127 / max|x| overflow), and such a block adds below 2^-100 * sum |w| anyway.
 constexpr float kTinyBlock = 7.8886091e-31f;
@@ -116,15 +115,6 @@ static inline __m512 q8_block_row(const MatmulArgs& a, const Q8Block& w, int64_t
   return acc;
 }
 
-// y[r, i0 .. i0 + nr - 1] <- the four lane groups of acc, each summed (l0 + l2) + (l1 + l3).
-static inline void store_quad(const MatmulArgs& a, int64_t r, int64_t i0, int nr, __m512 acc) {
-  __m512 v = _mm512_add_ps(acc, _mm512_shuffle_ps(acc, acc, 0x4E));
-  v = _mm512_add_ps(v, _mm512_shuffle_ps(v, v, 0xB1));
-  alignas(64) float sums[16];
-  _mm512_store_ps(sums, v);
-  for (int g = 0; g < nr; ++g) store_y(a, r, i0 + g, sums[4 * g]);
-}
-
 // One row of x: each block of a quad is expanded in registers and used at once.
 template <int F>
 static void gemv_q8_rows(const MatmulArgs& a, int64_t begin, int64_t end) {
@@ -151,33 +141,21 @@ static inline void q8_chunk_rows(const MatmulArgs& a, const Q8Block* chunk, int6
 }
 
 // Several rows of x: each quad's blocks are expanded a chunk at a time (on the stack, in L1)
-// and multiplied with up to 64 rows of x, four at a time, whose accumulators persist across
-// the chunks.
+// and multiplied with up to 64 rows of x, four at a time (small_m_passes).
 template <int F>
 static void gemm_q8_rows(const MatmulArgs& a, int64_t begin, int64_t end) {
-  const int64_t blocks = a.k / kBlock;
   Q8Block chunk[kQ8ChunkBlocks];
-  __m512 acc[kQ8PassRows];
   for (int64_t i0 = begin; i0 < end; i0 += 4) {
     const int nr = static_cast<int>(end - i0 < 4 ? end - i0 : 4);
-    for (int64_t r0 = 0; r0 < a.m; r0 += kQ8PassRows) {
-      const int64_t rows = a.m - r0 < kQ8PassRows ? a.m - r0 : kQ8PassRows;
-      for (int64_t r = 0; r < rows; ++r) acc[r] = _mm512_setzero_ps();
-      for (int64_t b0 = 0; b0 < blocks; b0 += kQ8ChunkBlocks) {
-        const int nb =
-            static_cast<int>(blocks - b0 < kQ8ChunkBlocks ? blocks - b0 : kQ8ChunkBlocks);
-        for (int b = 0; b < nb; ++b) chunk[b] = expand_q8<F>(a, i0, nr, b0 + b);
-        int64_t r = 0;
-        for (; r + 4 <= rows; r += 4) q8_chunk_rows<F, 4>(a, chunk, r0 + r, b0, nb, acc + r);
-        switch (rows - r) {
-          case 3: q8_chunk_rows<F, 3>(a, chunk, r0 + r, b0, nb, acc + r); break;
-          case 2: q8_chunk_rows<F, 2>(a, chunk, r0 + r, b0, nb, acc + r); break;
-          case 1: q8_chunk_rows<F, 1>(a, chunk, r0 + r, b0, nb, acc + r); break;
-          default: break;
-        }
-      }
-      for (int64_t r = 0; r < rows; ++r) store_quad(a, r0 + r, i0, nr, acc[r]);
-    }
+    small_m_passes<kQ8ChunkBlocks>(
+        a,
+        [&](int64_t b0, int nb) {
+          for (int b = 0; b < nb; ++b) chunk[b] = expand_q8<F>(a, i0, nr, b0 + b);
+        },
+        [&]<int R>(int64_t r, int64_t b0, int nb, __m512* acc) {
+          q8_chunk_rows<F, R>(a, chunk, r, b0, nb, acc);
+        },
+        [&](int64_t r, __m512 acc) { store_quad(a, r, i0, nr, acc); });
   }
 }
 

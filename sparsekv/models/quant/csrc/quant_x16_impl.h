@@ -124,29 +124,19 @@ static void gemm_x16_rows(const MatmulArgs& a, int64_t begin, int64_t end) {
       continue;
     }
     X16Chunk chunk;
-    __m512 acc[kQ8PassRows];
-    for (int64_t r0 = 0; r0 < a.m; r0 += kQ8PassRows) {
-      const int64_t rows = a.m - r0 < kQ8PassRows ? a.m - r0 : kQ8PassRows;
-      for (int64_t r = 0; r < rows; ++r) acc[r] = _mm512_setzero_ps();
-      for (int64_t b0 = 0; b0 < blocks; b0 += kX16ChunkBlocks) {
-        const int nb =
-            static_cast<int>(blocks - b0 < kX16ChunkBlocks ? blocks - b0 : kX16ChunkBlocks);
-        for (int b = 0; b < nb; ++b) {
-          const uint8_t* gb = group + (b0 + b) * x16_group_block_bytes<F>();
-          x16_codes<F>(gb, chunk.codes[b]);
-          x16_scales<F>(gb, chunk.d[b], chunk.m[b]);
-        }
-        int64_t r = 0;
-        for (; r + 4 <= rows; r += 4) x16_chunk_rows<F, 4>(a, chunk, r0 + r, b0, nb, acc + r);
-        switch (rows - r) {
-          case 3: x16_chunk_rows<F, 3>(a, chunk, r0 + r, b0, nb, acc + r); break;
-          case 2: x16_chunk_rows<F, 2>(a, chunk, r0 + r, b0, nb, acc + r); break;
-          case 1: x16_chunk_rows<F, 1>(a, chunk, r0 + r, b0, nb, acc + r); break;
-          default: break;
-        }
-      }
-      for (int64_t r = 0; r < rows; ++r) store_group(a, r0 + r, i0, acc[r]);
-    }
+    small_m_passes<kX16ChunkBlocks>(
+        a,
+        [&](int64_t b0, int nb) {
+          for (int b = 0; b < nb; ++b) {
+            const uint8_t* gb = group + (b0 + b) * x16_group_block_bytes<F>();
+            x16_codes<F>(gb, chunk.codes[b]);
+            x16_scales<F>(gb, chunk.d[b], chunk.m[b]);
+          }
+        },
+        [&]<int R>(int64_t r, int64_t b0, int nb, __m512* acc) {
+          x16_chunk_rows<F, R>(a, chunk, r, b0, nb, acc);
+        },
+        [&](int64_t r, __m512 acc) { store_group(a, r, i0, acc); });
   }
 }
 
