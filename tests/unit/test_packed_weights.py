@@ -516,6 +516,9 @@ def test_a_large_weight_takes_the_kernels_up_to_more_rows(monkeypatch):
     # LARGE_M_MAX_ROWS rows; the layer-sized weights switch to the dense path after 64.
     assert ops.kernel_max_rows(3072, 576) == ops.SMALL_M_MAX_ROWS == 64
     assert ops.kernel_max_rows(49152, 576) == ops.LARGE_M_MAX_ROWS == 96
+    # x16 layouts: the int8 kernels stay the faster route up to X16_MAX_ROWS on every size.
+    assert ops.kernel_max_rows(3072, 576, x16=True) == ops.X16_MAX_ROWS == 128
+    assert ops.kernel_max_rows(49152, 576, x16=True) == ops.X16_MAX_ROWS
     head = QuantizedLinear([random_weight("q8_0", 16384, 576, 4)])  # 18.9 MB in bf16
     assert head.max_kernel_rows == ops.LARGE_M_MAX_ROWS
     dense = dequantize_reference(head.parts[0])
@@ -563,9 +566,9 @@ def test_x16_kernel_equals_the_int8_reference(fmt, in_features):
     weight = random_weight(fmt, 48, in_features, seed=in_features + 1)
     x16 = ops.repack_x16(weight)
     code = FORMATS[x16.format].code
-    x = torch.randn(70, in_features, generator=torch.Generator().manual_seed(6)).bfloat16()
+    x = torch.randn(128, in_features, generator=torch.Generator().manual_seed(6)).bfloat16()
     bias = torch.randn(48, generator=torch.Generator().manual_seed(7))
-    for rows in (1, 2, 3, 5, 17, 64, 70):
+    for rows in (1, 2, 3, 5, 17, 64, 70, 128):  # up to X16_MAX_ROWS
         xr = x[:rows]
         y32, y32_bias = torch.empty(rows, 50), torch.empty(rows, 50)
         y16 = torch.empty(rows, 48, dtype=torch.bfloat16)
@@ -647,9 +650,10 @@ def test_quantized_linear_merges_adjacent_x16_parts(dtype):
     calls, _ = layer.kernel_calls()
     assert [(code, n, data.shape[0]) for data, code, _, n in calls] == [(9, 96, 6)]
     assert layer.out_features == 96 and layer.weight_bytes == 3 * 32 * 40
-    for rows in (1, 5, ops.SMALL_M_MAX_ROWS + 3):
+    assert layer.max_kernel_rows == ops.X16_MAX_ROWS
+    for rows in (1, 5, ops.SMALL_M_MAX_ROWS + 3, ops.X16_MAX_ROWS + 3):
         x = torch.randn(rows, 64).to(dtype)
-        if rows <= ops.SMALL_M_MAX_ROWS:
+        if rows <= ops.X16_MAX_ROWS:
             assert torch.equal(layer(x), ops.matmul(x, parts))  # one call = one per part
         else:  # the dense path sees the source's values
             assert torch.equal(layer(x), QuantizedLinear(source)(x))

@@ -116,6 +116,18 @@ class KVStorage:
             states: the requests' layer states (formats with a residual append there).
             key, value: ``[batch, num_kv_heads, head_dim]``.
         """
+        self.write_rows(slot_mapping, key, value)
+
+    def write_rows(
+        self, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> None:
+        """Write rows at given physical slots (formats without per-request residuals; the
+        batched chunk path of full-precision pages).
+
+        Args:
+            slot_mapping: ``[n]`` int64 global physical slots (``page * block_size + off``).
+            key, value: ``[n, num_kv_heads, head_dim]`` in any float dtype.
+        """
         local = slot_mapping
         if self.page_offset:
             local = slot_mapping - self.page_offset * self.block_size

@@ -48,7 +48,9 @@ class QuantizedLinear(nn.Module):
             raise ValueError("weight: packed parts must share in_features")
         self.in_features = parts[0].in_features
         self.out_features = sum(p.shape[0] for p in parts)
-        self.max_kernel_rows = ops.kernel_max_rows(self.out_features, self.in_features)
+        self.max_kernel_rows = ops.kernel_max_rows(
+            self.out_features, self.in_features, ops.is_x16(parts)
+        )
         self.formats = tuple(p.format for p in parts)
         # (kernel calls, fp32 bias) of a decode-sized forward, built on first use.
         self._calls: tuple[tuple[ops.KernelPart, ...], torch.Tensor | None] | None = None

@@ -46,15 +46,28 @@ SMALL_M_MAX_ROWS = 64
 # 32.7 ms at 80 rows, 24.7 against 21.1 at 128).
 LARGE_DENSE_BYTES = 16 << 20
 LARGE_M_MAX_ROWS = 96
+# Weights in an x16 group layout (``avx512_vnni`` int8 kernels) stay faster than dequantizing up
+# to about 128 rows on every shape (SmolLM2's 2 threads, Zen 4, kernel against dense: gate + up
+# 3072 x 576 825 against 909 us at 128 rows, 1052 against 1036 at 160; the 49152 x 576 Q8_0
+# head 13.6 against 17.5 ms at 128).
+X16_MAX_ROWS = 128
 # Output features dequantized at once on the dense path (bounds the temporary: 4096 x 1536 fp32
 # is 24 MiB).
 DEQUANT_SLICE_ROWS = 4096
 
 
-def kernel_max_rows(out_features: int, in_features: int) -> int:
+def is_x16(parts: list[PackedTensor]) -> bool:
+    """True when every part is in an x16 group layout (:func:`repack_x16`)."""
+    return all(part.format in _X16_NAMES for part in parts)
+
+
+def kernel_max_rows(out_features: int, in_features: int, x16: bool = False) -> int:
     """Most rows of ``x`` a packed ``[out_features, in_features]`` weight multiplies through the
-    native kernels (:data:`SMALL_M_MAX_ROWS`, or :data:`LARGE_M_MAX_ROWS` for a weight whose
-    bf16 copy exceeds :data:`LARGE_DENSE_BYTES`); more rows take the dense path."""
+    native kernels (:data:`SMALL_M_MAX_ROWS`, :data:`LARGE_M_MAX_ROWS` for a weight whose bf16
+    copy exceeds :data:`LARGE_DENSE_BYTES`, :data:`X16_MAX_ROWS` for one in an x16 group layout
+    (``x16``)); more rows take the dense path."""
+    if x16:
+        return X16_MAX_ROWS
     large = 2 * out_features * in_features > LARGE_DENSE_BYTES
     return LARGE_M_MAX_ROWS if large else SMALL_M_MAX_ROWS
 
@@ -86,7 +99,8 @@ def _isa_for(ext, setting: str) -> str:
 
 
 X16_VARIANT = "avx512_vnni"  # the variant with kernels for the x16 group layouts
-_X16_CODES = frozenset(FORMATS[name].code for name in X16_FORMATS.values())
+_X16_NAMES = frozenset(X16_FORMATS.values())
+_X16_CODES = frozenset(FORMATS[name].code for name in _X16_NAMES)
 
 
 def x16_runs() -> bool:
@@ -187,7 +201,8 @@ def matmul(
     """
     ext, _ = _resolved()
     out_features = sum(part.shape[0] for part in parts)
-    if ext is None or x.shape[0] > kernel_max_rows(out_features, parts[0].in_features):
+    max_rows = kernel_max_rows(out_features, parts[0].in_features, is_x16(parts))
+    if ext is None or x.shape[0] > max_rows:
         y = torch.cat([_dense(x.float(), part) for part in parts], dim=-1)
         return (y if bias is None else y + bias.float()).to(x.dtype)
     bias32 = None if bias is None else bias.to(torch.float32)  # no copy for an fp32 bias
