@@ -9,7 +9,8 @@ channel: measured 0.949 mean agreement (worst text 0.906), floor 0.90. A bf16 en
 ``gguf`` weights (bf16 activations into the packed kernels; bf16 rounding everywhere else too)
 measured 0.977 with the ``avx512_bf16`` variant (worst text 0.938), 0.977 with ``avx512_vnni``
 (activations quantized in two int8 levels, weights repacked to x16; one level alone measured
-0.92-0.95) and 0.975 with ``avx2`` (worst 0.953) on the AMD Zen 4 test machine, floor 0.95. Bad values fail with ``ValueError``
+0.92-0.95) and 0.975 with ``avx2`` (the same int8 products; its attention kernels differ; worst
+0.953) on the AMD Zen 4 test machine, floor 0.95. Bad values fail with ``ValueError``
 naming the parameter.
 
 On the built-in Gemma 3 270M (a Q4_K_M GGUF: Q5_0 / Q8_0 attention and gate/up projections,
@@ -87,10 +88,17 @@ def test_engine_packs_every_linear(smollm2_gguf, make_engine):
     )
 
 
-@pytest.mark.kernel_variant("packed_weights", "avx512_vnni")
-def test_bf16_engine_repacks_to_x16(smollm2_gguf, make_engine):
-    # Where the avx512_vnni kernels run, a bf16 engine holds its Q4_1 / Q8_0 weights in the x16
-    # group layouts: the same bytes, the same values.
+@pytest.mark.parametrize(
+    "isa",
+    [
+        pytest.param(v, marks=pytest.mark.kernel_variant("packed_weights", v))
+        for v in ops.X16_VARIANTS
+    ],
+)
+def test_bf16_engine_repacks_to_x16(smollm2_gguf, make_engine, isa, monkeypatch):
+    # Where the avx512_vnni or avx2 kernels run, a bf16 engine holds its Q4_1 / Q8_0 weights in
+    # the x16 group layouts: the same bytes, the same values.
+    monkeypatch.setenv(ops.ISA_ENV, isa)
     fp32 = make_engine(smollm2_gguf, weight_dtype="gguf")
     bf16 = make_engine(smollm2_gguf, weight_dtype="gguf", dtype="bfloat16")
     model = bf16.parts.model
@@ -178,9 +186,10 @@ def test_gemma_teacher_forced_agreement(gemma_gguf):
     [pytest.param(v, marks=pytest.mark.kernel_variant("packed_weights", v)) for v in BF16_ISAS],
 )
 def test_bf16_activations_on_packed_weights(smollm2_gguf, references, isa, monkeypatch):
-    # A bf16 engine's packed linears take bf16 activations (avx512_vnni: quantized to int8 per
-    # block of 32, weights repacked to x16 at load; avx512_bf16: vdpbf16ps on codes expanded to
-    # bf16; avx2: converted to fp32 inside the op), against the fp32 dense engine's references.
+    # A bf16 engine's packed linears take bf16 activations (avx512_vnni and avx2: quantized to
+    # int8 per block of 32, weights repacked to x16 at load, the same products on both;
+    # avx512_bf16: vdpbf16ps on codes expanded to bf16), against the fp32 dense engine's
+    # references. The forced variant applies to the attention kernels too.
     monkeypatch.setenv(ops.ISA_ENV, isa)
     agreement, per_text = _agreement(smollm2_gguf, references, "gguf", "bfloat16")
     assert agreement >= BF16_AGREEMENT_FLOOR, per_text

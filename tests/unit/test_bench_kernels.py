@@ -179,12 +179,12 @@ def test_chunk_and_packed_rows_per_variant(tmp_path):
         assert math.isfinite(chunk["ms"]) and chunk["ms"] > 0
     packed_isas = quant_ops.available_isas()
     names = [name for name in rows if name.startswith("packed ")]
-    x16 = "avx512_vnni" in packed_isas  # plus its run on the x16 group layout
-    assert len(names) == len(packed.SHAPES) * 2 * (len(packed_isas) + x16)
+    x16 = [isa for isa in packed_isas if isa in quant_ops.X16_VARIANTS]  # x16 layout runs too
+    assert len(names) == len(packed.SHAPES) * 2 * (len(packed_isas) + len(x16))
     head = rows[f"packed lm_head q8_0 49152x576 m=2 {packed_isas[0]}"]
     assert head["bound_ms"] == pytest.approx(49152 * 18 * 34 / 1e10 * 1e3)
-    if x16:
-        x16_head = rows["packed lm_head q8_0x16 49152x576 m=2 avx512_vnni"]
+    for isa in x16:
+        x16_head = rows[f"packed lm_head q8_0x16 49152x576 m=2 {isa}"]
         assert x16_head["bound_ms"] == head["bound_ms"] and x16_head["ms"] > 0
 
 

@@ -51,6 +51,14 @@ RTOL = 1e-5
 BF16_FORMATS = ("q4_0", "q4_1", "q8_0")
 # Cases of the avx512_vnni variant's int8-activation and x16 kernels alone.
 X16 = pytest.mark.kernel_variant("packed_weights", "avx512_vnni")
+# The variants with x16 kernels (ops.X16_VARIANTS), one case each where the CPU runs it.
+X16_ISAS = pytest.mark.parametrize(
+    "x16_isa",
+    [
+        pytest.param(v, marks=pytest.mark.kernel_variant("packed_weights", v))
+        for v in ops.X16_VARIANTS
+    ],
+)
 
 
 def _ext():
@@ -197,9 +205,9 @@ def test_unknown_forced_variant_warns_and_uses_the_fastest(monkeypatch):
     assert_close_to_exact(ops.matmul(x, [weight]), x, dequantize_reference(weight))
 
 
-@X16
 @pytest.mark.parametrize("fmt", BF16_FORMATS)
-def test_int8_x_non_finite_and_tiny_blocks(fmt):
+@X16_ISAS
+def test_int8_x_non_finite_and_tiny_blocks(fmt, x16_isa):
     # A NaN or an infinity in a block makes that row's results NaN (not a finite value from a
     # saturated code); a block whose max |x| is below 2^-100 counts as zero. Other rows keep
     # their exact results.
@@ -207,10 +215,12 @@ def test_int8_x_non_finite_and_tiny_blocks(fmt):
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(11)).bfloat16()
     x[1, 5], x[2, 40], x[3, 0] = float("nan"), float("inf"), float("-inf")
     x[4, :32] = (x[4, :32].float() * 1e-37).bfloat16()  # a tiny block next to a normal one
-    for data, code in ((weight.data, FORMATS[fmt].code), (ops.repack_x16(weight).data, None)):
-        code = FORMATS[fmt + "x16"].code if code is None else code
+    layouts = [(ops.repack_x16(weight).data, FORMATS[fmt + "x16"].code)]
+    if x16_isa == "avx512_vnni":  # also its int8 kernel of the file's layout
+        layouts.append((weight.data, FORMATS[fmt].code))
+    for data, code in layouts:
         y = torch.empty(5, 16)
-        _ext().matmul_(x, data, code, 64, y, 0, "avx512_vnni")
+        _ext().matmul_(x, data, code, 64, y, 0, x16_isa)
         assert y[1:4].isnan().all(), fmt
         clean = x[[0, 4]].clone()
         reference, scale, _ = int8_x_reference(clean, weight)
@@ -335,11 +345,10 @@ def test_int8_x_rows_do_not_depend_on_the_batch(fmt):
         assert torch.equal(batch, alone[:rows]), f"{rows} rows"
 
 
+@X16
 def test_int8_x_quantization_edge_blocks():
     # An all-zero block contributes 0 (unit 0, no division by zero); a block of one huge and one
     # tiny value keeps the huge one exact and the tiny one in the residual level.
-    if "avx512_vnni" not in ops.available_isas():
-        pytest.skip("no AVX512-VNNI on this CPU")
     weight = random_weight("q8_0", 8, 64, seed=9)
     dense = dequantize_reference(weight).double()
     x = torch.zeros(2, 64, dtype=torch.bfloat16)
@@ -559,10 +568,10 @@ def test_x16_repack_rejects_what_it_cannot_hold():
         PackedTensor("q8_0x16", 64, torch.zeros(2, 1088 + 64, dtype=torch.uint8))
 
 
-@X16
 @pytest.mark.parametrize("fmt", BF16_FORMATS)
 @pytest.mark.parametrize("in_features", [64, 576, 1536])
-def test_x16_kernel_equals_the_int8_reference(fmt, in_features):
+@X16_ISAS
+def test_x16_kernel_equals_the_int8_reference(fmt, in_features, x16_isa):
     weight = random_weight(fmt, 48, in_features, seed=in_features + 1)
     x16 = ops.repack_x16(weight)
     code = FORMATS[x16.format].code
@@ -572,34 +581,60 @@ def test_x16_kernel_equals_the_int8_reference(fmt, in_features):
         xr = x[:rows]
         y32, y32_bias = torch.empty(rows, 50), torch.empty(rows, 50)
         y16 = torch.empty(rows, 48, dtype=torch.bfloat16)
-        _ext().matmul_(xr, x16.data, code, in_features, y32, 1, "avx512_vnni")
-        _ext().matmul_(xr, x16.data, code, in_features, y32_bias, 1, "avx512_vnni", bias)
-        _ext().matmul_(xr, x16.data, code, in_features, y16, 0, "avx512_vnni")
+        _ext().matmul_(xr, x16.data, code, in_features, y32, 1, x16_isa)
+        _ext().matmul_(xr, x16.data, code, in_features, y32_bias, 1, x16_isa, bias)
+        _ext().matmul_(xr, x16.data, code, in_features, y16, 0, x16_isa)
         reference, scale, _ = int8_x_reference(xr, weight)
         assert ((y32[:, 1:49].double() - reference).abs() <= RTOL * scale + 1e-30).all()
         assert torch.equal(y32_bias[:, 1:49], y32[:, 1:49] + bias)
         assert torch.equal(y16, y32[:, 1:49].bfloat16())
 
 
-@X16
 @pytest.mark.parametrize("fmt", BF16_FORMATS)
-def test_x16_rows_do_not_depend_on_the_batch_or_the_threads(fmt):
+@X16_ISAS
+def test_x16_rows_do_not_depend_on_the_batch_or_the_threads(fmt, x16_isa):
     weight = ops.repack_x16(random_weight(fmt, 1024, 576, seed=8))  # 2 threads split it
     code = FORMATS[weight.format].code
     x = torch.randn(70, 576, generator=torch.Generator().manual_seed(9)).bfloat16()
     alone = torch.empty(70, 1024)
     for r in range(70):
-        _ext().matmul_(x[r : r + 1], weight.data, code, 576, alone[r : r + 1], 0, "avx512_vnni")
+        _ext().matmul_(x[r : r + 1], weight.data, code, 576, alone[r : r + 1], 0, x16_isa)
     threads = torch.get_num_threads()
     try:
         for count in (1, 2, 3):
             torch.set_num_threads(count)
             for rows in (2, 5, 16, 70):
                 batch = torch.empty(rows, 1024)
-                _ext().matmul_(x[:rows], weight.data, code, 576, batch, 0, "avx512_vnni")
+                _ext().matmul_(x[:rows], weight.data, code, 576, batch, 0, x16_isa)
                 assert torch.equal(batch, alone[:rows]), f"{rows} rows on {count} threads"
     finally:
         torch.set_num_threads(threads)
+
+
+@X16  # a CPU with AVX512-VNNI runs AVX2 too
+@pytest.mark.parametrize("fmt", BF16_FORMATS)
+def test_avx2_x16_kernel_equals_avx512_vnni_bit_for_bit(fmt):
+    # The AVX2 kernels sum the same integers (vpmaddubsw / vpmaddwd for vpdpbusd) and do the
+    # same fp32 operations per output in the same order, quantization of x included: extreme
+    # codes (Q8_0's -128), NaN / infinite / tiny blocks, scales over many magnitudes.
+    weight = random_weight(fmt, 64, 576, seed=12)
+    if fmt == "q8_0":  # every code -128 in the first row's first block
+        layout = FORMATS[fmt]
+        weight.data[0, 2 : layout.block_bytes] = 0x80
+    x16 = ops.repack_x16(weight)
+    code = FORMATS[x16.format].code
+    g = torch.Generator().manual_seed(13)
+    magnitude = 10.0 ** torch.randint(-30, 30, (40, 18), generator=g)  # per block of 32
+    x = (torch.randn(40, 576, generator=g) * magnitude.repeat_interleave(32, dim=1)).bfloat16()
+    x[3, 7], x[5, 100], x[6, 200] = float("nan"), float("inf"), float("-inf")
+    x[7, :32] = 0.0
+    x[8, :32] = -127.0  # codes at the ends of the range
+    for rows in (1, 3, 16, 40):
+        y = {isa: torch.empty(rows, 64) for isa in ops.X16_VARIANTS}
+        for isa in ops.X16_VARIANTS:
+            _ext().matmul_(x[:rows], x16.data, code, 576, y[isa], 0, isa)
+        assert torch.equal(y["avx2"].nan_to_num(7.0), y["avx512_vnni"].nan_to_num(7.0)), rows
+        assert torch.equal(y["avx2"].isnan(), y["avx512_vnni"].isnan())
 
 
 @pytest.mark.parametrize("variant", ["", "avx512_bf16", "generic"])

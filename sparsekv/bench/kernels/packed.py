@@ -3,7 +3,7 @@
 up ``3072 x 576``, down ``576 x 1536``; the Q8_0 output head ``49152 x 576``), with bf16
 activations as the model runs them, at each ``--packed-rows`` count and on every packed-weight
 variant this CPU runs (``avx512_vnni``, ``avx512_bf16``, ``avx2``, ``generic``; ``avx512_vnni``
-also on the x16 group layout a bf16 model loads its weights in). Weights hold random codes with
+and ``avx2`` also on the x16 group layout a bf16 model loads its weights in there). Weights hold random codes with
 fp16 scales of 0.01; the bound is reading the packed bytes once (bandwidth), which a call over
 weights already in cache can beat."""
 
@@ -17,6 +17,7 @@ import torch
 from sparsekv.bench.kernels.probe import row, timed
 from sparsekv.models.quant import build as quant_build
 from sparsekv.models.quant.formats import FORMATS, X16_FORMATS
+from sparsekv.models.quant.ops import X16_VARIANTS
 
 # (name, format, out_features, in_features) of SmolLM2-135M's packed linears
 SHAPES = (
@@ -72,10 +73,11 @@ def bench_packed(args: argparse.Namespace, machine: dict) -> list[dict]:
         note = f"bandwidth: {weight.numel() / 1e6:.2f} MB of {fmt}"
         code = FORMATS[fmt].code
         layouts = [(fmt, weight, code, isas)]
-        if "avx512_vnni" in isas:
+        x16_isas = [isa for isa in isas if isa in X16_VARIANTS]
+        if x16_isas:
             x16 = X16_FORMATS[fmt]
             packed = ext.repack_x16(weight, code, k)
-            layouts.append((x16, packed, FORMATS[x16].code, ["avx512_vnni"]))
+            layouts.append((x16, packed, FORMATS[x16].code, x16_isas))
         for m in counts:
             x = torch.randn(m, k).bfloat16()
             y = torch.empty(m, n, dtype=torch.bfloat16)

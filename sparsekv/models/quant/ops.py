@@ -9,14 +9,14 @@ expanded to bf16 (``vdpbf16ps``, fp32 accumulation), and on CPUs with AVX512-VNN
 ``avx512_vnni`` variant quantizes bf16 ``x`` to int8 per block of 32 (as llama.cpp does for its
 quantized dot products) and multiplies with integer dot products (``vpdpbusd``), fastest on
 weights repacked in groups of 16 rows (:func:`repack_x16`; ``apply`` does it at load for bf16
-models). Larger inputs
-(prefill) dequantize the weight in slices of :data:`DEQUANT_SLICE_ROWS` output features and
+models; the ``avx2`` variant runs the same x16 arithmetic with ``vpmaddubsw``, equal bit for
+bit). Larger inputs (prefill) dequantize the weight in slices of :data:`DEQUANT_SLICE_ROWS` output features and
 multiply densely in ``x``'s dtype, so they keep the dense path's speed.
 
 ``SPARSEKV_KERNEL_ISA`` forces a variant as for the other native kernels (``avx512_vnni``,
 ``avx512_bf16``, ``avx2`` or ``generic``); naming one this CPU does not run, or one these
-kernels do not have, uses the fastest with a warning. x16 weights run on ``avx512_vnni`` with
-bf16 ``x`` only; elsewhere (fp32 ``x``, another variant) they take the dense path.
+kernels do not have, uses the fastest with a warning. x16 weights run on ``avx512_vnni`` and
+``avx2`` with bf16 ``x`` only; elsewhere (fp32 ``x``, another variant) they take the dense path.
 """
 
 from __future__ import annotations
@@ -98,15 +98,15 @@ def _isa_for(ext, setting: str) -> str:
     return ""
 
 
-X16_VARIANT = "avx512_vnni"  # the variant with kernels for the x16 group layouts
+X16_VARIANTS = ("avx512_vnni", "avx2")  # the variants with kernels for the x16 group layouts
 _X16_NAMES = frozenset(X16_FORMATS.values())
 _X16_CODES = frozenset(FORMATS[name].code for name in _X16_NAMES)
 
 
 def x16_runs() -> bool:
     """Whether bf16 matmuls would run the x16 kernels now: the extension is loaded and the
-    variant in use (forced or the fastest) is ``avx512_vnni``."""
-    return bool(available_isas()) and (kernel_isa() or _fastest()) == X16_VARIANT
+    variant in use (forced or the fastest) is one of :data:`X16_VARIANTS`."""
+    return bool(available_isas()) and (kernel_isa() or _fastest()) in X16_VARIANTS
 
 
 def repack_x16(weight: PackedTensor) -> PackedTensor:
@@ -241,7 +241,7 @@ def matmul_kernel_parts(
         part_bias = None if bias32 is None else bias32[col : col + n]
         if code in _X16_CODES:
             if x16_kernels is None:
-                x16_kernels = xk.dtype == torch.bfloat16 and (isa or _fastest()) == X16_VARIANT
+                x16_kernels = xk.dtype == torch.bfloat16 and (isa or _fastest()) in X16_VARIANTS
             if not x16_kernels:  # fp32 x or another variant: no kernel reads this layout
                 part = PackedTensor(_FORMAT_NAMES[code], in_features, data)
                 y = _dense(xk.float(), part)

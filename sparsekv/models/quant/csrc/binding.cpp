@@ -133,7 +133,7 @@ void matmul_(const at::Tensor& x, const at::Tensor& w, int64_t format, int64_t k
   if (m == 0 || n == 0) return;
   const auto& table = table_for(isa);
   TORCH_CHECK(!is_x16(format) || (x.scalar_type() == at::kBFloat16 && table.gemm_x16),
-              "x16-repacked weights need bf16 x and the avx512_vnni kernel variant, got ",
+              "x16-repacked weights need bf16 x and the avx512_vnni or avx2 kernel variant, got ",
               x.scalar_type(), " x on '", table.name, "'");
   const bool y_bf16 = y.scalar_type() == at::kBFloat16;
   qk::MatmulArgs args{w.const_data_ptr<uint8_t>(), w.size(1), static_cast<int>(format),

@@ -1,4 +1,6 @@
-// AVX2 + FMA + F16C packed-weight kernels (8 fp32 lanes).
+// AVX2 + FMA + F16C packed-weight kernels (8 fp32 lanes), and the int8-activation kernels of the
+// x16 layouts for bf16 x (quant_x16_avx2_impl.h: vpmaddubsw / vpmaddwd instead of vpdpbusd,
+// results equal to the avx512_vnni variant's).
 #include <stdint.h>
 
 #include "quant.h"
@@ -12,11 +14,23 @@ namespace sparsekv_quant {
 namespace isa_avx2 {
 #define QK_AVX2 1
 #include "quant_impl.h"
+#include "kernel_common_impl.h"
+#include "quant_x16_avx2_impl.h"
 #undef QK_AVX2
 }  // namespace isa_avx2
 
-const QuantTable kQuantAvx2 = {"avx2", 8, &isa_avx2::gemv, &isa_avx2::gemm,
-                               &isa_avx2::dequantize, 0, nullptr, nullptr};
+const QuantTable kQuantAvx2 = {"avx2",
+                               8,
+                               &isa_avx2::gemv,
+                               &isa_avx2::gemm,
+                               &isa_avx2::dequantize,
+                               0,
+                               nullptr,
+                               nullptr,
+                               0,
+                               &isa_avx2::quantize_x,
+                               nullptr,
+                               &isa_avx2::gemm_x16};
 }  // namespace sparsekv_quant
 #else
 namespace sparsekv_quant {

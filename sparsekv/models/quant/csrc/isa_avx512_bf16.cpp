@@ -16,6 +16,7 @@ namespace sparsekv_quant {
 namespace isa_avx512_bf16 {
 #define QK_AVX2 1
 #include "quant_impl.h"
+#include "kernel_common_impl.h"
 #include "small_m_impl.h"
 #include "quant_bf16_impl.h"
 #undef QK_AVX2

@@ -15,6 +15,7 @@ namespace sparsekv_quant {
 namespace isa_avx512_vnni {
 #define QK_AVX2 1
 #include "quant_impl.h"
+#include "kernel_common_impl.h"
 #include "small_m_impl.h"
 #include "quant_q8_impl.h"
 #include "quant_x16_impl.h"

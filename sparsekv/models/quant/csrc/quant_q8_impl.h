@@ -1,7 +1,7 @@
 // Packed-weight matmuls on int8 activations with AVX512-VNNI integer dot products
 // (`vpdpbusd`: 64 unsigned-byte x signed-byte products per instruction, summed in fours into
 // int32 lanes). Formats Q4_0, Q4_1, Q8_0 (layouts in quant.h). Included by isa_avx512_vnni.cpp
-// after quant_impl.h, in the same namespace (block_bytes, half_to_float, kBlock).
+// after quant_impl.h and kernel_common_impl.h (zero_point, kTinyBlock), in the same namespace.
 //
 // bf16 activations are first quantized per block of 32 in two int8 levels: the high codes as
 // llama.cpp quantizes activations for its 4- and 8-bit dot products (its Q8_0 activation
@@ -27,9 +27,6 @@
 
 constexpr int64_t kQ8PrefetchRows = 16;  // weight rows prefetched ahead (as the bf16 kernels)
 constexpr int kQ8ChunkBlocks = 32;       // blocks of a quad expanded at a time (8 KiB)
-// Blocks of x whose largest |value| is below 2^-100 quantize to zero: their unit would be
-// subnormal (or 127 / max|x| overflow), and such a block adds below 2^-100 * sum |w| anyway.
-constexpr float kTinyBlock = 7.8886091e-31f;
 
 // One block of a quad: the codes of elements 0-15 (lo) and 16-31 (hi) of row g in 128-bit
 // lane g, row g's scale d in lanes 4g .. 4g + 3, and Q4_1's offset m in lane 4g (0 elsewhere
@@ -42,11 +39,6 @@ struct Q8Block {
 // The 16 bytes at p broadcast to every 128-bit lane.
 static inline __m512i splat16(const int8_t* p) {
   return _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)p));
-}
-
-template <int F>
-constexpr int zero_point() {
-  return F == kQ4_0 ? 8 : F == kQ8_0 ? 128 : 0;
 }
 
 // Block b of weight rows i0 .. i0 + nr - 1 (nr <= 4; the missing rows' codes and scales are 0).

@@ -1,6 +1,7 @@
 // Packed-weight matmuls on int8 activations over weights repacked in groups of 16 rows (the
 // "x16" layouts of quant.h), with AVX512-VNNI integer dot products. Included by
-// isa_avx512_vnni.cpp after quant_q8_impl.h (zero_point, the x quantization), in its namespace.
+// isa_avx512_vnni.cpp after quant_q8_impl.h (the x quantization) and kernel_common_impl.h (zero_point,
+// the group-block sizes), in its namespace.
 //
 // In a group-block (16 weight rows, one block of 32 inputs) int32 lane i of code vector t holds
 // row i's codes 4t .. 4t + 3 (4-bit formats: the low nibbles are elements 4t .. 4t + 3 and the
@@ -13,19 +14,6 @@
 //         (+ m_i * sum_j x_j for Q4_1)
 // in the same integer sums, so the results differ from the quad kernels only by the fp32
 // accumulation (one lane per row here, four lanes per row there).
-
-template <int F>
-constexpr int x16_header_bytes() {  // 16 fp16 d, and Q4_1's 16 fp16 m
-  return F == kQ4_1 ? 64 : 32;
-}
-template <int F>
-constexpr int x16_code_vectors() {  // 64-byte code vectors per group-block
-  return F == kQ8_0 ? 8 : 4;
-}
-template <int F>
-constexpr int x16_group_block_bytes() {
-  return x16_header_bytes<F>() + 64 * x16_code_vectors<F>();
-}
 
 // The 8 code vectors of a group-block (4-bit formats: the nibbles split), lo before hi: vector
 // t meets x's int32 word t of the block.

@@ -1,25 +1,7 @@
-// What the bf16- and int8-activation small-M kernels share (quant_bf16_impl.h, quant_q8_impl.h,
-// quant_x16_impl.h): the result store, the lane sum of a quad's accumulator, and the pass
-// structure of their GEMMs. Included by their isa_*.cpp inside its namespace, after quant.h
-// and immintrin.h (AVX-512 F).
-
-static inline uint16_t round_bf16(float value) {
-  uint32_t bits;
-  __builtin_memcpy(&bits, &value, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN
-  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);  // nearest even
-}
-
-// y[r, col + i] <- value (+ bias[i]), rounded once to bf16 when y is bf16.
-static inline void store_y(const MatmulArgs& a, int64_t r, int64_t i, float value) {
-  if (a.bias) value += a.bias[i];
-  const int64_t at = r * a.y_stride + a.col + i;
-  if (a.y_bf16) {
-    a.y_bf16[at] = round_bf16(value);
-  } else {
-    a.y[at] = value;
-  }
-}
+// What the AVX-512 bf16- and int8-activation small-M kernels share (quant_bf16_impl.h,
+// quant_q8_impl.h, quant_x16_impl.h): the lane sum of a quad's accumulator and the pass
+// structure of their GEMMs. Included by their isa_*.cpp inside its namespace, after quant.h,
+// immintrin.h (AVX-512 F) and kernel_common_impl.h.
 
 // y[r, i0 .. i0 + nr - 1] <- the four 128-bit lane groups of acc (one weight row each), each
 // summed (l0 + l2) + (l1 + l3).
