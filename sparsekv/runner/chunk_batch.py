@@ -54,7 +54,8 @@ def chunk_plan(
     the storage's first global page, subtracted for its local indices).
 
     Raises:
-        ValueError: ``chosen`` is empty.
+        ValueError: ``chosen`` is empty, or a request's block table lacks a page its new rows
+            go to.
     """
     if not chosen:
         raise ValueError("chosen: no requests to plan")
@@ -64,7 +65,11 @@ def chunk_plan(
     num_rows = np.fromiter((r.num_rows for r in chosen), dtype=np.int64, count=count)
     starts = np.fromiter((r.start for r in chosen), dtype=np.int64, count=count)
     pages_needed = -(-(held + num_rows) // block_size)
-    tables = padded_tables([s.block_table[:n] for s, n in zip(steps, pages_needed.tolist())])
+    page_lists = [s.block_table[:n] for s, n in zip(steps, pages_needed.tolist())]
+    if any(len(pages) < n for pages, n in zip(page_lists, pages_needed.tolist())):
+        # the padding would send those rows to page 0 of another storage
+        raise ValueError("block_table: a chunk's new rows fall past the pages allocated to it")
+    tables = padded_tables(page_lists)
     row_starts = np.zeros(count + 1, dtype=np.int64)
     np.cumsum(num_rows, out=row_starts[1:])
     owner = np.repeat(np.arange(count), num_rows)  # request of each new row

@@ -47,3 +47,11 @@ def test_plan_without_page_offset_keeps_global_ids():
 def test_plan_of_nothing_is_an_error():
     with pytest.raises(ValueError, match="chosen"):
         chunk_plan([], layer=0, block_size=16, page_offset=0)
+
+
+def test_plan_refuses_rows_past_the_allocated_pages():
+    # request 0's third new row needs a second page its table lacks: an error, not a slot on
+    # the padding's page 0
+    chosen = [_request(0, 3, 2, [5]), _request(3, 1, 0, [6, 7])]
+    with pytest.raises(ValueError, match="block_table"):
+        chunk_plan(chosen, layer=1, block_size=4, page_offset=0)

@@ -1,7 +1,7 @@
 // Packed-weight matmuls on int8 activations over weights repacked in groups of 16 rows (the
 // "x16" layouts of quant.h), with AVX512-VNNI integer dot products. Included by
-// isa_avx512_vnni.cpp after quant_q8_impl.h (the x quantization) and kernel_common_impl.h (zero_point,
-// the group-block sizes), in its namespace.
+// isa_avx512_vnni.cpp after kernel_common_impl.h (zero_point, the group-block sizes) and
+// quant_q8_impl.h (the x quantization), in its namespace.
 //
 // In a group-block (16 weight rows, one block of 32 inputs) int32 lane i of code vector t holds
 // row i's codes 4t .. 4t + 3 (4-bit formats: the low nibbles are elements 4t .. 4t + 3 and the
