@@ -10,8 +10,8 @@ one per request). The rest, and every request where the backend has no batched r
 
 The call's index tensors (:class:`ChunkPlan`: rows, block tables, slot counts, the slots the
 new keys go to) are built in a few NumPy passes over all the chosen requests, and the new keys
-and values are written with one scatter, so a layer's Python work does not grow with the
-number of requests one tensor operation at a time.
+and values are written with one scatter: a layer costs a fixed handful of tensor operations
+however many requests it batches.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ expanded to bf16 (``vdpbf16ps``, fp32 accumulation), and on CPUs with AVX512-VNN
 quantized dot products) and multiplies with integer dot products (``vpdpbusd``), fastest on
 weights repacked in groups of 16 rows (:func:`repack_x16`; ``apply`` does it at load for bf16
 models; the ``avx2`` variant runs the same x16 arithmetic with ``vpmaddubsw``, equal bit for
-bit). Larger inputs (prefill) dequantize the weight in slices of :data:`DEQUANT_SLICE_ROWS` output features and
-multiply densely in ``x``'s dtype, so they keep the dense path's speed.
+bit). Larger inputs (prefill) dequantize the weight in slices of :data:`DEQUANT_SLICE_ROWS`
+output features and multiply densely in ``x``'s dtype, so they keep the dense path's speed.
 
 ``SPARSEKV_KERNEL_ISA`` forces a variant as for the other native kernels (``avx512_vnni``,
 ``avx512_bf16``, ``avx2`` or ``generic``); naming one this CPU does not run, or one these
@@ -46,10 +46,10 @@ SMALL_M_MAX_ROWS = 64
 # 32.7 ms at 80 rows, 24.7 against 21.1 at 128).
 LARGE_DENSE_BYTES = 16 << 20
 LARGE_M_MAX_ROWS = 96
-# Weights in an x16 group layout (``avx512_vnni`` int8 kernels) stay faster than dequantizing up
-# to about 128 rows on every shape (SmolLM2's 2 threads, Zen 4, kernel against dense: gate + up
-# 3072 x 576 825 against 909 us at 128 rows, 1052 against 1036 at 160; the 49152 x 576 Q8_0
-# head 13.6 against 17.5 ms at 128).
+# Weights in an x16 group layout (the int8 kernels of X16_VARIANTS) stay faster than dequantizing
+# up to about 128 rows on every shape (measured with avx512_vnni on SmolLM2's shapes, 2 threads,
+# Zen 4, kernel against dense: gate + up 3072 x 576 825 against 909 us at 128 rows, 1052
+# against 1036 at 160; the 49152 x 576 Q8_0 head 13.6 against 17.5 ms at 128).
 X16_MAX_ROWS = 128
 # Output features dequantized at once on the dense path (bounds the temporary: 4096 x 1536 fp32
 # is 24 MiB).
