@@ -12,7 +12,17 @@ from typing import Any
 import torch
 
 # Flags that decide which kernels and dtypes are fast on this CPU (``--dtype auto`` reads them).
-CPU_FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+CPU_FLAGS_OF_INTEREST = (
+    "avx2",
+    "avx512f",
+    "avx512_bf16",
+    "avx512_vnni",
+    "avx_vnni",
+    "amx_bf16",
+    "amx_tile",
+)
+# AMD CPU families whose core generation a report names (the model name of a cloud VM is often
+# just "AMD EPYC"): 25 (0x19) with AVX-512 is Zen 4 (Zen 3 has none), 26 (0x1A) is Zen 5.
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,10 +51,11 @@ def code_version() -> tuple[str | None, bool | None]:
 
 
 def cpu_info(path: str = "/proc/cpuinfo") -> dict[str, Any]:
-    """CPU model name and the flags of :data:`CPU_FLAGS_OF_INTEREST` (``False`` when unknown).
+    """CPU model name, vendor, family and model numbers, the core generation where known (AMD
+    Zen 4 / Zen 5), and the flags of :data:`CPU_FLAGS_OF_INTEREST` (``False`` when unknown).
 
-    Reads Linux's ``/proc/cpuinfo``; elsewhere the model is ``platform.processor()`` and no
-    flag is set.
+    Reads Linux's ``/proc/cpuinfo``; elsewhere the model is ``platform.processor()``, the
+    numbers are ``None`` and no flag is set.
     """
     fields: dict[str, str] = {}
     try:
@@ -56,7 +67,31 @@ def cpu_info(path: str = "/proc/cpuinfo") -> dict[str, Any]:
         pass
     flags = set(fields.get("flags", "").split())
     model = fields.get("model name") or platform.processor() or None
-    return {"model": model, "flags": {name: name in flags for name in CPU_FLAGS_OF_INTEREST}}
+    family, number = _int_field(fields, "cpu family"), _int_field(fields, "model")
+    vendor = fields.get("vendor_id") or None
+    return {
+        "model": model,
+        "vendor": vendor,
+        "family": family,
+        "model_number": number,
+        "generation": _amd_generation(vendor, family, "avx512f" in flags),
+        "flags": {name: name in flags for name in CPU_FLAGS_OF_INTEREST},
+    }
+
+
+def _int_field(fields: dict[str, str], key: str) -> int | None:
+    value = fields.get(key, "")
+    return int(value) if value.isdigit() else None
+
+
+def _amd_generation(vendor: str | None, family: int | None, avx512: bool) -> str | None:
+    if vendor != "AuthenticAMD":
+        return None
+    if family == 26:
+        return "Zen 5"
+    if family == 25 and avx512:
+        return "Zen 4"
+    return None
 
 
 def provenance(config: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -124,6 +124,29 @@ def test_provenance_without_git_and_cpu_flags(tmp_path, monkeypatch):
         "avx2": True,
         "avx512f": True,
         "avx512_bf16": False,
+        "avx512_vnni": False,
+        "avx_vnni": False,
         "amx_bf16": False,
         "amx_tile": True,
     }
+    assert info["family"] is None and info["generation"] is None
+
+
+@pytest.mark.parametrize(
+    "vendor, family, flags, generation",
+    [
+        ("AuthenticAMD", 26, "avx2 avx512f avx_vnni", "Zen 5"),
+        ("AuthenticAMD", 25, "avx2 avx512f avx512_bf16", "Zen 4"),
+        ("AuthenticAMD", 25, "avx2", None),  # Zen 3: no AVX-512
+        ("GenuineIntel", 6, "avx2 avx512f amx_tile", None),
+    ],
+)
+def test_cpu_info_names_the_amd_generation(tmp_path, vendor, family, flags, generation):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(
+        f"vendor_id\t: {vendor}\ncpu family\t: {family}\nmodel\t\t: 2\n"
+        f"model name\t: AMD EPYC\nflags\t\t: {flags}\n"
+    )
+    info = provenance_module.cpu_info(str(cpuinfo))
+    assert (info["vendor"], info["family"], info["model_number"]) == (vendor, family, 2)
+    assert info["generation"] == generation

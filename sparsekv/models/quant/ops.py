@@ -48,7 +48,7 @@ LARGE_DENSE_BYTES = 16 << 20
 LARGE_M_MAX_ROWS = 96
 # Weights in an x16 group layout (the int8 kernels of X16_VARIANTS) stay faster than dequantizing
 # up to about 128 rows on every shape (measured with avx512_vnni on SmolLM2's shapes, 2 threads,
-# Zen 4, kernel against dense: gate + up 3072 x 576 825 against 909 us at 128 rows, 1052
+# Zen 5, kernel against dense: gate + up 3072 x 576 825 against 909 us at 128 rows, 1052
 # against 1036 at 160; the 49152 x 576 Q8_0 head 13.6 against 17.5 ms at 128).
 X16_MAX_ROWS = 128
 # Output features dequantized at once on the dense path (bounds the temporary: 4096 x 1536 fp32
