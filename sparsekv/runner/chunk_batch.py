@@ -64,9 +64,9 @@ def chunk_plan(
     held = np.fromiter((s.num_held for s in steps), dtype=np.int64, count=count)
     num_rows = np.fromiter((r.num_rows for r in chosen), dtype=np.int64, count=count)
     starts = np.fromiter((r.start for r in chosen), dtype=np.int64, count=count)
-    pages_needed = -(-(held + num_rows) // block_size)
-    page_lists = [s.block_table[:n] for s, n in zip(steps, pages_needed.tolist())]
-    if any(len(pages) < n for pages, n in zip(page_lists, pages_needed.tolist())):
+    pages_needed = (-(-(held + num_rows) // block_size)).tolist()
+    page_lists = [s.block_table[:n] for s, n in zip(steps, pages_needed)]
+    if any(len(pages) < n for pages, n in zip(page_lists, pages_needed)):
         # the padding would send those rows to page 0 of another storage
         raise ValueError("block_table: a chunk's new rows fall past the pages allocated to it")
     tables = padded_tables(page_lists)

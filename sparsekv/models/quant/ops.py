@@ -106,7 +106,12 @@ _X16_CODES = frozenset(FORMATS[name].code for name in _X16_NAMES)
 def x16_runs() -> bool:
     """Whether bf16 matmuls would run the x16 kernels now: the extension is loaded and the
     variant in use (forced or the fastest) is one of :data:`X16_VARIANTS`."""
-    return bool(available_isas()) and (kernel_isa() or _fastest()) in X16_VARIANTS
+    return bool(available_isas()) and _x16_variant(kernel_isa())
+
+
+def _x16_variant(isa: str) -> bool:
+    """Whether ``isa`` (``""``: the fastest) has x16 kernels."""
+    return (isa or _fastest()) in X16_VARIANTS
 
 
 def repack_x16(weight: PackedTensor) -> PackedTensor:
@@ -241,7 +246,7 @@ def matmul_kernel_parts(
         part_bias = None if bias32 is None else bias32[col : col + n]
         if code in _X16_CODES:
             if x16_kernels is None:
-                x16_kernels = xk.dtype == torch.bfloat16 and (isa or _fastest()) in X16_VARIANTS
+                x16_kernels = xk.dtype == torch.bfloat16 and _x16_variant(isa)
             if not x16_kernels:  # fp32 x or another variant: no kernel reads this layout
                 part = PackedTensor(_FORMAT_NAMES[code], in_features, data)
                 y = _dense(xk.float(), part)

@@ -25,6 +25,24 @@ static inline void store_y(const MatmulArgs& a, int64_t r, int64_t i, float valu
 // subnormal (or 127 / max|x| overflow), and such a block adds below 2^-100 * sum |w| anyway.
 constexpr float kTinyBlock = 7.8886091e-31f;
 
+// A block of x the two-level quantization does not take: one holding a NaN or an infinity
+// (`non_finite`, or max|x| beyond fp32) gets unit NaN, so the row's results are NaN as an fp32
+// product's would be; one whose max|x| is below kTinyBlock counts as zero (127 / max|x| would
+// overflow, or the unit be subnormal). Both get zero codes (high at `out`, residual at `out + k`)
+// and a zero code sum. Returns false, writing nothing, for every other block.
+static inline bool skip_x_block(bool non_finite, float amax, int8_t* out, int64_t k, float* unit,
+                                int32_t* sum) {
+  if (!non_finite && amax >= kTinyBlock && amax <= 3.4028235e38f) return false;
+  __builtin_memset(out, 0, kBlock);
+  __builtin_memset(out + k, 0, kBlock);
+  *unit = non_finite || amax > 3.4028235e38f ? __builtin_nanf("") : 0.0f;
+  *sum = 0;
+  return true;
+}
+
+// Rows of x whose accumulators a small-M GEMM keeps on the stack at a time.
+constexpr int64_t kPassRows = 64;
+
 // The zero point the unsigned weight codes of the int8 kernels carry (Q4_0: 8, Q8_0 as q + 128:
 // 128, Q4_1: 0), taken off each block's sum in int32.
 template <int F>

@@ -1,7 +1,7 @@
 // Packed-weight matmuls on int8 activations with AVX512-VNNI integer dot products
 // (`vpdpbusd`: 64 unsigned-byte x signed-byte products per instruction, summed in fours into
 // int32 lanes). Formats Q4_0, Q4_1, Q8_0 (layouts in quant.h). Included by isa_avx512_vnni.cpp
-// after quant_impl.h and kernel_common_impl.h (zero_point, kTinyBlock), in the same namespace.
+// after quant_impl.h and kernel_common_impl.h (zero_point, skip_x_block), in the same namespace.
 //
 // bf16 activations are first quantized per block of 32 in two int8 levels: the high codes as
 // llama.cpp quantizes activations for its 4- and 8-bit dot products (its Q8_0 activation
@@ -187,16 +187,7 @@ static void quantize_x(const uint16_t* x, int64_t stride, int64_t k, int64_t r_b
       const int64_t at = r * blocks + b;
       int8_t* out = q + 2 * r * k + b * kBlock;
       x_sums[at] = _mm512_reduce_add_ps(_mm512_add_ps(v[0], v[1]));
-      // A NaN or an infinity makes the block's unit NaN (the row's results NaN, as an fp32
-      // product's would be); a block whose largest value is below kTinyBlock counts as zero
-      // (127 / max|x| would overflow, or the unit be subnormal). Both get zero codes.
-      if (nan || !(amax >= kTinyBlock && amax <= 3.4028235e38f)) {
-        __builtin_memset(out, 0, kBlock);
-        __builtin_memset(out + k, 0, kBlock);
-        units[at] = nan || amax > 3.4028235e38f ? __builtin_nanf("") : 0.0f;
-        sums[at] = 0;
-        continue;
-      }
+      if (skip_x_block(nan, amax, out, k, units + at, sums + at)) continue;
       const float inv = 127.0f / amax;
       const float step = amax / 127.0f;
       __m512i total = _mm512_setzero_si512();

@@ -99,7 +99,6 @@ static inline void x16_avx2_store(const MatmulArgs& a, int64_t r, int64_t i0, co
 }
 
 constexpr int kX16Avx2ChunkBlocks = 8;  // group-blocks expanded at a time for many rows of x
-constexpr int64_t kX16Avx2PassRows = 64;  // rows of x whose accumulators stay on the stack
 
 // Weight rows [begin, end) (multiples of 16) times every row of x. Each row of x meets the
 // blocks in order, one row or many, so a row's result does not depend on the batch.
@@ -108,11 +107,11 @@ static void gemm_x16_avx2_rows(const MatmulArgs& a, int64_t begin, int64_t end) 
   const int64_t blocks = a.k / kBlock;
   const int64_t group_bytes = blocks * x16_group_block_bytes<F>();
   X16Avx2Block<F> chunk[kX16Avx2ChunkBlocks];
-  __m256 acc[kX16Avx2PassRows][2];
+  __m256 acc[kPassRows][2];
   for (int64_t i0 = begin; i0 < end; i0 += 16) {
     const uint8_t* group = a.w + i0 / 16 * group_bytes;
-    for (int64_t r0 = 0; r0 < a.m; r0 += kX16Avx2PassRows) {
-      const int64_t rows = a.m - r0 < kX16Avx2PassRows ? a.m - r0 : kX16Avx2PassRows;
+    for (int64_t r0 = 0; r0 < a.m; r0 += kPassRows) {
+      const int64_t rows = a.m - r0 < kPassRows ? a.m - r0 : kPassRows;
       for (int64_t r = 0; r < rows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
       for (int64_t b0 = 0; b0 < blocks; b0 += kX16Avx2ChunkBlocks) {
         const int nb = static_cast<int>(
@@ -172,13 +171,7 @@ static void quantize_x(const uint16_t* x, int64_t stride, int64_t k, int64_t r_b
       const int64_t at = r * blocks + b;
       int8_t* out = q + 2 * r * k + b * kBlock;
       x_sums[at] = _mm_cvtss_f32(s2) + _mm_cvtss_f32(_mm_shuffle_ps(s2, s2, 1));
-      if (unordered || !(amax >= kTinyBlock && amax <= 3.4028235e38f)) {
-        __builtin_memset(out, 0, kBlock);
-        __builtin_memset(out + k, 0, kBlock);
-        units[at] = unordered || amax > 3.4028235e38f ? __builtin_nanf("") : 0.0f;
-        sums[at] = 0;
-        continue;
-      }
+      if (skip_x_block(unordered != 0, amax, out, k, units + at, sums + at)) continue;
       const float inv = 127.0f / amax;
       const float step = amax / 127.0f;
       __m256i high[4], low[4], total = _mm256_setzero_si256();

@@ -13,7 +13,6 @@ static inline void store_quad(const MatmulArgs& a, int64_t r, int64_t i0, int nr
   for (int g = 0; g < nr; ++g) store_y(a, r, i0 + g, sums[4 * g]);
 }
 
-constexpr int64_t kPassRows = 64;  // rows of x whose accumulators stay on the stack
 
 // The passes of a small-M GEMM over one tile of weight rows: the rows of x go in passes of up to
 // kPassRows, whose fp32 accumulators (one vector per row) persist across chunks of Chunk blocks.
