@@ -101,8 +101,8 @@ class CacheConfig:
     """Paged KV memory: pool size, page size, page format and prefix caching.
 
     Attributes:
-        kv_cache_memory: GiB of KV memory: the page pool(s) plus side state (stored window
-            queries, H2O accumulators). Unset, it is sized from the device: 2 GiB on CPU
+        kv_cache_memory: GiB of KV memory, all of it pages; a request pays for its side
+            state (stored window queries, H2O masses) with pages it holds. Unset, it is sized from the device: 2 GiB on CPU
             (refused above 80% of the available RAM); on CUDA the free memory after a
             profiling forward, up to ``gpu_memory_utilization`` of the device.
         gpu_memory_utilization: fraction of the device's memory the engine may use for

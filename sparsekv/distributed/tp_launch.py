@@ -133,7 +133,6 @@ def build_tensor_parallel_parts(config: EngineConfig, checkpoint=None) -> Engine
         num_pages = num_pool_pages(
             config,
             len(specs),
-            model.num_heads,
             model.num_kv_heads,
             model.head_dim,
             dtype,

@@ -1,9 +1,10 @@
 """Build the engine's parts from a config: weights, model, page pool, scheduler, runner.
 
 Pool sizing: ``--kv-cache-memory`` GiB (unset: sized from the device, ``device_memory``)
-covers the pages and the side state kept outside the pool (stored window queries, H2O accumulators), reserved for ``max_num_seqs``
-requests; the rest becomes pages, each counted at its stored size (codes and scales of a
-quantized ``--kv-cache-dtype``). With full-precision layers beside quantized ones the page
+all becomes pages, each counted at its stored size (codes and scales of a quantized
+``--kv-cache-dtype``); the side state a request keeps outside its pages (stored window
+queries, attention masses, int4 residuals) is paid for with pool pages it holds while it
+lives (``kv_cache.side_state``), so a full-cache request has the whole size. With full-precision layers beside quantized ones the page
 bytes are split between the two pools in proportion to their layer counts, so both run out
 together. A size above 80% of the available RAM is refused.
 """
@@ -104,17 +105,6 @@ def available_memory_bytes() -> int | None:
     return None
 
 
-def side_state_bytes(
-    config: EngineConfig, num_layers: int, num_heads: int, head_dim: int, num_kv_heads: int = 0
-) -> int:
-    """Host memory reserved for ``max_num_seqs`` requests' stored window queries (fp32) and,
-    with int4 pages, their full-precision residuals (< ``block_size`` slots per layer, fp32)."""
-    per_layer = num_heads * config.compression.window * head_dim * 4
-    if config.cache.kv_cache_dtype == "int4":
-        per_layer += 2 * num_kv_heads * config.cache.block_size * head_dim * 4
-    return config.scheduler.max_num_seqs * num_layers * per_layer
-
-
 def full_precision_layers(config: EngineConfig, num_layers: int) -> list[int]:
     """Layers kept at full precision (none unless the format is quantized).
 
@@ -134,15 +124,15 @@ def full_precision_layers(config: EngineConfig, num_layers: int) -> list[int]:
 def num_pool_pages(
     config: EngineConfig,
     num_layers: int,
-    num_heads: int,
     num_kv_heads: int,
     head_dim: int,
     dtype: torch.dtype,
     memory_gib: float | None = None,
 ) -> int | tuple[int, int]:
-    """Pages that fit in ``memory_gib`` (default ``kv_cache_memory``, else the CPU default)
-    after the side-state reservation: one count, or (quantized pages, full-precision pages)
-    when some layers stay at full precision.
+    """Pages that fit in ``memory_gib`` (default ``kv_cache_memory``, else the CPU default):
+    one count, or (quantized pages, full-precision pages) when some layers stay at full
+    precision. Requests pay for their side state with pages of this pool
+    (``kv_cache.side_state``).
 
     Raises:
         ValueError: the size exceeds 80% of available RAM or leaves no room for pages.
@@ -167,19 +157,17 @@ def num_pool_pages(
         )
     geometry = (num_kv_heads, config.cache.block_size, head_dim, dtype)
     quantized_bytes = page_bytes(config.cache.kv_cache_dtype, *geometry)
-    side = side_state_bytes(config, num_layers, num_heads, head_dim, num_kv_heads)
-    budget = total - min(side, total // 4)
     if num_full:
-        # Pages per layer are equal in both pools: n * (Lq * bytes_q + Lf * bytes_f) = budget.
+        # Pages per layer are equal in both pools: n * (Lq * bytes_q + Lf * bytes_f) = total.
         full_bytes = page_bytes("auto", *geometry)
-        per_layer = budget // ((num_layers - num_full) * quantized_bytes + num_full * full_bytes)
+        per_layer = total // ((num_layers - num_full) * quantized_bytes + num_full * full_bytes)
         if per_layer < 1:
             raise ValueError(
                 f"kv_cache_memory: {memory_gib:g} GiB holds fewer than one "
                 f"page per layer ({num_layers})"
             )
         return int(per_layer * (num_layers - num_full)), int(per_layer * num_full)
-    pages = budget // quantized_bytes
+    pages = total // quantized_bytes
     if pages < num_layers:
         raise ValueError(
             f"kv_cache_memory: {memory_gib:g} GiB holds {pages} pages, "
@@ -232,6 +220,7 @@ def make_kv_manager(
         kv_cache_dtype=config.cache.kv_cache_dtype,
         full_precision_layers=full_precision_layers(config, len(specs)),
         backend=backend,
+        num_heads=model.num_heads,
     )
 
 
@@ -277,7 +266,7 @@ def build_engine_parts(config: EngineConfig, checkpoint=None) -> EngineParts:
         profile=lambda: profile_forward(model, backend, config.scheduler.max_num_batched_tokens),
     )
     num_pages = num_pool_pages(
-        config, len(specs), model.num_heads, model.num_kv_heads, model.head_dim, dtype, memory_gib
+        config, len(specs), model.num_kv_heads, model.head_dim, dtype, memory_gib
     )
     kv = make_kv_manager(config, model, backend, device, dtype, num_pages, max_model_len)
     tokenizer = checkpoint.tokenizer

@@ -55,6 +55,7 @@ class KVCacheManager:
             quantized; they draw from a second pool (page kind 1).
         backend: the engine's attention backend every storage runs on (``None``: the
             ``auto`` backend of ``device``).
+        num_heads: the model's query heads (sizes the side state; ``None``: ``num_kv_heads``).
 
     Raises:
         ValueError: an unknown format, a layer index out of range, or ``num_pages`` that does
@@ -76,10 +77,13 @@ class KVCacheManager:
         kv_cache_dtype: str = "auto",
         full_precision_layers: Sequence[int] = (),
         backend: AttentionBackend | None = None,
+        num_heads: int | None = None,
     ) -> None:
         self.layer_specs = layer_specs
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
+        self.num_heads = num_heads if num_heads is not None else num_kv_heads
+        self.head_dim = head_dim
         full = sorted(set(full_precision_layers)) if kv_cache_dtype != "auto" else []
         if any(not 0 <= layer < len(layer_specs) for layer in full):
             raise ValueError(
@@ -209,7 +213,14 @@ class KVCacheManager:
         step = (num_new, completes_prompt, in_prefill, self.block_size)
         plans = plan_layers(kv.layers, policy, *step, self.pool.any_shared, self.num_kv_heads)
         layer_pages = pages_needed(plans, kv.layers, self.block_size)
-        return StepPlan(plans, self._by_kind(layer_pages), layer_pages)
+        num_pages = self._by_kind(layer_pages)
+        num_pages[0] += self._side_pages_due(kv, policy)
+        return StepPlan(plans, num_pages, layer_pages)
+
+    @staticmethod
+    def _side_pages_due(kv: RequestKV, policy: KVPolicy) -> int:
+        """Side-state pages the request's next step takes (all of them on its first step)."""
+        return 0 if kv.side_pages else policy.side_pages
 
     def num_pages_needed(
         self, request_id: str, num_new: int, completes_prompt: bool, in_prefill: bool
@@ -281,6 +292,9 @@ class KVCacheManager:
         kv = self._requests[request_id]
         if plan is None:
             plan = self.plan_step(request_id, num_new, completes_prompt, in_prefill)
+        due = self._side_pages_due(kv, self._policies[request_id])
+        if due:
+            kv.side_pages = self.pool.allocate(due)
         if in_prefill:
             plan = self._widened(request_id, plan, num_new, completes_prompt)
         per_layer = zip(self.layer_kinds, kv.layers, plan.layers, plan.layer_pages)
@@ -453,6 +467,8 @@ class KVCacheManager:
         """
         holders = sharing.table_holders(self._requests.values())
         holders.update(self._scratch or [])
+        for kv in self._requests.values():
+            holders.update(kv.side_pages)
         self.pool.check_invariants(holders)
         if self.prefix_cache is not None:
             self.prefix_cache.check_invariants()
@@ -471,12 +487,18 @@ class KVCacheManager:
         self._policies.pop(request_id, None)
         if kv is not None:
             self._drop_tables(kv)
+            self._drop_side_pages(kv)
+
+    def _drop_side_pages(self, kv: RequestKV) -> None:
+        self.pool.free(kv.side_pages)
+        kv.side_pages = []
 
     def reset(self, request_id: str) -> None:
         """Drop all cached K/V but keep the registration (recompute preemption, or undoing
         ``attach_prefix``)."""
         kv = self._requests[request_id]
         self._drop_tables(kv)
+        self._drop_side_pages(kv)
         for state in kv.layers:
             state.num_slots = state.first_slot = state.num_evicted = 0
             state.recent_queries = state.accumulated = state.residual = None

@@ -60,12 +60,14 @@ class KVPolicy:
     """How a request's budgeted layers behave (resolved from its compression config).
 
     ``head_wise``: adaptive head budgets; a compressing layer splits its budget among its KV
-    heads into head-wise pages (``kv_cache.head_pages``)."""
+    heads into head-wise pages (``kv_cache.head_pages``). ``side_pages``: pool pages held
+    for the request's side state while it lives (``kv_cache.side_state``)."""
 
     decode_eviction: bool = True
     bounded_chunks: bool = False
     context_only: bool = False  # scope "context": compress once, at the end of the context
     head_wise: bool = False
+    side_pages: int = 0
 
 
 @dataclass(slots=True)

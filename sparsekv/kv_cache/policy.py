@@ -20,6 +20,7 @@ from sparsekv.config import CompressionConfig, EngineConfig, check_head_budgets
 from sparsekv.kv_cache.budget import layer_budgets
 from sparsekv.kv_cache.manager import KVCacheManager
 from sparsekv.kv_cache.plan import KVPolicy
+from sparsekv.kv_cache.side_state import side_pages, side_state_bytes
 
 
 def _full_cache_kv() -> KVPolicy:
@@ -205,17 +206,46 @@ def resolve_policy(
         later_tokens = max_tokens + num_prompt_tokens - context_len
     # A verification step holds the slots of its draft tokens until it commits.
     later_tokens += draft_tokens
+    compressor = _compressor(settings, config, tokenizer)
+    kv_policy = dataclasses.replace(
+        kv_policy,
+        side_pages=_side_pages(kv, budgets, settings, compressor, compressed_len + later_tokens),
+    )
     peaks = kv.peak_pages(budgets, compressed_len, later_tokens, kv_policy)
+    peaks[0] += kv_policy.side_pages
     for peak, size in zip(peaks, kv.pool.kind_sizes):
         if peak > size:
             raise ValueError(
                 f"max_tokens: the request needs {peak} KV pages at its peak but the pool "
                 f"has {size}; shorten the prompt or max_tokens, or raise --kv-cache-memory"
             )
-    compressor = _compressor(settings, config, tokenizer)
     return CompressionPolicy(
         settings, compressor, tuple(budgets), kv_policy, tuple(peaks), context_len
     )
+
+
+def _side_pages(
+    kv: KVCacheManager,
+    budgets: list[int | None],
+    settings: CompressionConfig | None,
+    compressor: Compressor | None,
+    num_slots: int,
+) -> int:
+    """Pool pages the request holds for its side state (``kv_cache.side_state``): window
+    queries of its budgeted layers, attention masses over up to ``num_slots`` slots where
+    the method keeps them, int4 residuals."""
+    int4 = kv.kv_cache_dtype == "int4"
+    num_bytes = side_state_bytes(
+        budgets,
+        num_heads=kv.num_heads,
+        num_kv_heads=kv.num_kv_heads,
+        head_dim=kv.head_dim,
+        window=settings.window if settings is not None else 0,
+        block_size=kv.block_size,
+        num_int4_layers=kv.layer_kinds.count(0) if int4 else 0,
+        mass_slots=num_slots if compressor is not None and compressor.needs_attention_mass else 0,
+    )
+    return side_pages(num_bytes, kv.page_bytes)
 
 
 def _compressor(settings: CompressionConfig | None, config: EngineConfig, tokenizer):

@@ -103,10 +103,13 @@ class RequestKV:
         swapped_pages: per layer, host copies of the pages' tensors (codes, then scales for
             quantized formats; leading dimension = pages) while the request is swapped out,
             else ``None``.
+        side_pages: pool pages held for the side state (``kv_cache.side_state``), from the
+            first step to the end (kept while swapped out: the side state stays in memory).
     """
 
     layers: list[LayerKV]
     swapped_pages: list[tuple[torch.Tensor, ...]] | None = None
+    side_pages: list[int] = field(default_factory=list)
     # Decode steps' queries not yet merged into the layers' windows: (step queries
     # [len(layer_ids), batch, num_heads, head_dim], this request's row, layer_ids).
     _query_log: list[tuple[torch.Tensor, int, tuple[int, ...]]] = field(

@@ -88,7 +88,7 @@ def test_given_kv_cache_memory_wins_on_every_device():
 def test_cpu_default_is_two_gib_and_keeps_the_free_ram_check(monkeypatch):
     config = EngineConfig()
     assert kv_cache_gib(config, "cpu") == 2.0
-    geometry = (4, 9, 3, 64, torch.float32)
+    geometry = (4, 3, 64, torch.float32)
     unset = engine_setup.num_pool_pages(config, *geometry)
     given = engine_setup.num_pool_pages(EngineConfig(cache=CacheConfig(kv_cache_memory=2.0)), *geometry)  # fmt: skip
     assert unset == given > 0

@@ -44,9 +44,11 @@ def test_flat_budget():
     assert policy.settings == CompressionConfig(budget=64, window=8, full_layers=1)
     assert policy.compressor == SnapKVCompressor(8, "max", 15, "mean")
     assert policy.layer_budgets == (None, 64, 64, 64)
-    assert policy.kv == KVPolicy(decode_eviction=True, bounded_chunks=False)
+    # Side state: 3 budgeted layers' window queries, 3 x 1 head x 8 x 2 x 4 B = 192 B, under
+    # one 256-byte page.
+    assert policy.kv == KVPolicy(decode_eviction=True, bounded_chunks=False, side_pages=1)
     # Full layer: ceil(210 / 16) = 14 pages; budgeted: min(210, max(64, 64 + 16)) = 80 -> 5.
-    assert policy.peak_pages == (14 + 3 * 5,)
+    assert policy.peak_pages == (14 + 3 * 5 + 1,)
     assert (policy.enabled, policy.window, policy.context_len) == (True, 8, None)
     assert not policy.needs_attention_mass and not policy.evicts_randomly
     assert not policy.reconstructs and policy.compressor.window_scored
@@ -71,8 +73,8 @@ def test_sliding_layers_keep_a_full_cache():
     policy = resolve(engine_config(budget=64, window=8, full_layers=0), kv=kv)
     assert policy.layer_budgets == (64, None, 64, None)
     # Budgeted: the exact chunked prefill holds the whole 200-token prompt (13 pages); sliding:
-    # min(210, 32 + 64 + 16) = 112 slots (7 pages).
-    assert policy.peak_pages == (2 * 13 + 2 * 7,)
+    # min(210, 32 + 64 + 16) = 112 slots (7 pages); one side page (2 layers' window queries).
+    assert policy.peak_pages == (2 * 13 + 2 * 7 + 1,)
 
 
 def test_request_overrides_merge_field_by_field():
@@ -81,6 +83,9 @@ def test_request_overrides_merge_field_by_field():
     assert h2o.settings.method == "h2o" and h2o.settings.window == 8
     assert h2o.compressor == H2OCompressor(8) and h2o.needs_attention_mass
     assert h2o.layer_budgets == (40,) * 4
+    # Side state: per layer 8 x 2 query values and a mass for each of the 210 slots it can
+    # hold, 4 x 226 x 4 B = 3616 B -> 15 pages of 256 B (SnapKV keeps no mass: 1 page).
+    assert h2o.kv.side_pages == 15
     ratio = resolve(config, {"compression_ratio": 0.5})
     assert (ratio.settings.budget, ratio.layer_budgets) == (None, (100,) * 4)
     whole = CompressionConfig(method="random", budget=32, window=4, full_layers=3)
@@ -115,10 +120,11 @@ def test_a_request_keeping_every_layer_full_is_refused():
 def test_bounded_chunks_and_no_decode_eviction():
     config = engine_config(budget=64, window=8, chunked_mode="bounded", decode_eviction=False)
     policy = resolve(config)
-    assert policy.kv == KVPolicy(decode_eviction=False, bounded_chunks=True)
+    assert policy.kv == KVPolicy(decode_eviction=False, bounded_chunks=True, side_pages=1)
     assert policy.bounded_chunks
-    # Full layers 0-1: 14 pages each; budgeted: min(200, 64) + 10 = 74 slots -> 5 pages.
-    assert policy.peak_pages == (2 * 14 + 2 * 5,)
+    # Full layers 0-1: 14 pages each; budgeted: min(200, 64) + 10 = 74 slots -> 5 pages; one
+    # side page.
+    assert policy.peak_pages == (2 * 14 + 2 * 5 + 1,)
 
 
 def test_context_scope_and_its_key():
@@ -126,9 +132,12 @@ def test_context_scope_and_its_key():
     tokens = list(range(150))
     policy = resolve(config, {"context_tokens": 100}, n=150)
     assert policy.context_len == 100 and policy.layer_budgets == (64,) * 4
-    assert policy.kv == KVPolicy(decode_eviction=False, bounded_chunks=False, context_only=True)
-    # Later tokens: 10 outputs + 50 question tokens; min(100, 64) + 60 = 124 slots -> 8 pages.
-    assert policy.peak_pages == (4 * 8,)
+    assert policy.kv == KVPolicy(
+        decode_eviction=False, bounded_chunks=False, context_only=True, side_pages=1
+    )
+    # Later tokens: 10 outputs + 50 question tokens; min(100, 64) + 60 = 124 slots -> 8 pages;
+    # one side page.
+    assert policy.peak_pages == (4 * 8 + 1,)
     key = policy.context_key(tokens)
     assert key.startswith(b"context:") and len(key) == 8 + 16
     same = resolve(config, {"context_tokens": 100}, n=150).context_key(tokens[:100] + [7] * 50)
@@ -142,10 +151,11 @@ def test_context_scope_and_its_key():
 
 def test_draft_tokens_count_in_the_peak():
     config = engine_config(budget=64, window=8, full_layers=0, decode_eviction=False)
-    # Budgeted: min(200, 64) + later tokens: 74 slots -> 5 pages; 144 -> 9; 148 -> 10.
-    assert resolve(config).peak_pages == (4 * 5,)
-    assert resolve(config, max_tokens=80).peak_pages == (4 * 9,)
-    assert resolve(config, max_tokens=80, draft_tokens=4).peak_pages == (4 * 10,)
+    # Budgeted: min(200, 64) + later tokens: 74 slots -> 5 pages; 144 -> 9; 148 -> 10; plus
+    # one side page.
+    assert resolve(config).peak_pages == (4 * 5 + 1,)
+    assert resolve(config, max_tokens=80).peak_pages == (4 * 9 + 1,)
+    assert resolve(config, max_tokens=80, draft_tokens=4).peak_pages == (4 * 10 + 1,)
 
 
 @pytest.mark.parametrize(
@@ -216,13 +226,18 @@ def test_adaptive_keeps_decode_eviction_and_counts_split_layers_without_it():
     config = engine_config(budget=64, window=8, full_layers=0)
     kv = KVCacheManager([FULL] * 4, 400, BS, 3, 2, torch.float32)
     policy = resolve(config, {"head_budgets": "adaptive"}, kv=kv, n=200, max_tokens=40)
-    assert policy.kv == KVPolicy(decode_eviction=True, bounded_chunks=False, head_wise=True)
-    # Per layer: 64 kept + 40 grown without eviction -> 7 pages, plus one page per KV head.
-    assert policy.peak_pages == (4 * (7 + 3),)
+    assert policy.kv == KVPolicy(
+        decode_eviction=True, bounded_chunks=False, head_wise=True, side_pages=1
+    )
+    # Per layer: 64 kept + 40 grown without eviction -> 7 pages, plus one page per KV head;
+    # side state 4 x 3 heads x 8 x 2 x 4 B = 768 B, one 768-byte page.
+    assert policy.peak_pages == (4 * (7 + 3) + 1,)
     flat = resolve(config, {"head_budgets": "flat"}, kv=kv, n=200, max_tokens=40)
-    assert flat.peak_pages == (4 * 5,)  # min(240, 64 + 16) slots
+    assert flat.peak_pages == (4 * 5 + 1,)  # min(240, 64 + 16) slots
     # A prompt under the budget splits no layer: every layer counts as flat, eviction included.
     fits = resolve(config, {"head_budgets": "adaptive"}, kv=kv, n=40, max_tokens=100)
-    assert fits.peak_pages == (4 * 5,)  # min(140, max(40, 64 + 16)) slots, no slack
+    assert fits.peak_pages == (4 * 5 + 1,)  # min(140, max(40, 64 + 16)) slots, no slack
     one_head = resolve(config, {"head_budgets": "adaptive"}, n=200, max_tokens=40)
-    assert one_head.kv == KVPolicy(decode_eviction=True, bounded_chunks=False, head_wise=False)
+    assert one_head.kv == KVPolicy(
+        decode_eviction=True, bounded_chunks=False, head_wise=False, side_pages=1
+    )
