@@ -9,7 +9,9 @@ puts on it, over the rows and over the group's query heads:
     ``score_g[j] = max_{h in group g} max_i exp(q_hi . k_j * scale - lse_hi)``
 
 with ``lse_hi`` the row's full log-sum-exp: over the held slots and the reconstruction rows
-the row sees (its own segment, causally). The first ``sinks`` slots always stay.
+the row sees (its own segment, causally). The scores are then pooled along the slots with the
+policy's ``pooling`` and ``kernel_size`` (max over 15 by default, as SnapKV's), and the first
+``sinks`` slots always stay.
 
 Long contexts are reconstructed in segments of ``chunk_size`` context tokens (each segment
 placed right after the context, later ones prompted "Repeat the part of the previous context
@@ -26,7 +28,11 @@ Where this differs from kvpress's ``KVzipPress``: a row's softmax is over every 
 (kvpress normalises over the sinks, the segment's chunk and the reconstruction rows only), and
 every segment scores every held slot (kvpress scores a chunk's slots from its own segment);
 the chat template's prefix tokens are scored like the others (kvpress scores only the sinks
-among them); the budget is per layer, as every method here, not spread across layers.
+among them); the budget is per layer, as every method here, not spread across layers; and the
+scores are pooled (KVzip and kvpress do not pool: ``pooling="none"`` gives their scores). On
+Gemma 3 270M, whose global layers share one KV head among four query heads, one of them a
+copy head that puts most of its weight on the token it repeats, the unpooled scores keep
+scattered digits of a needle in some layers; pooling keeps the spans (docs/compression.md).
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from sparsekv.compression.base import Compressor, LayerView
-from sparsekv.compression.scoring import aggregate_gqa, window_attention_scores
+from sparsekv.compression.scoring import aggregate_gqa, pool_scores, window_attention_scores
 
 FIRST_INSTRUCTION = "\n\nRepeat the previous context exactly."
 LATER_INSTRUCTION = "\n\nRepeat the part of the previous context exactly, starting with"
@@ -150,7 +156,7 @@ class KVzipCompressor(Compressor):
         return segments
 
     def score(self, view: LayerView) -> torch.Tensor:
-        """``[num_kv_heads, n]`` fp32; the first ``sinks`` slots score ``+inf``."""
+        """``[num_kv_heads, n]`` fp32, pooled; the first ``sinks`` slots score ``+inf``."""
         num_kv_heads, n = view.num_kv_heads, view.num_tokens
         if view.reconstruction:
             best = None
@@ -160,7 +166,9 @@ class KVzipCompressor(Compressor):
                 best = scores if best is None else torch.maximum(best, scores)
         else:
             best = self._max_attention(view, view.keys, view.window_queries, view.window_lse)
-        scores = aggregate_gqa(best, num_kv_heads, "max")
+        scores = pool_scores(
+            aggregate_gqa(best, num_kv_heads, "max"), self.pooling, self.kernel_size
+        )
         scores[:, : min(self.sinks, n)] = float("inf")
         return scores
 

@@ -3,7 +3,7 @@
 The reference runs the model densely (float64 softmax over every position, no cache) over the
 prompt followed by each reconstruction segment, takes per layer and KV head the largest
 probability any reconstruction row (of any query head of the group) puts on a prompt position,
-keeps the sinks and the observation window, and ranks the rest with ties to the more recent
+max-pools it over neighbouring positions, keeps the sinks and the observation window, and ranks the rest with ties to the more recent
 position. The engine must keep exactly those slots, and hold only the compressed pages.
 """
 
@@ -19,6 +19,7 @@ from tests.conftest import tiny_checkpoint, tiny_llama_config
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 LAYERS, BUDGET, WINDOW, SINKS = 4, 24, 4, 4
+KERNEL = 5  # the scores' max-pool kernel
 
 
 @pytest.fixture(scope="module", params=["gqa", "mha"])
@@ -73,7 +74,11 @@ def reference_kept(model, prompt, segments, layers):
             per_kv = rows.reshape(k.shape[0], group, n).amax(dim=1)
             best[layer] = per_kv if layer not in best else torch.maximum(best[layer], per_kv)
     kept = {}
-    for layer, scores in best.items():
+    half = KERNEL // 2  # max-pooled over the slots within half a kernel
+    for layer, unpooled in best.items():
+        scores = torch.stack(
+            [unpooled[:, max(0, j - half) : j + half + 1].amax(dim=1) for j in range(n)], dim=1
+        )
         heads = []
         for head in scores:
             older = [(float(head[j]) if j >= SINKS else float("inf"), j) for j in range(n - WINDOW)]
@@ -94,7 +99,12 @@ def record_selections(monkeypatch, chunk_size):
         return chosen
 
     def from_config(cls, config):
-        return cls(window=config.window, chunk_size=chunk_size)
+        return cls(
+            window=config.window,
+            pooling=config.pooling,
+            kernel_size=config.kernel_size,
+            chunk_size=chunk_size,
+        )
 
     monkeypatch.setattr(KVzipCompressor, "select", recording)
     monkeypatch.setattr(KVzipCompressor, "from_config", classmethod(from_config))
@@ -106,7 +116,9 @@ def test_kept_slots_equal_the_dense_reconstruction_reference(
     tiny, make_engine, monkeypatch, smollm2_tokenizer, chunk_size
 ):
     kept = record_selections(monkeypatch, chunk_size)
-    policy = CompressionConfig(method="kvzip", budget=BUDGET, window=WINDOW, full_layers=1)
+    policy = CompressionConfig(
+        method="kvzip", budget=BUDGET, window=WINDOW, full_layers=1, kernel_size=KERNEL
+    )
     engine = make_engine(tiny, block_size=4, prefix_caching=False)
     prompt = prompt_of(60, seed=1)
     engine.add_request("z", prompt, SamplingParams(max_tokens=3, **GREEDY), policy)
@@ -129,8 +141,11 @@ def test_reconstruction_kv_never_stays_and_pages_are_freed(tiny, make_engine):
     engine.add_request("s", prompt, SamplingParams(max_tokens=4, **GREEDY), policy)
     scheduled = engine.scheduler.schedule()
     # The single-shot prefill holds the compressed footprint only: 8 pages per layer, never
-    # the 100 of the prompt, nor any page for the ~420 reconstruction rows.
-    assert engine.kv.num_total_pages - engine.kv.num_free_pages <= LAYERS * (32 // 4)
+    # the 100 of the prompt, nor any page for the ~420 reconstruction rows; besides them, the
+    # pages standing for the stored window queries (kv_cache.side_state).
+    side = len(engine.kv.get("s").side_pages)
+    assert side == engine.scheduler.running[0].policy.kv.side_pages > 0
+    assert engine.kv.num_total_pages - engine.kv.num_free_pages - side <= LAYERS * (32 // 4)
     assert engine.runner.execute(scheduled).token_ids
     engine.scheduler.update(scheduled)
     engine.abort_request("s")

@@ -3,7 +3,8 @@ backend, and the reconstruction segments' framing.
 
 Reference: per reconstruction segment the full softmax matrix of [held slots + segment rows]
 (causal), the largest probability any segment row of any query head of the group puts on each
-held slot, max over segments, sinks kept; kept sets compared with ties to the newer slot.
+held slot, max over segments, max-pooled over the slots within ``kernel_size // 2``, sinks
+kept; kept sets compared with ties to the newer slot.
 """
 
 from __future__ import annotations
@@ -60,25 +61,33 @@ def make_view(num_kv_heads, group, n, segment_lengths, seed=0, with_lse=True, ba
     return view
 
 
-def reference_scores(view, sinks):
+def reference_scores(view, sinks, kernel_size=1):
     n, num_kv_heads = view.num_tokens, view.num_kv_heads
     best = torch.zeros(num_kv_heads, n, dtype=torch.float64)
     for segment in view.reconstruction:
         probs = causal_probs(segment.queries, torch.cat([view.keys, segment.keys], dim=1))
         per_head = probs[:, :, :n].amax(dim=1)
         best = torch.maximum(best, per_head.reshape(num_kv_heads, -1, n).amax(dim=1))
-    best[:, :sinks] = float("inf")
-    return best
+    half = kernel_size // 2
+    pooled = torch.stack(
+        [best[:, max(0, j - half) : j + half + 1].amax(dim=1) for j in range(n)], dim=1
+    )
+    pooled[:, :sinks] = float("inf")
+    return pooled
 
 
 @pytest.mark.parametrize("backend", [None, TorchBackend(), CpuNativeBackend()])
 @pytest.mark.parametrize("group", [1, 3])
 @pytest.mark.parametrize("segments", [(40,), (17, 30, 5)])
 @pytest.mark.parametrize("with_lse", [True, False])
-def test_kept_slots_equal_the_brute_force_reference(backend, group, segments, with_lse):
+@pytest.mark.parametrize("kernel_size", [1, 15])
+def test_kept_slots_equal_the_brute_force_reference(
+    backend, group, segments, with_lse, kernel_size
+):
     view = make_view(2, group, 90, segments, seed=group, with_lse=with_lse, backend=backend)
-    compressor = KVzipCompressor(window=4)
-    expected = reference_scores(view, compressor.sinks)
+    pooling = "max" if kernel_size > 1 else "none"
+    compressor = KVzipCompressor(window=4, pooling=pooling, kernel_size=kernel_size)
+    expected = reference_scores(view, compressor.sinks, kernel_size)
     torch.testing.assert_close(compressor.score(view).double(), expected, atol=1e-6, rtol=1e-5)
     kept = compressor.select(view, 30, 4)
     for head in range(view.num_kv_heads):
@@ -98,7 +107,7 @@ def test_equal_scores_tie_to_the_newer_slot():
 
 def test_without_reconstruction_rows_the_window_queries_score():
     view = make_view(2, 2, 50, (), seed=3)
-    scores = KVzipCompressor(window=4, sinks=0).score(view)
+    scores = KVzipCompressor(window=4, pooling="none", sinks=0).score(view)
     probs = causal_probs(view.window_queries, view.keys)
     expected = probs.amax(dim=1).reshape(2, 2, 50).amax(dim=1)
     torch.testing.assert_close(scores.double(), expected, atol=1e-6, rtol=1e-5)
