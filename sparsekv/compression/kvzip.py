@@ -166,6 +166,8 @@ class KVzipCompressor(Compressor):
                 best = scores if best is None else torch.maximum(best, scores)
         else:
             best = self._max_attention(view, view.keys, view.window_queries, view.window_lse)
+        # Every slot is pooled, the observation window's too (unlike SnapKV, KVzip scores
+        # them): at most ``kernel_size // 2`` slots just before the window inherit its scores.
         scores = pool_scores(
             aggregate_gqa(best, num_kv_heads, "max"), self.pooling, self.kernel_size
         )

@@ -29,7 +29,7 @@ def kv_cache_gib(
     mem_info: Callable[[], tuple[int, int]] | None = None,
     peak_activation_bytes: Callable[[], int] | None = None,
 ) -> float:
-    """GiB of KV memory (pages plus side state) for this engine.
+    """GiB of KV memory for this engine, all of it pages (``engine_setup.num_pool_pages``).
 
     Args:
         config: the engine configuration (``cache.kv_cache_memory``,

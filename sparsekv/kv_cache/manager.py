@@ -218,9 +218,10 @@ class KVCacheManager:
         return StepPlan(plans, num_pages, layer_pages)
 
     @staticmethod
-    def _side_pages_due(kv: RequestKV, policy: KVPolicy) -> int:
-        """Side-state pages the request's next step takes (all of them on its first step)."""
-        return 0 if kv.side_pages else policy.side_pages
+    def _side_pages_due(kv: RequestKV, policy: KVPolicy | None) -> int:
+        """Side-state pages the request's next step takes (all of them on its first step, or
+        back from a swap); ``None``: a caller registered no policy (none)."""
+        return 0 if kv.side_pages or policy is None else policy.side_pages
 
     def num_pages_needed(
         self, request_id: str, num_new: int, completes_prompt: bool, in_prefill: bool
@@ -514,25 +515,36 @@ class KVCacheManager:
             for layer, state in enumerate(kv.layers)
         ]
         self._drop_tables(kv)
+        # The side state goes to host memory with the K/V copies (it stays in the layer state;
+        # host memory is not the pool's): a swapped request holds no page, so the request at
+        # the head of the queue always fits an idle engine.
+        self._drop_side_pages(kv)
         kv.swapped_pages = copies
 
-    def _swap_in_needed(self, kv: RequestKV) -> list[int]:
-        return self._by_kind([copy[0].shape[0] for copy in kv.swapped_pages or []])
+    def _swap_in_needed(self, request_id: str) -> list[int]:
+        kv = self._requests[request_id]
+        needed = self._by_kind([copy[0].shape[0] for copy in kv.swapped_pages or []])
+        needed[0] += self._side_pages_due(kv, self._policies[request_id])
+        return needed
 
     def num_swap_in_pages(self, request_id: str) -> int:
-        return sum(self._swap_in_needed(self._requests[request_id]))
+        return sum(self._swap_in_needed(request_id))
 
     def can_swap_in(self, request_id: str, watermark: int = 0) -> bool:
-        """Whether the swapped request's pages, plus one page per layer for its next step and
-        ``watermark``, fit in every kind."""
-        needed = self._swap_in_needed(self._requests[request_id])
+        """Whether the swapped request's pages and side pages, plus one page per layer for its
+        next step and ``watermark``, fit in every kind."""
+        needed = self._swap_in_needed(request_id)
         for kind in self.layer_kinds:
             needed[kind] += 1
         return self.fits(needed, watermark)
 
     def swap_in(self, request_id: str) -> None:
-        """Restore a swapped request's pages into freshly allocated (private) pages."""
+        """Restore a swapped request's pages into freshly allocated (private) pages, and take
+        its side pages again."""
         kv = self._requests[request_id]
+        due = self._side_pages_due(kv, self._policies[request_id])
+        if due:
+            kv.side_pages = self.pool.allocate(due)
         for layer, (state, copy) in enumerate(zip(kv.layers, kv.swapped_pages)):
             state.block_table = self.pool.allocate(copy[0].shape[0], self.layer_kinds[layer])
             self.storage(layer).write_pages(state.block_table, copy)

@@ -104,7 +104,8 @@ class RequestKV:
             quantized formats; leading dimension = pages) while the request is swapped out,
             else ``None``.
         side_pages: pool pages held for the side state (``kv_cache.side_state``), from the
-            first step to the end (kept while swapped out: the side state stays in memory).
+            first step to the end, except while swapped out (the side state then counts as
+            host memory, like the K/V copies).
     """
 
     layers: list[LayerKV]

@@ -5,7 +5,8 @@ the prefill that compresses and for decode-time eviction); H2O-style methods kee
 attention mass per held slot; int4 pages keep each layer's not-yet-full page at full
 precision. These tensors live outside the page pool but count against
 ``--kv-cache-memory``: a request that keeps any holds, while it lives, as many pool pages as
-its side state needs (``side_pages``), taken with its first step and returned when it ends.
+its side state needs (``side_pages``), taken with its first step and returned when it ends
+(and while it is swapped out: host memory holds the side state then, as it holds the K/V).
 A full-cache request with full-precision pages keeps none, so it has the whole pool.
 
 Sizes are upper bounds: queries and masses counted in fp32, the mass over every slot the

@@ -1,6 +1,6 @@
 """Side state paid for with pool pages (``kv_cache.side_state``): a compressing request holds
-its side-state pages from its first step to its end, through a swap, and a full-cache request
-holds none, so ``--kv-cache-memory`` becomes pages whole."""
+its side-state pages from its first step to its end, except while swapped out, and a
+full-cache request holds none, so ``--kv-cache-memory`` becomes pages whole."""
 
 from __future__ import annotations
 
@@ -66,13 +66,16 @@ def test_a_compressing_request_holds_its_side_pages_from_the_first_step_to_the_e
     kv.allocate("f", 16, False, True)
     assert kv.get("f").side_pages == []
     kv.check_invariants()
-    # A swap returns the K/V pages but keeps the side pages (the side state stays in memory).
-    held = list(kv.get("c").side_pages)
+    # A swap returns the side pages with the K/V pages (swapped state is host memory) and
+    # takes them back with them.
     kv.swap_out("c")
-    assert kv.get("c").side_pages == held
-    assert kv.num_free_pages == total - 18 - 4
+    assert kv.get("c").side_pages == []
+    assert kv.num_free_pages == total - 4
+    assert kv.num_swap_in_pages("c") == 4 * 8 + 18
     kv.check_invariants()
     kv.swap_in("c")
+    assert len(kv.get("c").side_pages) == 18
+    assert kv.num_free_pages == total - 4 * 8 - 18 - 4
     kv.check_invariants()
     kv.free("c")
     kv.free("f")
@@ -106,3 +109,24 @@ def test_the_pool_takes_the_whole_kv_cache_memory():
     pages = engine_setup.num_pool_pages(config, 30, KV_HEADS, HEAD_DIM, torch.bfloat16)
     # SmolLM2-135M in bf16: 12288-byte pages, 1 GiB = 87381 of them (46603 slots per layer).
     assert pages == (1 << 30) // 12288 == 87381
+
+
+def test_swapped_requests_hold_no_page_so_the_queue_head_fits_an_idle_pool():
+    """With every request swapped out the pool is whole again: the head of the queue (whose
+    peak, side pages included, was checked against the pool) always swaps back in."""
+    kv = manager(num_pages=100, num_layers=1)
+    config = EngineConfig(compression=CompressionConfig(budget=64, window=32, full_layers=0))
+    for name in ("a", "b"):
+        policy = resolve_policy(config, None, kv, 600, 200)
+        assert policy.kv.side_pages == 6  # 1 layer x [9, 32, 64] fp32 = 73728 B
+        kv.register(name, list(policy.layer_budgets), policy.kv)
+    kv.allocate("a", 600, True, True)  # compresses: 64 slots kept
+    kv.allocate("b", 512, False, True)
+    kv.swap_out("b")
+    kv.swap_out("a")
+    assert kv.num_free_pages == 100
+    kv.check_invariants()
+    assert kv.can_swap_in("a") and kv.num_swap_in_pages("a") > 6
+    kv.swap_in("a")
+    assert len(kv.get("a").side_pages) == 6
+    kv.check_invariants()
