@@ -102,9 +102,10 @@ class CacheConfig:
 
     Attributes:
         kv_cache_memory: GiB of KV memory, all of it pages; a request pays for its side
-            state (stored window queries, H2O masses) with pages it holds. Unset, it is sized from the device: 2 GiB on CPU
-            (refused above 80% of the available RAM); on CUDA the free memory after a
-            profiling forward, up to ``gpu_memory_utilization`` of the device.
+            state (stored window queries, H2O masses) with pages it holds. Unset, it is
+            sized from the device: 2 GiB on CPU (refused above 80% of the available RAM); on
+            CUDA the free memory after a profiling forward, up to ``gpu_memory_utilization``
+            of the device.
         gpu_memory_utilization: fraction of the device's memory the engine may use for
             weights, activations and KV pages (CUDA; ignored on CPU and when
             ``kv_cache_memory`` is given).

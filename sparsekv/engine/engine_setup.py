@@ -4,9 +4,9 @@ Pool sizing: ``--kv-cache-memory`` GiB (unset: sized from the device, ``device_m
 all becomes pages, each counted at its stored size (codes and scales of a quantized
 ``--kv-cache-dtype``); the side state a request keeps outside its pages (stored window
 queries, attention masses, int4 residuals) is paid for with pool pages it holds while it
-lives (``kv_cache.side_state``), so a full-cache request has the whole size. With full-precision layers beside quantized ones the page
-bytes are split between the two pools in proportion to their layer counts, so both run out
-together. A size above 80% of the available RAM is refused.
+lives (``kv_cache.side_state``), so a full-cache request has the whole size. With
+full-precision layers beside quantized ones the page bytes are split between the two pools in
+proportion to their layer counts, so both run out together. A size above 80% of the available RAM is refused.
 """
 
 from __future__ import annotations

@@ -223,6 +223,13 @@ class KVCacheManager:
         back from a swap); ``None``: a caller registered no policy (none)."""
         return 0 if kv.side_pages or policy is None else policy.side_pages
 
+    def _take_side_pages(self, request_id: str) -> None:
+        """Take the side pages the request does not hold yet (its plan counted them)."""
+        kv = self._requests[request_id]
+        due = self._side_pages_due(kv, self._policies[request_id])
+        if due:
+            kv.side_pages = self.pool.allocate(due)
+
     def num_pages_needed(
         self, request_id: str, num_new: int, completes_prompt: bool, in_prefill: bool
     ) -> int:
@@ -293,9 +300,7 @@ class KVCacheManager:
         kv = self._requests[request_id]
         if plan is None:
             plan = self.plan_step(request_id, num_new, completes_prompt, in_prefill)
-        due = self._side_pages_due(kv, self._policies[request_id])
-        if due:
-            kv.side_pages = self.pool.allocate(due)
+        self._take_side_pages(request_id)
         if in_prefill:
             plan = self._widened(request_id, plan, num_new, completes_prompt)
         per_layer = zip(self.layer_kinds, kv.layers, plan.layers, plan.layer_pages)
@@ -542,9 +547,7 @@ class KVCacheManager:
         """Restore a swapped request's pages into freshly allocated (private) pages, and take
         its side pages again."""
         kv = self._requests[request_id]
-        due = self._side_pages_due(kv, self._policies[request_id])
-        if due:
-            kv.side_pages = self.pool.allocate(due)
+        self._take_side_pages(request_id)
         for layer, (state, copy) in enumerate(zip(kv.layers, kv.swapped_pages)):
             state.block_table = self.pool.allocate(copy[0].shape[0], self.layer_kinds[layer])
             self.storage(layer).write_pages(state.block_table, copy)

@@ -65,4 +65,4 @@ def side_pages(num_bytes: int, page_bytes: int) -> int:
     """
     if page_bytes <= 0:
         raise ValueError(f"page_bytes must be > 0, got {page_bytes}")
-    return cdiv(num_bytes, page_bytes) if num_bytes > 0 else 0
+    return cdiv(num_bytes, page_bytes)

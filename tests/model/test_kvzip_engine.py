@@ -3,7 +3,8 @@
 The reference runs the model densely (float64 softmax over every position, no cache) over the
 prompt followed by each reconstruction segment, takes per layer and KV head the largest
 probability any reconstruction row (of any query head of the group) puts on a prompt position,
-max-pools it over neighbouring positions, keeps the sinks and the observation window, and ranks the rest with ties to the more recent
+max-pools it over neighbouring positions, keeps the sinks and the observation window, and
+ranks the rest with ties to the more recent
 position. The engine must keep exactly those slots, and hold only the compressed pages.
 """
 
@@ -16,6 +17,7 @@ from sparsekv.compression.kvzip import KVzipCompressor, repeat_prompt
 from sparsekv.config import CompressionConfig
 from sparsekv.sampling_params import SamplingParams
 from tests.conftest import tiny_checkpoint, tiny_llama_config
+from tests.unit.test_compression import ref_pool
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 LAYERS, BUDGET, WINDOW, SINKS = 4, 24, 4, 4
@@ -74,11 +76,8 @@ def reference_kept(model, prompt, segments, layers):
             per_kv = rows.reshape(k.shape[0], group, n).amax(dim=1)
             best[layer] = per_kv if layer not in best else torch.maximum(best[layer], per_kv)
     kept = {}
-    half = KERNEL // 2  # max-pooled over the slots within half a kernel
     for layer, unpooled in best.items():
-        scores = torch.stack(
-            [unpooled[:, max(0, j - half) : j + half + 1].amax(dim=1) for j in range(n)], dim=1
-        )
+        scores = ref_pool(unpooled, "max", KERNEL)
         heads = []
         for head in scores:
             older = [(float(head[j]) if j >= SINKS else float("inf"), j) for j in range(n - WINDOW)]

@@ -18,7 +18,7 @@ from sparsekv.attention.torch_ref import attention_mass_per_head
 from sparsekv.compression import LayerView
 from sparsekv.compression.base import ReconstructionRows
 from sparsekv.compression.kvzip import KVzipCompressor, RepeatPrompt, repeat_prompt
-from tests.unit.test_compression import ref_keep
+from tests.unit.test_compression import ref_keep, ref_pool
 
 HEAD_DIM = 8
 SCALE = HEAD_DIM**-0.5
@@ -68,10 +68,7 @@ def reference_scores(view, sinks, kernel_size=1):
         probs = causal_probs(segment.queries, torch.cat([view.keys, segment.keys], dim=1))
         per_head = probs[:, :, :n].amax(dim=1)
         best = torch.maximum(best, per_head.reshape(num_kv_heads, -1, n).amax(dim=1))
-    half = kernel_size // 2
-    pooled = torch.stack(
-        [best[:, max(0, j - half) : j + half + 1].amax(dim=1) for j in range(n)], dim=1
-    )
+    pooled = ref_pool(best, "max", kernel_size)
     pooled[:, :sinks] = float("inf")
     return pooled
 
