@@ -83,8 +83,8 @@ def generate(engine, prompts, max_tokens: int):
     kept = []
     select = SnapKVCompressor.select
 
-    def recording(self, view, budget, window):
-        chosen = select(self, view, budget, window)
+    def recording(self, view, budget, window, scores=None):
+        chosen = select(self, view, budget, window, scores)
         kept.append(chosen.cpu())
         return chosen
 

@@ -123,10 +123,10 @@ def main() -> None:
     seen: list[tuple[LayerView, torch.Tensor, int]] = []
     select = KVzipCompressor.select
 
-    def recording(self, view, budget, window):
+    def recording(self, view, budget, window, scores=None):
         if view.reconstruction:
             seen.append((view, self.score(view), budget))
-        return select(self, view, budget, window)
+        return select(self, view, budget, window, scores)
 
     KVzipCompressor.select = recording
     snapkv = get_compressor(CompressionConfig(method="snapkv"))

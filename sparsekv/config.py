@@ -37,6 +37,7 @@ COMPRESSION_METHODS = (
     "kvzip",
 )
 HEAD_BUDGETS = ("flat", "adaptive")
+LAYER_SCORES = ("own", "first")
 
 
 @dataclass
@@ -203,6 +204,10 @@ class CompressionConfig:
         head_budgets: how a layer's budget is split among its KV heads: ``flat`` (every head
             keeps ``budget`` slots) or ``adaptive`` (the heads share ``num_kv_heads * budget``
             slots by score, Ada-KV; set once at prefill, no decode-time eviction).
+        layer_scores: whose scores rank a budgeted layer's slots when a prompt is compressed:
+            its ``own``, or those of the ``first`` budgeted layer that compresses in the same
+            forward (as GemFilter selects tokens with an early layer's attention; a layer
+            holding another number of slots scores its own; docs/compression.md).
     """
 
     method: str = "snapkv"
@@ -220,6 +225,7 @@ class CompressionConfig:
     scope: str = "prompt"
     context_tokens: int | None = None
     head_budgets: str = "flat"
+    layer_scores: str = "own"
 
     @property
     def enabled(self) -> bool:
@@ -286,6 +292,10 @@ class CompressionConfig:
         if self.head_budgets not in HEAD_BUDGETS:
             raise ValueError(
                 f"kv_compression.head_budgets must be flat or adaptive, got {self.head_budgets!r}"
+            )
+        if self.layer_scores not in LAYER_SCORES:
+            raise ValueError(
+                f"kv_compression.layer_scores must be own or first, got {self.layer_scores!r}"
             )
         if self.head_budgets == "adaptive" and self.chunked_mode == "bounded":
             raise ValueError(

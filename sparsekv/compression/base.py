@@ -115,6 +115,8 @@ class Compressor(abc.ABC):
         pooling: ``max``, ``avg`` or ``none`` score smoothing (methods that pool).
         kernel_size: odd pooling kernel in tokens.
         gqa_agg: ``mean`` or ``max`` over a KV group's query heads (methods that use queries).
+        layer_scores: ``own`` or ``first``: the engine ranks every budgeted layer that
+            compresses in a forward by the first one's scores (``CompressionConfig``).
     """
 
     name: ClassVar[str] = ""
@@ -143,6 +145,7 @@ class Compressor(abc.ABC):
     pooling: str = "max"
     kernel_size: int = 15
     gqa_agg: str = "mean"
+    layer_scores: str = "own"
 
     @classmethod
     def from_config(cls, config: CompressionConfig) -> Compressor:
@@ -152,6 +155,7 @@ class Compressor(abc.ABC):
             pooling=config.pooling,
             kernel_size=config.kernel_size,
             gqa_agg=config.gqa_agg,
+            layer_scores=config.layer_scores,
         )
 
     @staticmethod
@@ -184,7 +188,9 @@ class Compressor(abc.ABC):
         """Most recent slots kept regardless of score (the observation window by default)."""
         return window
 
-    def select(self, view: LayerView, budget: int, window: int) -> torch.Tensor:
+    def select(
+        self, view: LayerView, budget: int, window: int, scores: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Slots to keep per KV head (the budget includes the window; ties go to the newer slot).
 
         The last ``num_recent(budget, window)`` slots are always kept; the other
@@ -195,6 +201,8 @@ class Compressor(abc.ABC):
             view: the layer.
             budget: slots to keep, window included (``>= window + 1`` for valid policies).
             window: observation window in tokens.
+            scores: ``[num_kv_heads, n]`` scores to rank by instead of ``score(view)`` (another
+                layer's, ``layer_scores = "first"``).
 
         Returns:
             ``[num_kv_heads, k]`` int64 slot indices, ascending per row, ``k = min(budget, n)``.
@@ -202,14 +210,15 @@ class Compressor(abc.ABC):
         num_kv_heads, n = view.num_kv_heads, view.num_tokens
         if n <= budget:
             return torch.arange(n, device=view.keys.device).expand(num_kv_heads, n).clone()
-        scores = self.score(view).float()
-        assert scores.shape == (num_kv_heads, n), (scores.shape, num_kv_heads, n)
+        scores = self._scores(view, scores)
         return self.keep_top(scores, budget, window, view.backend)
 
-    def select_heads(self, view: LayerView, budget: int, window: int) -> list[torch.Tensor]:
+    def select_heads(
+        self, view: LayerView, budget: int, window: int, scores: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
         """Head-wise ``select`` (``--kv-head-budgets adaptive``): the layer's KV heads share
         ``num_kv_heads * budget`` slots by score (``head_budgets.adaptive_head_kept``, Ada-KV),
-        each keeping its ``num_recent`` newest slots.
+        each keeping its ``num_recent`` newest slots. ``scores`` as in ``select``.
 
         Returns:
             One int64 tensor of ascending slot indices per KV head (lengths differ; they sum
@@ -218,10 +227,24 @@ class Compressor(abc.ABC):
         num_kv_heads, n = view.num_kv_heads, view.num_tokens
         if n <= budget:
             return [torch.arange(n, device=view.keys.device) for _ in range(num_kv_heads)]
-        scores = self.score(view).float()
-        assert scores.shape == (num_kv_heads, n), (scores.shape, num_kv_heads, n)
+        scores = self._scores(view, scores)
         num_recent = min(self.num_recent(budget, window), budget)
         return adaptive_head_kept(scores, budget, num_recent)
+
+    def ranking_scores(self, view: LayerView) -> torch.Tensor:
+        """``[num_kv_heads, n]`` fp32 scores that ``select`` ranks the view's slots by."""
+        scores = self.score(view).float()
+        expected = (view.num_kv_heads, view.num_tokens)
+        assert scores.shape == expected, (scores.shape, expected)
+        return scores
+
+    def _scores(self, view: LayerView, scores: torch.Tensor | None) -> torch.Tensor:
+        """The given scores (checked), else ``ranking_scores(view)``."""
+        if scores is None:
+            return self.ranking_scores(view)
+        expected = (view.num_kv_heads, view.num_tokens)
+        assert scores.shape == expected, (scores.shape, expected)
+        return scores.float()
 
     def keep_top(
         self,

@@ -3,10 +3,11 @@
 A slot matters if the model needs it to repeat the context. After the prompt, the model reads
 a reconstruction input, "Repeat the previous context exactly." followed by the chat template's
 assistant header and the context tokens themselves, attending over the request's cache. The
-score of held slot ``j`` at KV head ``g`` is the largest softmax weight any reconstruction row
-puts on it, over the rows and over the group's query heads:
+score of held slot ``j`` for query head ``h`` is the largest softmax weight any reconstruction
+row puts on it; a KV head ``g`` combines its group's query heads with the policy's ``gqa_agg``
+(the paper takes the max, ``gqa_agg=max``; the default is the mean):
 
-    ``score_g[j] = max_{h in group g} max_i exp(q_hi . k_j * scale - lse_hi)``
+    ``score_g[j] = agg_{h in group g} max_i exp(q_hi . k_j * scale - lse_hi)``
 
 with ``lse_hi`` the row's full log-sum-exp: over the held slots and the reconstruction rows
 the row sees (its own segment, causally). The scores are then pooled along the slots with the
@@ -29,10 +30,14 @@ Where this differs from kvpress's ``KVzipPress``: a row's softmax is over every 
 every segment scores every held slot (kvpress scores a chunk's slots from its own segment);
 the chat template's prefix tokens are scored like the others (kvpress scores only the sinks
 among them); the budget is per layer, as every method here, not spread across layers; and the
-scores are pooled (KVzip and kvpress do not pool: ``pooling="none"`` gives their scores). On
+scores are pooled (KVzip and kvpress do not pool: ``pooling="none"`` with ``gqa_agg="max"``
+gives their scores). On
 Gemma 3 270M, whose global layers share one KV head among four query heads, one of them a
 copy head that puts most of its weight on the token it repeats, the unpooled scores keep
-scattered digits of a needle in some layers; pooling keeps the spans (docs/compression.md).
+scattered digits of a needle in some layers; pooling keeps the spans. Its later global layers'
+own scores still miss most needles, which its first global layer's scores keep: with
+``layer_scores="first"`` every budgeted layer ranks by those (``runner.layer_scores``;
+docs/compression.md).
 """
 
 from __future__ import annotations
@@ -169,7 +174,7 @@ class KVzipCompressor(Compressor):
         # Every slot is pooled, the observation window's too (unlike SnapKV, KVzip scores
         # them): at most ``kernel_size // 2`` slots just before the window inherit its scores.
         scores = pool_scores(
-            aggregate_gqa(best, num_kv_heads, "max"), self.pooling, self.kernel_size
+            aggregate_gqa(best, num_kv_heads, self.gqa_agg), self.pooling, self.kernel_size
         )
         scores[:, : min(self.sinks, n)] = float("inf")
         return scores

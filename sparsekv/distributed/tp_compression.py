@@ -42,20 +42,37 @@ class ShardedCompressor:
         self.stackable = inner.stackable
         self.needs_attention_mass = inner.needs_attention_mass
         self.evicts_randomly = inner.evicts_randomly
+        self.layer_scores = inner.layer_scores
         self.reconstructs = False  # reconstructing compressors are refused under TP
         # Scoring straight from the pages (``runner.compaction``) sees only this rank's queries.
         self.window_scored = inner.window_scored and not shard.replicated
 
-    def select(self, view: LayerView, budget: int, window: int) -> torch.Tensor:
-        """``Compressor.select`` for this rank's KV heads: ``[view KV heads, k]`` int64."""
+    def select(
+        self, view: LayerView, budget: int, window: int, scores: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``Compressor.select`` for this rank's KV heads: ``[view KV heads, k]`` int64;
+        ``scores`` from ``ranking_scores`` of another layer, or ``None``."""
         num_kv_heads, n = view.num_kv_heads, view.num_tokens
         if n <= budget:
             return torch.arange(n, device=view.keys.device).expand(num_kv_heads, n).clone()
+        if scores is None:
+            scores = self.ranking_scores(view)
+        assert scores.shape == (num_kv_heads, n), (scores.shape, num_kv_heads, n)
+        return self.inner.keep_top(scores, budget, window, view.backend)
+
+    def keep_top(self, scores: torch.Tensor, budget: int, window: int, backend=None):
+        """``Compressor.keep_top`` of the inner compressor (the page-path compaction ranks
+        this rank's scores with it)."""
+        return self.inner.keep_top(scores, budget, window, backend)
+
+    def ranking_scores(self, view: LayerView) -> torch.Tensor:
+        """``[view KV heads, n]`` fp32 scores of this rank's heads: every KV head's draws for
+        a random method, the whole group's queries for a replicated head."""
         if self.inner.evicts_randomly:
-            return self.inner.keep_top(self._random_scores(view), budget, window, view.backend)
+            return self._random_scores(view)
         if self.shard.replicated:
             view = self._group_view(view)
-        return self.inner.select(view, budget, window)
+        return self.inner.ranking_scores(view)
 
     def score_window(self, summed: torch.Tensor, num_kv_heads: int, num_window: int):
         """The inner compressor's page-path scores (unreplicated heads only)."""

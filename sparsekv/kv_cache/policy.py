@@ -115,6 +115,7 @@ class CompressionPolicy:
             settings.gqa_agg,
             settings.chunked_mode,
             settings.head_budgets,
+            settings.layer_scores,
         )
         hasher = hashlib.blake2b(repr(values).encode(), digest_size=16)
         hasher.update(array("q", token_ids[:context_len]).tobytes())

@@ -47,6 +47,9 @@ class RequestSlice:
         segments: lengths of the reconstruction segments whose rows follow the ``num_new``
             token rows (KVzip, at the prefill step that compresses); their K/V are attended
             in the step and never cached.
+        first_layer_scores: ``[num_kv_heads, n]`` fp32 scores of the first layer that
+            compressed the request in this step, when its policy ranks every layer by them
+            (``runner.layer_scores``).
     """
 
     request_id: str
@@ -59,6 +62,7 @@ class RequestSlice:
     generator: torch.Generator | None = None
     draft_mass: dict[int, list[torch.Tensor]] | None = None
     segments: tuple[int, ...] = ()
+    first_layer_scores: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:

@@ -43,6 +43,7 @@ from sparsekv.kv_cache.spec import LayerSpec
 from sparsekv.kv_cache.storage import KVStorage
 from sparsekv.runner import compaction, headwise
 from sparsekv.runner.chunk_batch import attend_chunk_batch
+from sparsekv.runner.layer_scores import shared_scores
 from sparsekv.runner.metadata import AttentionMetadata, RequestSlice
 
 
@@ -294,7 +295,9 @@ class PagedAttention:
         if step.compress_to is not None:
             # Shared pages are never written: a compaction then goes to fresh pages.
             target = step.compact_table if step.compact_table is not None else step.block_table
-            self._compress(request, layer, state, target, keys, values, lse, scale, reconstruction)
+            self._compress(
+                request, layer, state, target, keys, values, lse, scale, reconstruction, True
+            )
         return out
 
     def _reconstruct(
@@ -437,7 +440,11 @@ class PagedAttention:
         lse: torch.Tensor | None,
         scale: float,
         reconstruction: tuple[ReconstructionRows, ...] = (),
+        prompt: bool = False,
     ) -> None:
+        """Score and compact one layer of ``request`` to its step's budget; ``prompt``: the
+        prefill compression, where the policy may rank by the first layer's scores
+        (``runner.layer_scores``)."""
         window_queries = state.recent_queries
         num_window = window_queries.shape[1]
         # The chunk's own LSE serves when the whole window lies in this chunk.
@@ -458,11 +465,14 @@ class PagedAttention:
             reconstruction=reconstruction,
         )
         step = request.layers[layer]
+        scores = shared_scores(request, view, step.compress_to) if prompt else None
         if step.to_heads:
-            kept_heads = request.compressor.select_heads(view, step.compress_to, request.window)
+            kept_heads = request.compressor.select_heads(
+                view, step.compress_to, request.window, scores
+            )
             headwise.write_heads(self.storages[layer], state, table, keys, values, kept_heads)
             return
-        kept = request.compressor.select(view, step.compress_to, request.window)  # [KVH, k]
+        kept = request.compressor.select(view, step.compress_to, request.window, scores)
         self.storages[layer].write_kept(state, table, keys, values, kept)
         if state.accumulated is not None:
             state.accumulated = state.accumulated.gather(1, kept)

@@ -81,6 +81,7 @@ class KVCompressionBody(BaseModel):
     scope: str | None = None
     context_tokens: Size | None = None
     head_budgets: str | None = None
+    layer_scores: str | None = None
 
     def overrides(self) -> dict[str, Any]:
         """The fields the client gave (``null`` means "not given")."""

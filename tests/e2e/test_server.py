@@ -291,6 +291,8 @@ INVALID = [
      "context_tokens": 50}}, 400, "kv_compression.context_tokens"),
     ("completions", {"prompt": "hi", "kv_compression": {"budget": "64"}}, 400,
      "kv_compression.budget"),
+    ("completions", {"prompt": "hi", "kv_compression": {"layer_scores": "last"}}, 400,
+     "kv_compression.layer_scores"),
     ("completions", {"prompt": "hi", "kv_compression": {"budget": 2**40}}, 400,
      "kv_compression.budget"),
     ("completions", {"prompt": "hi", "stop_token_ids": [49152]}, 400, "stop_token_ids"),

@@ -33,9 +33,9 @@ def _run(checkpoint, backend: str, monkeypatch) -> tuple[dict, list[torch.Tensor
     kept = []
     select = SnapKVCompressor.select
 
-    def recording(self, view, budget, window):
+    def recording(self, view, budget, window, scores=None):
         assert type(view.backend) is BACKENDS[backend]
-        chosen = select(self, view, budget, window)
+        chosen = select(self, view, budget, window, scores)
         kept.append(chosen.clone())
         return chosen
 

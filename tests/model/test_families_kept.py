@@ -46,8 +46,8 @@ def _engine_kept(checkpoint, prompt, max_len, monkeypatch):
     kept = []
     select = SnapKVCompressor.select
 
-    def recording(self, view, budget, window):
-        chosen = select(self, view, budget, window)
+    def recording(self, view, budget, window, scores=None):
+        chosen = select(self, view, budget, window, scores)
         kept.append(chosen.clone())
         return chosen
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sparsekv.compression.base import Compressor
 from sparsekv.config import CompressionConfig
 from sparsekv.kv_cache.spec import cdiv
 from sparsekv.sampling_params import SamplingParams
@@ -288,3 +289,29 @@ def test_a_request_turning_speculation_off_may_use_adaptive(tiny, make_engine):
     with pytest.raises(ValueError, match="head_budgets.*speculative_method"):
         engine.add_request("b", prompt_of(60, 12), SamplingParams(max_tokens=6, **GREEDY),
                            policy())  # fmt: skip
+
+
+def test_first_layer_scores_rank_every_budgeted_layer(tiny, make_engine, monkeypatch):
+    # layer_scores="first": the first budgeted layer's own head-wise selection is what every
+    # later budgeted layer (same budget) keeps; with "own" the later layers keep other slots.
+    checkpoint, _ = tiny
+    chosen = []
+    select_heads = Compressor.select_heads
+
+    def recording(self, view, budget, window, scores=None):
+        kept = select_heads(self, view, budget, window, scores)
+        chosen.append([row.tolist() for row in kept])
+        return kept
+
+    monkeypatch.setattr(Compressor, "select_heads", recording)
+    runs = {}
+    for layer_scores in ("own", "first"):
+        chosen.clear()
+        engine = make_engine(checkpoint, block_size=BLOCK)
+        start(engine, prompt_of(70, seed=1), 2, policy(layer_scores=layer_scores))
+        finish(engine)
+        runs[layer_scores] = list(chosen)
+    own, first = runs["own"], runs["first"]
+    assert len(own) == len(first) == 3  # layers 1-3, once each at the prompt's end
+    assert first == [own[0]] * 3
+    assert own[1:] != [own[0]] * 2

@@ -28,8 +28,8 @@ def test_kept_indices_equal_the_brute_force_reference(
     kept = []  # [num_kv_heads, budget] per budgeted layer, in layer order
     select = SnapKVCompressor.select
 
-    def recording(self, view, budget, window):
-        chosen = select(self, view, budget, window)
+    def recording(self, view, budget, window, scores=None):
+        chosen = select(self, view, budget, window, scores)
         kept.append(chosen.clone())
         return chosen
 
@@ -64,8 +64,8 @@ def test_adaptive_head_split_equals_the_brute_force_reference(
     kept = []
     select_heads = SnapKVCompressor.select_heads
 
-    def recording(self, view, budget, window):
-        chosen = select_heads(self, view, budget, window)
+    def recording(self, view, budget, window, scores=None):
+        chosen = select_heads(self, view, budget, window, scores)
         kept.append([rows.tolist() for rows in chosen])
         return chosen
 

@@ -2,10 +2,11 @@
 
 The reference runs the model densely (float64 softmax over every position, no cache) over the
 prompt followed by each reconstruction segment, takes per layer and KV head the largest
-probability any reconstruction row (of any query head of the group) puts on a prompt position,
-max-pools it over neighbouring positions, keeps the sinks and the observation window, and
-ranks the rest with ties to the more recent
-position. The engine must keep exactly those slots, and hold only the compressed pages.
+probability any reconstruction row of a query head puts on a prompt position, combines the
+group's query heads (max or mean), max-pools it over neighbouring positions, keeps the sinks
+and the observation window, and ranks the rest with ties to the more recent position. The
+engine must keep exactly those slots (every budgeted layer those of the first with
+``layer_scores="first"``), and hold only the compressed pages.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def causal_softmax(q, k, scale):
     return torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)
 
 
-def reference_kept(model, prompt, segments, layers):
+def reference_kept(model, prompt, segments, layers, gqa_agg="max"):
     """Per layer of ``layers``: sorted kept positions per KV head."""
     n = len(prompt)
     best = {}
@@ -73,10 +74,11 @@ def reference_kept(model, prompt, segments, layers):
             group = q.shape[0] // k.shape[0]
             probs = causal_softmax(q, k.repeat_interleave(group, 0), recorder.scale)
             rows = probs[:, n:, :n].amax(dim=1)  # [heads, n]
-            per_kv = rows.reshape(k.shape[0], group, n).amax(dim=1)
-            best[layer] = per_kv if layer not in best else torch.maximum(best[layer], per_kv)
+            best[layer] = rows if layer not in best else torch.maximum(best[layer], rows)
     kept = {}
-    for layer, unpooled in best.items():
+    for layer, per_head in best.items():
+        grouped = per_head.reshape(len(per_head) // group, group, n)
+        unpooled = grouped.amax(dim=1) if gqa_agg == "max" else grouped.mean(dim=1)
         scores = ref_pool(unpooled, "max", KERNEL)
         heads = []
         for head in scores:
@@ -91,8 +93,8 @@ def record_selections(monkeypatch, chunk_size):
     kept = []
     select = KVzipCompressor.select
 
-    def recording(self, view, budget, window):
-        chosen = select(self, view, budget, window)
+    def recording(self, view, budget, window, scores=None):
+        chosen = select(self, view, budget, window, scores)
         if view.reconstruction:
             kept.append(chosen.clone())
         return chosen
@@ -102,6 +104,8 @@ def record_selections(monkeypatch, chunk_size):
             window=config.window,
             pooling=config.pooling,
             kernel_size=config.kernel_size,
+            gqa_agg=config.gqa_agg,
+            layer_scores=config.layer_scores,
             chunk_size=chunk_size,
         )
 
@@ -110,13 +114,22 @@ def record_selections(monkeypatch, chunk_size):
     return kept
 
 
-@pytest.mark.parametrize("chunk_size", [2048, 24])
+@pytest.mark.parametrize(
+    "chunk_size, gqa_agg, layer_scores",
+    [(2048, "max", "own"), (24, "max", "own"), (2048, "mean", "own"), (24, "mean", "first")],
+)
 def test_kept_slots_equal_the_dense_reconstruction_reference(
-    tiny, make_engine, monkeypatch, smollm2_tokenizer, chunk_size
+    tiny, make_engine, monkeypatch, smollm2_tokenizer, chunk_size, gqa_agg, layer_scores
 ):
     kept = record_selections(monkeypatch, chunk_size)
     policy = CompressionConfig(
-        method="kvzip", budget=BUDGET, window=WINDOW, full_layers=1, kernel_size=KERNEL
+        method="kvzip",
+        budget=BUDGET,
+        window=WINDOW,
+        full_layers=1,
+        kernel_size=KERNEL,
+        gqa_agg=gqa_agg,
+        layer_scores=layer_scores,
     )
     engine = make_engine(tiny, block_size=4, prefix_caching=False)
     prompt = prompt_of(60, seed=1)
@@ -127,10 +140,13 @@ def test_kept_slots_equal_the_dense_reconstruction_reference(
     segments = compressor.reconstruction_segments(prompt)
     assert len(segments) == (1 if chunk_size == 2048 else 3)
     assert segments[0][-len(prompt) if chunk_size == 2048 else -24 :] == prompt[:chunk_size]
-    expected = reference_kept(engine.parts.model, prompt, segments, range(1, LAYERS))
+    expected = reference_kept(engine.parts.model, prompt, segments, range(1, LAYERS), gqa_agg)
     assert len(kept) == LAYERS - 1  # one selection per budgeted layer, at the prompt's end
     for layer, chosen in zip(range(1, LAYERS), kept):
-        assert [sorted(row) for row in chosen.tolist()] == expected[layer], layer
+        source = 1 if layer_scores == "first" else layer
+        assert [sorted(row) for row in chosen.tolist()] == expected[source], layer
+    if layer_scores == "first":  # the layers' own scores keep other slots
+        assert any(expected[layer] != expected[1] for layer in range(2, LAYERS))
 
 
 def test_reconstruction_kv_never_stays_and_pages_are_freed(tiny, make_engine):

@@ -2,9 +2,9 @@
 backend, and the reconstruction segments' framing.
 
 Reference: per reconstruction segment the full softmax matrix of [held slots + segment rows]
-(causal), the largest probability any segment row of any query head of the group puts on each
-held slot, max over segments, max-pooled over the slots within ``kernel_size // 2``, sinks
-kept; kept sets compared with ties to the newer slot.
+(causal), the largest probability any segment row of a query head puts on each held slot,
+max over segments, the group's query heads combined by max or mean, max-pooled over the slots
+within ``kernel_size // 2``, sinks kept; kept sets compared with ties to the newer slot.
 """
 
 from __future__ import annotations
@@ -61,13 +61,14 @@ def make_view(num_kv_heads, group, n, segment_lengths, seed=0, with_lse=True, ba
     return view
 
 
-def reference_scores(view, sinks, kernel_size=1):
+def reference_scores(view, sinks, kernel_size=1, gqa_agg="max"):
     n, num_kv_heads = view.num_tokens, view.num_kv_heads
-    best = torch.zeros(num_kv_heads, n, dtype=torch.float64)
+    best = torch.zeros(view.reconstruction[0].queries.shape[0], n, dtype=torch.float64)
     for segment in view.reconstruction:
         probs = causal_probs(segment.queries, torch.cat([view.keys, segment.keys], dim=1))
-        per_head = probs[:, :, :n].amax(dim=1)
-        best = torch.maximum(best, per_head.reshape(num_kv_heads, -1, n).amax(dim=1))
+        best = torch.maximum(best, probs[:, :, :n].amax(dim=1))
+    grouped = best.reshape(num_kv_heads, -1, n)
+    best = grouped.amax(dim=1) if gqa_agg == "max" else grouped.mean(dim=1)
     pooled = ref_pool(best, "max", kernel_size)
     pooled[:, :sinks] = float("inf")
     return pooled
@@ -78,13 +79,16 @@ def reference_scores(view, sinks, kernel_size=1):
 @pytest.mark.parametrize("segments", [(40,), (17, 30, 5)])
 @pytest.mark.parametrize("with_lse", [True, False])
 @pytest.mark.parametrize("kernel_size", [1, 15])
+@pytest.mark.parametrize("gqa_agg", ["max", "mean"])
 def test_kept_slots_equal_the_brute_force_reference(
-    backend, group, segments, with_lse, kernel_size
+    backend, group, segments, with_lse, kernel_size, gqa_agg
 ):
     view = make_view(2, group, 90, segments, seed=group, with_lse=with_lse, backend=backend)
     pooling = "max" if kernel_size > 1 else "none"
-    compressor = KVzipCompressor(window=4, pooling=pooling, kernel_size=kernel_size)
-    expected = reference_scores(view, compressor.sinks, kernel_size)
+    compressor = KVzipCompressor(
+        window=4, pooling=pooling, kernel_size=kernel_size, gqa_agg=gqa_agg
+    )
+    expected = reference_scores(view, compressor.sinks, kernel_size, gqa_agg)
     torch.testing.assert_close(compressor.score(view).double(), expected, atol=1e-6, rtol=1e-5)
     kept = compressor.select(view, 30, 4)
     for head in range(view.num_kv_heads):
@@ -98,13 +102,13 @@ def test_equal_scores_tie_to_the_newer_slot():
     view = LayerView(
         keys, keys, keys.repeat(2, 1, 1)[:, -4:], None, SCALE, reconstruction=(segment,)
     )
-    kept = KVzipCompressor(window=4, sinks=2).select(view, 10, 4)
+    kept = KVzipCompressor(window=4, sinks=2, gqa_agg="max").select(view, 10, 4)
     assert kept.tolist() == [[0, 1, 12, 13, 14, 15, 16, 17, 18, 19]]
 
 
 def test_without_reconstruction_rows_the_window_queries_score():
     view = make_view(2, 2, 50, (), seed=3)
-    scores = KVzipCompressor(window=4, pooling="none", sinks=0).score(view)
+    scores = KVzipCompressor(window=4, pooling="none", sinks=0, gqa_agg="max").score(view)
     probs = causal_probs(view.window_queries, view.keys)
     expected = probs.amax(dim=1).reshape(2, 2, 50).amax(dim=1)
     torch.testing.assert_close(scores.double(), expected, atol=1e-6, rtol=1e-5)
