@@ -133,7 +133,14 @@ def main() -> None:
     totals = dict(kvzip=0, chunk=0, value=0, snapkv=0, tokens=0)
     for index, case in enumerate(cases):
         seen.clear()
-        policy = CompressionConfig(method="kvzip", budget=None, compression_ratio=args.ratio)
+        # The paper's scores (unpooled, the group's max), as the other columns are computed.
+        policy = CompressionConfig(
+            method="kvzip",
+            budget=None,
+            compression_ratio=args.ratio,
+            pooling="none",
+            gqa_agg="max",
+        )
         params = SamplingParams(max_tokens=case.max_tokens, temperature=0.0)
         resolved = resolve_policy(
             config, policy, engine.kv, len(case.prompt_ids), case.max_tokens, 0, tokenizer
