@@ -239,12 +239,11 @@ class Compressor(abc.ABC):
         return scores
 
     def _scores(self, view: LayerView, scores: torch.Tensor | None) -> torch.Tensor:
-        """The given scores (checked), else ``ranking_scores(view)``."""
+        """The given scores (another layer's ``ranking_scores``), else this view's."""
         if scores is None:
             return self.ranking_scores(view)
-        expected = (view.num_kv_heads, view.num_tokens)
-        assert scores.shape == expected, (scores.shape, expected)
-        return scores.float()
+        assert scores.shape == (view.num_kv_heads, view.num_tokens), scores.shape
+        return scores
 
     def keep_top(
         self,

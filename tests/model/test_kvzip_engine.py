@@ -11,6 +11,8 @@ engine must keep exactly those slots (every budgeted layer those of the first wi
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -99,15 +101,10 @@ def record_selections(monkeypatch, chunk_size):
             kept.append(chosen.clone())
         return chosen
 
+    built = KVzipCompressor.from_config
+
     def from_config(cls, config):
-        return cls(
-            window=config.window,
-            pooling=config.pooling,
-            kernel_size=config.kernel_size,
-            gqa_agg=config.gqa_agg,
-            layer_scores=config.layer_scores,
-            chunk_size=chunk_size,
-        )
+        return dataclasses.replace(built(config), chunk_size=chunk_size)
 
     monkeypatch.setattr(KVzipCompressor, "select", recording)
     monkeypatch.setattr(KVzipCompressor, "from_config", classmethod(from_config))
