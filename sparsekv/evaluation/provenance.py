@@ -5,7 +5,9 @@ from __future__ import annotations
 import datetime
 import functools
 import platform
+import shlex
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +96,43 @@ def _amd_generation(vendor: str | None, family: int | None, avx512: bool) -> str
     return None
 
 
+def command_line(argv: list[str] | None = None) -> str | None:
+    """The running command as a user types it: ``sparsekv ...`` for the command-line tool
+    (console script or ``python -m sparsekv``), else the program and its arguments; ``None``
+    without one (an interactive interpreter). ``argv`` defaults to ``sys.argv``."""
+    argv = sys.argv if argv is None else argv
+    if not argv or not argv[0] or argv[0] == "-c":
+        return None
+    program = Path(argv[0])
+    args = _redacted(argv[1:])
+    if program.name == "sparsekv" or program.parts[-2:] == ("sparsekv", "__main__.py"):
+        return shlex.join(["sparsekv", *args])
+    return shlex.join([program.name, *args])
+
+
+_SECRET_ENDINGS = ("key", "-token", "secret", "password")
+
+
+def _redacted(args: list[str]) -> list[str]:
+    """``args`` with the value of every option named like a secret (``--api-key V``,
+    ``--hf-token=V``) replaced by ``***`` (``--max-tokens`` is none)."""
+    out: list[str] = []
+    hide_next = False
+    for arg in args:
+        if hide_next:
+            out.append("***")
+            hide_next = False
+            continue
+        name, eq, _ = arg.partition("=")
+        secret = name.startswith("--") and name.lower().endswith(_SECRET_ENDINGS)
+        if secret and eq:
+            out.append(f"{name}=***")
+        else:
+            out.append(arg)
+            hide_next = secret
+    return out
+
+
 def provenance(config: dict[str, Any] | None = None) -> dict[str, Any]:
     """What a report needs to be reproduced.
 
@@ -105,7 +144,7 @@ def provenance(config: dict[str, Any] | None = None) -> dict[str, Any]:
         ``torch_version``, ``transformers_version`` (``None`` if not installed),
         ``num_threads`` (``torch.get_num_threads()``), ``cpu`` (model name and flags
         avx2/avx512f/avx512_bf16/amx_bf16/amx_tile), ``python_version``, ``platform``,
-        ``date`` (UTC, ISO 8601) and ``config``.
+        ``date`` (UTC, ISO 8601), ``config`` and ``command`` (:func:`command_line`).
     """
     try:
         import transformers
@@ -125,4 +164,5 @@ def provenance(config: dict[str, Any] | None = None) -> dict[str, Any]:
         "platform": platform.platform(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "config": dict(config) if config is not None else None,
+        "command": command_line(),
     }

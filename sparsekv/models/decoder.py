@@ -224,8 +224,14 @@ class DecoderForCausalLM(nn.Module):
             hidden = hidden * hidden.new_full((), self.variant.hidden_size**0.5)
         tables = {key: rope.cos_sin(positions, hidden.dtype) for key, rope in self.rotary.items()}
         residual = None
-        for layer in self.layers:
+        rows_after = getattr(ctx, "rows_after", None)
+        for index, layer in enumerate(self.layers):
             hidden, residual = layer(hidden, residual, tables[layer.rope_key], ctx)
+            kept = rows_after(index) if rows_after is not None else None
+            if kept is not None:  # rows no later layer reads leave the batch
+                kept = kept.to(hidden.device)
+                hidden, residual = hidden[kept], residual[kept]
+                tables = {key: tuple(t[kept] for t in table) for key, table in tables.items()}
         return self.norm.add_and_norm(residual, hidden)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -45,10 +45,14 @@ class CausalLM(Protocol):
             input_ids: ``[num_tokens]`` int64, the step's tokens of every request, flattened.
             positions: ``[num_tokens]`` int64 absolute positions in their requests.
             ctx: the attention context (``runner.paged_attention.PagedAttention`` or a test
-                reference) with ``attend(layer, q, k, v, scale, sliding_window=None)``.
+                reference) with ``attend(layer, q, k, v, scale, sliding_window=None)``. A
+                context may also have ``rows_after(layer)``: after each layer the model calls
+                it and, when it returns row indices, keeps only those rows (every per-row
+                tensor) for the later layers; the returned hidden states are those rows'.
 
         Returns:
-            ``[num_tokens, hidden_size]`` final-normed hidden states in the model dtype.
+            ``[num_kept_rows, hidden_size]`` final-normed hidden states in the model dtype
+            (``num_tokens`` rows unless ``ctx.rows_after`` dropped some).
         """
         ...
 

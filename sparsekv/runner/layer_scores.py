@@ -9,14 +9,18 @@ KVzip scores find a needle that the later global layers' own scores miss
 (docs/compression.md, "Scores from the first layer").
 
 It applies where a prompt is compressed (the prefill step). Decode-time eviction ranks each
-layer by its own stored window queries.
+layer by its own stored window queries. A reconstructing method (KVzip) then needs its
+reconstruction rows only up to the last layer that scores its own (the first one, unless a later
+layer holds another count of slots): ``last_reconstruction_layer`` says where they can leave
+the forward.
 """
 
 from __future__ import annotations
 
 import torch
 
-from sparsekv.compression.base import LayerView
+from sparsekv.compression.base import Compressor, LayerView
+from sparsekv.kv_cache.plan import LayerStep
 from sparsekv.runner.metadata import RequestSlice
 
 
@@ -42,3 +46,29 @@ def shared_scores(request: RequestSlice, view: LayerView, budget: int) -> torch.
         return None
     request.first_layer_scores = compressor.ranking_scores(view)
     return request.first_layer_scores
+
+
+def last_reconstruction_layer(compressor: Compressor, layers: list[LayerStep]) -> int | None:
+    """The last layer of a prefill step whose compression scores with the reconstruction
+    rows, or ``None`` when no layer does.
+
+    A layer scores when it compresses its prompt slots (``compress_to`` set, not a decode-time
+    compaction) and holds more than its budget: ``num_held + num_new`` slots, the ``n`` of its
+    view. With ``layer_scores="first"`` only the first such layer and the later ones holding
+    another count of slots score (``shared_scores``); the others rank by the first layer's
+    scores and read no rows.
+    """
+    last, shared = None, None
+    for index, step in enumerate(layers):
+        if step.compress_to is None or step.decode_compaction:
+            continue
+        num_slots = step.num_held + step.num_new
+        if num_slots <= step.compress_to:
+            continue
+        if compressor.layer_scores == "first":
+            if shared is None:
+                shared = num_slots
+            elif num_slots == shared:
+                continue
+        last = index
+    return last

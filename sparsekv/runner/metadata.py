@@ -50,6 +50,9 @@ class RequestSlice:
         first_layer_scores: ``[num_kv_heads, n]`` fp32 scores of the first layer that
             compressed the request in this step, when its policy ranks every layer by them
             (``runner.layer_scores``).
+        reconstruction_until: with ``segments``, the last layer whose compression reads the
+            reconstruction rows (``runner.layer_scores.last_reconstruction_layer``); the
+            rows leave the forward after it (``PagedAttention.rows_after``).
     """
 
     request_id: str
@@ -63,6 +66,7 @@ class RequestSlice:
     draft_mass: dict[int, list[torch.Tensor]] | None = None
     segments: tuple[int, ...] = ()
     first_layer_scores: torch.Tensor | None = None
+    reconstruction_until: int | None = None
 
     @property
     def num_rows(self) -> int:

@@ -9,6 +9,7 @@ graphs) the decode-only steps it takes run there instead of through the metadata
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +20,7 @@ from sparsekv.engine.scheduler_output import SchedulerOutput
 from sparsekv.kv_cache.manager import KVCacheManager, LayerStep
 from sparsekv.outputs import Logprob
 from sparsekv.runner.kernel_scope import step_kernels
+from sparsekv.runner.layer_scores import last_reconstruction_layer
 from sparsekv.runner.metadata import BlockTableCache, RequestSlice, build_metadata
 from sparsekv.runner.paged_attention import PagedAttention
 from sparsekv.runner.prompt_logprobs import prompt_logprob_rows, prompt_logprobs
@@ -153,6 +155,10 @@ class ModelRunner:
                 generator=request.kv_generator,
                 segments=tuple(map(len, segments)),
             )
+            if segments:
+                request_slice.reconstruction_until = last_reconstruction_layer(
+                    policy.compressor, item.layers
+                )
             if item.draft_token_ids:
                 side_states[request.request_id] = rollback.side_state(request_slice.kv)
                 if request_slice.needs_attention_mass:
@@ -200,7 +206,9 @@ class ModelRunner:
     def _forward(
         self, slices: list[RequestSlice], input_ids: list[int], positions: list[int]
     ) -> torch.Tensor:
-        """The eager forward of a step: ``[num_tokens, hidden]`` final hidden states."""
+        """The eager forward of a step: ``[num_rows, hidden]`` final hidden states, the rows
+        of every request's new tokens (reconstruction rows leave the forward early,
+        ``runner.row_exit``) at each slice's ``start``."""
         metadata = build_metadata(
             slices, len(self.layer_specs), self.kv.block_size, self.device, self._block_tables
         )
@@ -212,6 +220,12 @@ class ModelRunner:
             self.backend,
             self.logit_softcap,
             self.rope_frequencies,
+            rebuild=functools.partial(
+                build_metadata,
+                num_layers=len(self.layer_specs),
+                block_size=self.kv.block_size,
+                device=self.device,
+            ),
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
@@ -268,12 +282,12 @@ class ModelRunner:
 
 def reconstruction_segments(request: Request, layers: list[LayerStep], end: int) -> list[list[int]]:
     """Token ids of the reconstruction segments a step appends for ``request`` (KVzip): at
-    a prefill step where some layer compresses, the compressor's segments over the tokens
-    ``0 .. end - 1`` the cache holds after the step; none otherwise."""
+    a prefill step where some layer scores its slots to compress them, the compressor's
+    segments over the tokens ``0 .. end - 1`` the cache holds after the step; none otherwise."""
     policy = request.policy
     if policy is None or not policy.reconstructs:
         return []
-    if not any(s.compress_to is not None and not s.decode_compaction for s in layers):
+    if last_reconstruction_layer(policy.compressor, layers) is None:
         return []
     return policy.compressor.reconstruction_segments(request.token_slice(0, end))
 

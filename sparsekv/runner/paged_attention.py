@@ -18,9 +18,10 @@
   shared compacts into the fresh pages of ``LayerStep.compact_table`` (copy-on-write).
 
 A request whose compressor reconstructs (KVzip) brings reconstruction rows after its new
-tokens in the step that compresses: every layer attends them over its uncompressed slots (their
-outputs feed the next layer like any row), a compressing layer hands them to the compressor,
-and their K/V are never written.
+tokens in the step that compresses: every layer up to the last one that scores with them
+attends them over its uncompressed slots (their outputs feed the next layer like any row), a
+compressing layer hands them to the compressor, their K/V are never written, and then they
+leave the forward (``rows_after``).
 
 Side state kept per (request, layer) outside the pool: the last ``window`` queries of budgeted
 layers (decode-time re-scoring) and H2O's accumulated attention mass.
@@ -32,6 +33,8 @@ dequantized ones.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -45,6 +48,7 @@ from sparsekv.runner import compaction, headwise
 from sparsekv.runner.chunk_batch import attend_chunk_batch
 from sparsekv.runner.layer_scores import shared_scores
 from sparsekv.runner.metadata import AttentionMetadata, RequestSlice
+from sparsekv.runner.row_exit import drop_finished_rows
 
 
 class PagedAttention:
@@ -64,6 +68,9 @@ class PagedAttention:
             captured graph repeats) instead of keeping Python references, and takes no
             request-dependent branch; the owner logs them after the forward
             (``record_decode_step``). ``None`` for the eager context of a step.
+        rebuild: builds the metadata of the step's slices again (``build_metadata`` with the
+            runner's arguments) after rows leave the forward (``rows_after``); ``None``: rows
+            never leave.
 
     Attributes:
         decode_scales: layer -> softmax scale its decode path was called with.
@@ -78,8 +85,14 @@ class PagedAttention:
         logit_softcap: float | None = None,
         rope_frequencies: list[torch.Tensor] | None = None,
         query_buffer: torch.Tensor | None = None,
+        rebuild: Callable[[list[RequestSlice]], AttentionMetadata] | None = None,
     ) -> None:
         self.storages = storages
+        self.rebuild = rebuild
+        # Layers after which some request's reconstruction rows leave (``rows_after``).
+        self._row_exits = set()
+        if rebuild is not None:
+            self._row_exits = {s.reconstruction_until for s in metadata.slices if s.segments}
         self.query_buffer = query_buffer
         self.decode_scales: dict[int, float] = {}
         self.backend = backend
@@ -139,6 +152,18 @@ class PagedAttention:
             rows = slice(request.start, request.start + request.num_rows)
             out[rows] = self._general(request, layer, q[rows], k[rows], v[rows], scale, window)
         return out
+
+    def rows_after(self, layer: int) -> torch.Tensor | None:
+        """``[kept_rows]`` int64 (on the CPU) rows of the batch the forward keeps after
+        ``layer`` (``runner.row_exit``), or ``None`` to keep them all; the model indexes its
+        per-row tensors with them."""
+        if layer not in self._row_exits:
+            return None
+        kept = drop_finished_rows(self.metadata.slices, layer)
+        if kept is None:
+            return None
+        self.metadata = self.rebuild(self.metadata.slices)
+        return kept
 
     def _decode_heads(
         self,
@@ -466,6 +491,9 @@ class PagedAttention:
         )
         step = request.layers[layer]
         scores = shared_scores(request, view, step.compress_to) if prompt else None
+        if prompt and scores is None and request.compressor.reconstructs and not reconstruction:
+            if view.num_tokens > step.compress_to:  # the rows left too early: a planning bug
+                raise RuntimeError(f"layer {layer} scores without its reconstruction rows")
         if step.to_heads:
             kept_heads = request.compressor.select_heads(
                 view, step.compress_to, request.window, scores

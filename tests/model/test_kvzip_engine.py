@@ -97,7 +97,7 @@ def record_selections(monkeypatch, chunk_size):
 
     def recording(self, view, budget, window, scores=None):
         chosen = select(self, view, budget, window, scores)
-        if view.reconstruction:
+        if view.reconstruction or scores is not None:  # the prompt's compression
             kept.append(chosen.clone())
         return chosen
 
@@ -225,3 +225,113 @@ def test_chunked_prefill_equals_one_shot(tiny, make_engine):
         outputs.append((final.outputs[0].token_ids, final.kv_stats.kept_per_layer))
     # The last chunk compresses over the gathered chunks plus its own rows: same kept slots.
     assert outputs[1] == outputs[0] and len(outputs[0][0]) == 10
+
+
+class RowCounter:
+    """Counts the rows each layer's attention sees in each step (wraps ``attend``)."""
+
+    def __init__(self, monkeypatch):
+        from sparsekv.runner.paged_attention import PagedAttention
+
+        self.steps = []
+        attend = PagedAttention.attend
+
+        def counting(ctx, layer, q, *args, **kwargs):
+            if layer == 0:
+                self.steps.append([])
+            self.steps[-1].append(q.shape[0])
+            return attend(ctx, layer, q, *args, **kwargs)
+
+        monkeypatch.setattr(PagedAttention, "attend", counting)
+
+
+def run_batch(engine, requests):
+    for name, prompt, params, policy in requests:
+        engine.add_request(name, prompt, params, policy)
+    results = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                results[output.request_id] = outcome(output)
+    return results
+
+
+def outcome(output):
+    """Tokens, logprobs, prompt logprobs and kept slots of a finished request."""
+    prompt = [None if x is None else round(x.logprob, 5) for x in output.prompt_logprobs or []]
+    return (
+        output.outputs[0].token_ids,
+        [round(x.logprob, 5) for x in output.outputs[0].logprobs],
+        prompt,
+        output.kv_stats.kept_per_layer,
+    )
+
+
+def test_reconstruction_rows_leave_after_the_last_layer_that_scores(tiny, make_engine, monkeypatch):
+    """With first-layer scores a KVzip request's rows stop after layer 1 (the first budgeted
+    layer), with its own scores after the last layer. Beside them, in the same steps: a
+    decoding request before their rows, a SnapKV prefill after them (both with logprobs, the
+    SnapKV one with prompt logprobs), then a KVzip prompt that hits the prefix cache. Every
+    output equals a run whose rows go through every layer."""
+    from sparsekv.runner.paged_attention import PagedAttention
+
+    first = CompressionConfig(
+        method="kvzip", budget=24, window=4, full_layers=1, layer_scores="first"
+    )
+    own = CompressionConfig(method="kvzip", budget=24, window=4, full_layers=1)
+    snap = CompressionConfig(method="snapkv", budget=24, window=4, full_layers=1)
+    params = SamplingParams(max_tokens=6, logprobs=2, **GREEDY)
+    with_prompt = SamplingParams(max_tokens=6, logprobs=2, prompt_logprobs=1, **GREEDY)
+    shared = prompt_of(70, seed=4)
+    batch = [
+        ("k", shared, with_prompt, first),
+        ("o", prompt_of(60, seed=9), params, own),
+        ("s", prompt_of(50, seed=5), with_prompt, snap),
+    ]
+
+    def run(exit_early):
+        counter = RowCounter(monkeypatch)
+        if not exit_early:
+            monkeypatch.setattr(PagedAttention, "rows_after", lambda ctx, layer: None)
+        engine = make_engine(tiny, block_size=4, prefix_cache_uncompressed=True)
+        engine.add_request("d", prompt_of(30, seed=8), params, snap)
+        engine.step()  # "d" prefills alone, then decodes beside the others
+        results = run_batch(engine, batch)
+        hit = run_batch(engine, [("p", shared[:48] + prompt_of(30, seed=10), params, first)])
+        monkeypatch.undo()
+        return results | hit, counter.steps
+
+    early, early_rows = run(True)
+    full, full_rows = run(False)
+    assert early == full and set(early) == {"d", "k", "o", "s", "p"}
+    assert len(early["s"][2]) == 50 and early["s"][2][0] is None
+    # The batched step: 1 decode row + 180 prompt rows + the two KVzip requests' rows in
+    # layers 0 and 1; then only the own-scores request's rows until its last layer.
+    batched = next(i for i, rows in enumerate(full_rows) if rows[0] > 181)
+    recon = full_rows[batched][0] - 181
+    recon_own = early_rows[batched][2] - 181
+    assert 0 < recon_own < recon and full_rows[batched] == [181 + recon] * LAYERS
+    assert early_rows[batched] == [181 + recon] * 2 + [181 + recon_own] * (LAYERS - 2)
+    # The prefix hit: its new rows after layer 1, fewer than its 78 tokens.
+    hit_rows = next(rows for rows in reversed(early_rows) if rows[0] > 4)
+    assert hit_rows[2:] == [hit_rows[2]] * (LAYERS - 2) and hit_rows[2] < 78 < hit_rows[0]
+    assert next(rows for rows in reversed(full_rows) if rows[0] > 4) == [hit_rows[0]] * LAYERS
+    assert early_rows[:batched] == full_rows[:batched]
+
+
+def test_own_scores_keep_the_rows_to_the_last_compressing_layer():
+    from sparsekv.kv_cache.plan import LayerStep
+    from sparsekv.runner.layer_scores import last_reconstruction_layer
+
+    def step(compress_to, held=0, new=60, **kwargs):
+        return LayerStep([], 0, held, new, compress_to, **kwargs)
+
+    layers = [step(None), step(24), step(24), step(None), step(24)]  # 60 slots each
+    own = KVzipCompressor(layer_scores="own")
+    first = KVzipCompressor(layer_scores="first")
+    assert last_reconstruction_layer(own, layers) == 4
+    assert last_reconstruction_layer(first, layers) == 1
+    # A later layer holding another count of slots scores its own rows.
+    assert last_reconstruction_layer(first, layers[:4] + [step(24, held=8)]) == 4
+    # Layers that compact at decode time score nothing.
+    assert last_reconstruction_layer(own, [step(60), step(24, decode_compaction=True)]) is None

@@ -111,6 +111,22 @@ def test_provenance_names_the_checkout_as_first_asked(tmp_path, monkeypatch):
     assert len(calls) == 2
 
 
+def test_provenance_records_the_command_line():
+    assert provenance_module.command_line(
+        ["/x/.venv/bin/sparsekv", "eval", "--methods", "a,b c"]
+    ) == ("sparsekv eval --methods 'a,b c'")
+    assert provenance_module.command_line(["/x/sparsekv/__main__.py", "env"]) == "sparsekv env"
+    assert provenance_module.command_line(["scripts/tool.py", "--n", "2"]) == "tool.py --n 2"
+    assert provenance_module.command_line([""]) is None
+    assert (
+        provenance_module.command_line(
+            ["sparsekv", "bench", "--api-key", "s3", "--hf-token=t", "--max-tokens", "8"]
+        )
+        == "sparsekv bench --api-key '***' '--hf-token=***' --max-tokens 8"
+    )
+    assert provenance()["command"] == provenance_module.command_line()
+
+
 def test_provenance_without_git_and_cpu_flags(tmp_path, monkeypatch):
     monkeypatch.setattr(provenance_module, "_REPO_ROOT", tmp_path)
     prov = provenance()
