@@ -1,4 +1,4 @@
-"""Command line: ``sparsekv serve | generate | bench | eval | convert``."""
+"""Command line: ``sparsekv serve | generate | bench | eval | calibrate | convert | models``."""
 
 from __future__ import annotations
 

@@ -52,6 +52,10 @@ struct ChunkItem {
 // (K and V, head_dim 128: 16 KiB) it stays in L1 beside the logits and the accumulators; 32 keys
 // measured slower on Zen 4 (32 KiB L1). A multiple of every variant's width.
 constexpr int64_t kChunkTileKeys = 16;
+// Keys per tile over bf16 pages with AVX512-BF16 dot products (chunk_paged_bf16.h): nothing is
+// widened, and a longer tile halves the per-tile work (pointer setup, the online-softmax
+// rescale of the accumulator, the pair packing).
+constexpr int64_t kChunkTileKeysBf16 = 32;
 
 // Floats of one item's partial state for `rows` rows (group * num_rows) on a kernel of `width`
 // lanes: rows padded to whole vectors, times head_dim + 2 (max, sum, accumulator).
@@ -61,6 +65,7 @@ static inline int64_t chunk_state_floats(int64_t rows, int64_t head_dim, int64_t
 
 struct ChunkKernel {
   int width;  // fp32 lanes; head_dim must be a multiple of 2 * width; 0: not compiled
+  int bf16_tile;  // keys per tile over bf16 pages (0: kChunkTileKeys)
   // Scratch floats one thread needs for chunk_item with `rows` rows (group * num_rows).
   int64_t (*scratch)(const ChunkArgs&, int64_t rows);
   void (*item)(const ChunkArgs&, const ChunkItem&, float* scratch, float* states);

@@ -16,11 +16,11 @@ namespace chunk_avx2 {
 #undef SKV_AVX2
 }  // namespace chunk_avx2
 
-const ChunkKernel kChunkAvx2 = {8, &chunk_avx2::chunk_scratch, &chunk_avx2::chunk_item,
+const ChunkKernel kChunkAvx2 = {8, 0, &chunk_avx2::chunk_scratch, &chunk_avx2::chunk_item,
                                 &chunk_avx2::chunk_combine};
 }  // namespace sparsekv_cpu
 #else
 namespace sparsekv_cpu {
-const ChunkKernel kChunkAvx2 = {0, nullptr, nullptr, nullptr};
+const ChunkKernel kChunkAvx2 = {0, 0, nullptr, nullptr, nullptr};
 }  // namespace sparsekv_cpu
 #endif

@@ -17,11 +17,11 @@ namespace chunk_avx512 {
 #undef SKV_AVX512
 }  // namespace chunk_avx512
 
-const ChunkKernel kChunkAvx512 = {16, &chunk_avx512::chunk_scratch, &chunk_avx512::chunk_item,
+const ChunkKernel kChunkAvx512 = {16, 0, &chunk_avx512::chunk_scratch, &chunk_avx512::chunk_item,
                                   &chunk_avx512::chunk_combine};
 }  // namespace sparsekv_cpu
 #else
 namespace sparsekv_cpu {
-const ChunkKernel kChunkAvx512 = {0, nullptr, nullptr, nullptr};
+const ChunkKernel kChunkAvx512 = {0, 0, nullptr, nullptr, nullptr};
 }  // namespace sparsekv_cpu
 #endif

@@ -21,12 +21,12 @@ namespace chunk_avx512_bf16 {
 #undef SKV_AVX512
 }  // namespace chunk_avx512_bf16
 
-const ChunkKernel kChunkAvx512Bf16 = {16, &chunk_avx512_bf16::chunk_scratch,
+const ChunkKernel kChunkAvx512Bf16 = {16, kChunkTileKeysBf16, &chunk_avx512_bf16::chunk_scratch,
                                       &chunk_avx512_bf16::chunk_item,
                                       &chunk_avx512_bf16::chunk_combine};
 }  // namespace sparsekv_cpu
 #else
 namespace sparsekv_cpu {
-const ChunkKernel kChunkAvx512Bf16 = {0, nullptr, nullptr, nullptr};
+const ChunkKernel kChunkAvx512Bf16 = {0, 0, nullptr, nullptr, nullptr};
 }  // namespace sparsekv_cpu
 #endif

@@ -68,13 +68,46 @@ static inline void bf16_qk_block(const uint16_t* const* keys, const uint32_t* qp
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(s + j * rp + r * 16, acc[j][r]);
 }
 
+// bf16_qk_block over KB keys that follow each other D elements apart from `base` (one page's
+// run): every key pair is read at an immediate offset from one pointer, where KB key pointers
+// would not fit in the registers beside the accumulators.
+template <int R, int KB, int D>
+static inline void bf16_qk_run(const uint16_t* base, const uint32_t* qp, int64_t rp, float* s) {
+  __m512 acc[KB][R];
+  for (int j = 0; j < KB; ++j)
+    for (int r = 0; r < R; ++r) acc[j][r] = _mm512_setzero_ps();
+  for (int p = 0; p < D / 2; ++p) {
+    __m512i q[R];
+    for (int r = 0; r < R; ++r) q[r] = _mm512_loadu_si512(qp + p * rp + r * 16);
+    for (int j = 0; j < KB; ++j) {
+      const __m512i k = pair_splat(base + j * D + 2 * p);
+      for (int r = 0; r < R; ++r) acc[j][r] = bf16_dot(acc[j][r], q[r], k);
+    }
+  }
+  for (int j = 0; j < KB; ++j)
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(s + j * rp + r * 16, acc[j][r]);
+}
+
+// True when keys [j, j + count) of the tile lie one after another, `d` elements apart.
+static inline bool bf16_keys_run(const ChunkTile<uint16_t>& t, int64_t j, int64_t count,
+                                 int64_t d) {
+  for (int64_t i = 1; i < count; ++i)
+    if (t.k[j + i] != t.k[j] + i * d) return false;
+  return true;
+}
+
 template <int R>
 static void bf16_qk(const ChunkTile<uint16_t>& t, const uint32_t* qp, int64_t rp, int64_t d,
                     float* s, ChunkLines& lines) {
   constexpr int KB = R == 1 ? 16 : R == 2 ? 8 : 4;  // KB * R accumulators: 16 of 32 registers
   int64_t j = 0;
   for (; j + KB <= t.n; j += KB) {
-    bf16_qk_block<R, KB>(t.k + j, qp, rp, d / 2, s + j * rp);
+    if (d == 64 && bf16_keys_run(t, j, KB, 64))
+      bf16_qk_run<R, KB, 64>(t.k[j], qp, rp, s + j * rp);
+    else if (d == 128 && bf16_keys_run(t, j, KB, 128))
+      bf16_qk_run<R, KB, 128>(t.k[j], qp, rp, s + j * rp);
+    else
+      bf16_qk_block<R, KB>(t.k + j, qp, rp, d / 2, s + j * rp);
     lines.step();
   }
   for (; j < t.n; ++j) bf16_qk_block<R, 1>(t.k + j, qp, rp, d / 2, s + j * rp);

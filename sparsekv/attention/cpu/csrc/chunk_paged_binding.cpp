@@ -201,7 +201,7 @@ std::vector<at::Tensor> chunk_paged_attention(const at::Tensor& query, const at:
   a.head_dim = d;
   a.scale = (float)scale;
   a.window = window;
-  a.tile = skv::kChunkTileKeys;
+  a.tile = a.pool_bf16 && kernel.bf16_tile > 0 ? kernel.bf16_tile : skv::kChunkTileKeys;
   a.total_rows = rows;
   a.out = out.data_ptr();
   a.lse = lse.data_ptr<float>();

@@ -12,6 +12,6 @@ namespace chunk_generic {
 #undef SKV_W
 }  // namespace chunk_generic
 
-const ChunkKernel kChunkGeneric = {4, &chunk_generic::chunk_scratch, &chunk_generic::chunk_item,
+const ChunkKernel kChunkGeneric = {4, 0, &chunk_generic::chunk_scratch, &chunk_generic::chunk_item,
                                    &chunk_generic::chunk_combine};
 }  // namespace sparsekv_cpu

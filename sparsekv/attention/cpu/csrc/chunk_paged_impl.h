@@ -10,6 +10,7 @@
 
 constexpr int kChunkMaxTile = 32;
 static_assert(kChunkTileKeys <= kChunkMaxTile && kChunkTileKeys % W == 0, "tile of whole vectors");
+static_assert(kChunkTileKeysBf16 <= kChunkMaxTile && kChunkTileKeysBf16 % W == 0, "whole vectors");
 
 static inline int64_t chunk_min(int64_t x, int64_t y) { return x < y ? x : y; }
 
