@@ -122,6 +122,36 @@ def test_runtime_head_dim_small_pages_and_wide_groups(isas, monkeypatch, dtype, 
 
 
 @pytest.mark.kernel_variant("chunk_paged")
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [4, 8])
+def test_bf16_key_blocks_across_pages(isas, monkeypatch, head_dim, block_size):
+    """bf16 pages smaller than a register block of keys: the blocks that span pages take the
+    per-key pointers, those in one page (and the chunk's own keys) one pointer."""
+    for isa in isas:
+        check(
+            isa, monkeypatch, [45, 300], [5, 17], 2, 3, block_size, head_dim, torch.bfloat16, None
+        )
+
+
+@pytest.mark.kernel_variant("chunk_paged")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_strided_chunk_keys(isas, monkeypatch, dtype):
+    """The chunk's own keys and values as the model hands them (``[kv_heads, m, d]`` views of
+    ``[m, kv_heads, d]``: rows ``kv_heads * d`` apart), over 40 rows."""
+    pool, tables, starts, q, k, v = make_batch([70], [40], 2, 3, 16, 64, dtype, seed=5)
+    k_view, v_view = (t.transpose(0, 1).contiguous().transpose(0, 1) for t in (k, v))
+    assert k_view.stride(1) == 2 * 64
+    want = reference(pool, tables, starts, [70], q, k, v, 0.125, None)
+    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+    for isa in isas:
+        monkeypatch.setenv(ISA_ENV, isa)
+        out, _ = chunk_paged.chunk_attention_paged_batch(
+            q, k_view, v_view, pool, tables, starts, torch.tensor([70]), 0.125
+        )
+        torch.testing.assert_close(out.float(), want[0], **tol)
+
+
+@pytest.mark.kernel_variant("chunk_paged")
 @pytest.mark.parametrize("window", [None, 100])
 def test_split_keys_across_threads(isas, monkeypatch, window):
     """Long caches with two threads: each (sequence, KV head) is cut into key splits merged
@@ -130,7 +160,8 @@ def test_split_keys_across_threads(isas, monkeypatch, window):
     torch.set_num_threads(2)
     try:
         for isa in isas:
-            check(isa, monkeypatch, [3001, 1500], [5, 200], 2, 4, 32, 64, torch.float32, window)
+            for dtype in (torch.float32, torch.bfloat16):  # bf16: 32-key tiles merged by LSE
+                check(isa, monkeypatch, [3001, 1500], [5, 200], 2, 4, 32, 64, dtype, window)
             # few rows per item (keys in lanes), split the same way, both dtypes
             for dtype in (torch.bfloat16, torch.float32):
                 check(isa, monkeypatch, [3001, 1500], [1, 2], 2, 3, 16, 64, dtype, window)

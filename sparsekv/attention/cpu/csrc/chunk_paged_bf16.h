@@ -91,8 +91,9 @@ static inline void bf16_qk_run(const uint16_t* base, const uint32_t* qp, int64_t
 // True when keys [j, j + count) of the tile lie one after another, `d` elements apart.
 static inline bool bf16_keys_run(const ChunkTile<uint16_t>& t, int64_t j, int64_t count,
                                  int64_t d) {
-  for (int64_t i = 1; i < count; ++i)
-    if (t.k[j + i] != t.k[j] + i * d) return false;
+  const uintptr_t first = (uintptr_t)t.k[j], row = (uintptr_t)(d * sizeof(uint16_t));
+  for (int64_t i = 1; i < count; ++i)  // addresses as integers: no pointer past a buffer's end
+    if ((uintptr_t)t.k[j + i] != first + (uintptr_t)i * row) return false;
   return true;
 }
 
