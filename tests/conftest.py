@@ -205,6 +205,27 @@ def run_to_completion(engine, requests):
     return finished
 
 
+def record_selections(monkeypatch, cls, name="select", keep=None):
+    """Patch ``cls.select`` (or ``cls.select_heads``) to record what every call returns.
+
+    Returns:
+        A list that fills, per call where ``keep(view, scores)`` holds (every call without
+        ``keep``), with a copy of the ``[num_kv_heads, k]`` kept slots (``select``) or a list of
+        per-head slot lists (``select_heads``).
+    """
+    chosen = []
+    original = getattr(cls, name)
+
+    def recording(self, view, budget, window, scores=None):
+        kept = original(self, view, budget, window, scores)
+        if keep is None or keep(view, scores):
+            chosen.append(kept.clone() if name == "select" else [row.tolist() for row in kept])
+        return kept
+
+    monkeypatch.setattr(cls, name, recording)
+    return chosen
+
+
 # Kernel variants (tests/kernel_variants.py): the cases of variants this CPU cannot run are
 # deselected and named as untested in a one-line summary at the end of the run.
 def pytest_configure(config):

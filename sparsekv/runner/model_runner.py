@@ -139,7 +139,7 @@ class ModelRunner:
             input_ids.extend(request.token_slice(first, first + num_known))
             input_ids.extend(item.draft_token_ids)
             positions.extend(range(first, end))
-            segments = reconstruction_segments(request, item.layers, end)
+            segments, until = reconstruction_segments(request, item.layers, end)
             for segment in segments:  # each one placed right after the cached tokens
                 input_ids.extend(segment)
                 positions.extend(range(end, end + len(segment)))
@@ -154,11 +154,8 @@ class ModelRunner:
                 window=policy.window if policy is not None else 1,
                 generator=request.kv_generator,
                 segments=tuple(map(len, segments)),
+                reconstruction_until=until,
             )
-            if segments:
-                request_slice.reconstruction_until = last_reconstruction_layer(
-                    policy.compressor, item.layers
-                )
             if item.draft_token_ids:
                 side_states[request.request_id] = rollback.side_state(request_slice.kv)
                 if request_slice.needs_attention_mass:
@@ -213,6 +210,14 @@ class ModelRunner:
             slices, len(self.layer_specs), self.kv.block_size, self.device, self._block_tables
         )
         storages = [self.kv.storage(layer) for layer in range(len(self.layer_specs))]
+        rebuild = None
+        if any(s.segments for s in slices):  # reconstruction rows leave the forward early
+            rebuild = functools.partial(
+                build_metadata,
+                num_layers=len(self.layer_specs),
+                block_size=self.kv.block_size,
+                device=self.device,
+            )
         ctx = PagedAttention(
             storages,
             metadata,
@@ -220,12 +225,7 @@ class ModelRunner:
             self.backend,
             self.logit_softcap,
             self.rope_frequencies,
-            rebuild=functools.partial(
-                build_metadata,
-                num_layers=len(self.layer_specs),
-                block_size=self.kv.block_size,
-                device=self.device,
-            ),
+            rebuild=rebuild,
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
@@ -280,16 +280,20 @@ class ModelRunner:
             result.prompt_logprobs[request.request_id] = (first + 1, records)
 
 
-def reconstruction_segments(request: Request, layers: list[LayerStep], end: int) -> list[list[int]]:
-    """Token ids of the reconstruction segments a step appends for ``request`` (KVzip): at
-    a prefill step where some layer scores its slots to compress them, the compressor's
-    segments over the tokens ``0 .. end - 1`` the cache holds after the step; none otherwise."""
+def reconstruction_segments(
+    request: Request, layers: list[LayerStep], end: int
+) -> tuple[list[list[int]], int | None]:
+    """The reconstruction segments a step appends for ``request`` (KVzip), and the last layer
+    that reads them: at a prefill step where some layer scores its slots to compress them, the
+    compressor's segments (token ids) over the tokens ``0 .. end - 1`` the cache holds after
+    the step and ``last_reconstruction_layer``; ``([], None)`` otherwise."""
     policy = request.policy
     if policy is None or not policy.reconstructs:
-        return []
-    if last_reconstruction_layer(policy.compressor, layers) is None:
-        return []
-    return policy.compressor.reconstruction_segments(request.token_slice(0, end))
+        return [], None
+    until = last_reconstruction_layer(policy.compressor, layers)
+    if until is None:
+        return [], None
+    return policy.compressor.reconstruction_segments(request.token_slice(0, end)), until
 
 
 def _logprob_record(sampled, row: int, num_top: int) -> Logprob:

@@ -17,6 +17,7 @@ from sparsekv.compression.snapkv import SnapKVCompressor
 from sparsekv.config import CompressionConfig
 from sparsekv.kv_cache.budget import layer_budgets
 from sparsekv.sampling_params import SamplingParams
+from tests.conftest import record_selections
 from tests.model.dense_reference import DenseMaskedAttention
 from tests.model.family_models import (
     checkpoint_of,
@@ -43,15 +44,7 @@ def _engine_kept(checkpoint, prompt, max_len, monkeypatch):
     """Kept slots ``[num_kv_heads, budget]`` of every compressed layer, in layer order."""
     policy = CompressionConfig(method="snapkv", budget=BUDGET, window=WINDOW_Q, full_layers=0)
     engine = make_engine(checkpoint, max_len=max_len, compression=policy, prefix_caching=False)
-    kept = []
-    select = SnapKVCompressor.select
-
-    def recording(self, view, budget, window, scores=None):
-        chosen = select(self, view, budget, window, scores)
-        kept.append(chosen.clone())
-        return chosen
-
-    monkeypatch.setattr(SnapKVCompressor, "select", recording)
+    kept = record_selections(monkeypatch, SnapKVCompressor)
     engine.add_request("a", prompt, SamplingParams(max_tokens=1, temperature=0.0))
     while engine.has_unfinished_requests():
         engine.step()

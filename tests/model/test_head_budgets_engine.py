@@ -15,7 +15,7 @@ from sparsekv.compression.base import Compressor
 from sparsekv.config import CompressionConfig
 from sparsekv.kv_cache.spec import cdiv
 from sparsekv.sampling_params import SamplingParams
-from tests.conftest import tiny_checkpoint, tiny_llama_config
+from tests.conftest import record_selections, tiny_checkpoint, tiny_llama_config
 from tests.model.dense_reference import DenseMaskedAttention
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -295,15 +295,7 @@ def test_first_layer_scores_rank_every_budgeted_layer(tiny, make_engine, monkeyp
     # layer_scores="first": the first budgeted layer's own head-wise selection is what every
     # later budgeted layer (same budget) keeps; with "own" the later layers keep other slots.
     checkpoint, _ = tiny
-    chosen = []
-    select_heads = Compressor.select_heads
-
-    def recording(self, view, budget, window, scores=None):
-        kept = select_heads(self, view, budget, window, scores)
-        chosen.append([row.tolist() for row in kept])
-        return kept
-
-    monkeypatch.setattr(Compressor, "select_heads", recording)
+    chosen = record_selections(monkeypatch, Compressor, "select_heads")
     runs = {}
     for layer_scores in ("own", "first"):
         chosen.clear()

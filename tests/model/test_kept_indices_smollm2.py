@@ -14,6 +14,7 @@ from sparsekv.config import CompressionConfig
 from sparsekv.evaluation.fidelity import long_texts
 from sparsekv.kv_cache.budget import layer_budgets
 from sparsekv.sampling_params import SamplingParams
+from tests.conftest import record_selections
 from tests.model.dense_reference import DenseMaskedAttention
 
 
@@ -25,15 +26,8 @@ def test_kept_indices_equal_the_brute_force_reference(
     engine = make_engine(smollm2_checkpoint, compression=policy, prefix_caching=False)
     _, text = long_texts(engine.tokenizer, min_tokens=700, count=1)[0]
     prompt = engine.tokenizer.encode(text, add_special_tokens=False)[:700]
-    kept = []  # [num_kv_heads, budget] per budgeted layer, in layer order
-    select = SnapKVCompressor.select
-
-    def recording(self, view, budget, window, scores=None):
-        chosen = select(self, view, budget, window, scores)
-        kept.append(chosen.clone())
-        return chosen
-
-    monkeypatch.setattr(SnapKVCompressor, "select", recording)
+    # [num_kv_heads, budget] per budgeted layer, in layer order
+    kept = record_selections(monkeypatch, SnapKVCompressor)
     engine.add_request("a", prompt, SamplingParams(max_tokens=1, temperature=0.0))
     while engine.has_unfinished_requests():
         engine.step()
@@ -61,15 +55,7 @@ def test_adaptive_head_split_equals_the_brute_force_reference(
     engine = make_engine(smollm2_checkpoint, compression=policy, prefix_caching=False)
     _, text = long_texts(engine.tokenizer, min_tokens=700, count=1)[0]
     prompt = engine.tokenizer.encode(text, add_special_tokens=False)[:700]
-    kept = []
-    select_heads = SnapKVCompressor.select_heads
-
-    def recording(self, view, budget, window, scores=None):
-        chosen = select_heads(self, view, budget, window, scores)
-        kept.append([rows.tolist() for rows in chosen])
-        return chosen
-
-    monkeypatch.setattr(SnapKVCompressor, "select_heads", recording)
+    kept = record_selections(monkeypatch, SnapKVCompressor, "select_heads")
     engine.add_request("a", prompt, SamplingParams(max_tokens=1, temperature=0.0))
     while engine.has_unfinished_requests():
         engine.step()

@@ -19,7 +19,7 @@ import torch
 from sparsekv.compression.kvzip import KVzipCompressor, repeat_prompt
 from sparsekv.config import CompressionConfig
 from sparsekv.sampling_params import SamplingParams
-from tests.conftest import tiny_checkpoint, tiny_llama_config
+from tests.conftest import record_selections, tiny_checkpoint, tiny_llama_config
 from tests.unit.test_compression import ref_pool
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -91,24 +91,18 @@ def reference_kept(model, prompt, segments, layers, gqa_agg="max"):
     return kept
 
 
-def record_selections(monkeypatch, chunk_size):
-    kept = []
-    select = KVzipCompressor.select
-
-    def recording(self, view, budget, window, scores=None):
-        chosen = select(self, view, budget, window, scores)
-        if view.reconstruction or scores is not None:  # the prompt's compression
-            kept.append(chosen.clone())
-        return chosen
-
+def record_prompt_selections(monkeypatch, chunk_size):
     built = KVzipCompressor.from_config
 
     def from_config(cls, config):
         return dataclasses.replace(built(config), chunk_size=chunk_size)
 
-    monkeypatch.setattr(KVzipCompressor, "select", recording)
     monkeypatch.setattr(KVzipCompressor, "from_config", classmethod(from_config))
-    return kept
+
+    def prompt(view, scores):  # the prompt's compression: reconstruction rows or shared scores
+        return bool(view.reconstruction) or scores is not None
+
+    return record_selections(monkeypatch, KVzipCompressor, keep=prompt)
 
 
 @pytest.mark.parametrize(
@@ -118,7 +112,7 @@ def record_selections(monkeypatch, chunk_size):
 def test_kept_slots_equal_the_dense_reconstruction_reference(
     tiny, make_engine, monkeypatch, smollm2_tokenizer, chunk_size, gqa_agg, layer_scores
 ):
-    kept = record_selections(monkeypatch, chunk_size)
+    kept = record_prompt_selections(monkeypatch, chunk_size)
     policy = CompressionConfig(
         method="kvzip",
         budget=BUDGET,

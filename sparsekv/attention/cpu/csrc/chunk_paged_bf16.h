@@ -49,10 +49,11 @@ static void bf16_load_queries(const ChunkArgs& a, const ChunkItem& it, int64_t r
     }
 }
 
-// s[j][R vectors] for keys j in [0, KB) of `keys`, rows of R vectors of qp from lane c.
-template <int R, int KB>
-static inline void bf16_qk_block(const uint16_t* const* keys, const uint32_t* qp, int64_t rp,
-                                 int64_t half, float* s) {
+// s[j][R vectors] for KB keys, rows of R vectors of qp from lane c; key(j, p) points at key
+// j's pair p (bf16 words 2p, 2p + 1), over `half` pairs.
+template <int R, int KB, typename KeyPair>
+static inline void bf16_qk_keys(KeyPair key, const uint32_t* qp, int64_t rp, int64_t half,
+                                float* s) {
   __m512 acc[KB][R];
   for (int j = 0; j < KB; ++j)
     for (int r = 0; r < R; ++r) acc[j][r] = _mm512_setzero_ps();
@@ -60,7 +61,7 @@ static inline void bf16_qk_block(const uint16_t* const* keys, const uint32_t* qp
     __m512i q[R];
     for (int r = 0; r < R; ++r) q[r] = _mm512_loadu_si512(qp + p * rp + r * 16);
     for (int j = 0; j < KB; ++j) {
-      const __m512i k = pair_splat(keys[j] + 2 * p);
+      const __m512i k = pair_splat(key(j, p));
       for (int r = 0; r < R; ++r) acc[j][r] = bf16_dot(acc[j][r], q[r], k);
     }
   }
@@ -68,24 +69,20 @@ static inline void bf16_qk_block(const uint16_t* const* keys, const uint32_t* qp
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(s + j * rp + r * 16, acc[j][r]);
 }
 
-// bf16_qk_block over KB keys that follow each other D elements apart from `base` (one page's
-// run): every key pair is read at an immediate offset from one pointer, where KB key pointers
-// would not fit in the registers beside the accumulators.
+// KB keys by their row pointers.
+template <int R, int KB>
+static inline void bf16_qk_block(const uint16_t* const* keys, const uint32_t* qp, int64_t rp,
+                                 int64_t half, float* s) {
+  bf16_qk_keys<R, KB>([keys](int j, int64_t p) { return keys[j] + 2 * p; }, qp, rp, half, s);
+}
+
+// KB keys that follow each other D elements apart from `base` (one page's run): every key pair
+// is read at an immediate offset from one pointer, where KB key pointers would not fit in the
+// registers beside the accumulators.
 template <int R, int KB, int D>
 static inline void bf16_qk_run(const uint16_t* base, const uint32_t* qp, int64_t rp, float* s) {
-  __m512 acc[KB][R];
-  for (int j = 0; j < KB; ++j)
-    for (int r = 0; r < R; ++r) acc[j][r] = _mm512_setzero_ps();
-  for (int p = 0; p < D / 2; ++p) {
-    __m512i q[R];
-    for (int r = 0; r < R; ++r) q[r] = _mm512_loadu_si512(qp + p * rp + r * 16);
-    for (int j = 0; j < KB; ++j) {
-      const __m512i k = pair_splat(base + j * D + 2 * p);
-      for (int r = 0; r < R; ++r) acc[j][r] = bf16_dot(acc[j][r], q[r], k);
-    }
-  }
-  for (int j = 0; j < KB; ++j)
-    for (int r = 0; r < R; ++r) _mm512_storeu_ps(s + j * rp + r * 16, acc[j][r]);
+  bf16_qk_keys<R, KB>([base](int j, int64_t p) { return base + j * D + 2 * p; }, qp, rp, D / 2,
+                      s);
 }
 
 // True when keys [j, j + count) of the tile lie one after another, `d` elements apart.
