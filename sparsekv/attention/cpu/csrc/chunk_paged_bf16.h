@@ -94,10 +94,14 @@ static inline bool bf16_keys_run(const ChunkTile<uint16_t>& t, int64_t j, int64_
   return true;
 }
 
+// Register block of R row vectors: KB keys of the logits, EB elements of the value sum (KB * R
+// and EB * R accumulators: 16 of the 32 registers).
+static constexpr int bf16_block(int r) { return r == 1 ? 16 : r == 2 ? 8 : 4; }
+
 template <int R>
 static void bf16_qk(const ChunkTile<uint16_t>& t, const uint32_t* qp, int64_t rp, int64_t d,
                     float* s, ChunkLines& lines) {
-  constexpr int KB = R == 1 ? 16 : R == 2 ? 8 : 4;  // KB * R accumulators: 16 of 32 registers
+  constexpr int KB = bf16_block(R);
   int64_t j = 0;
   for (; j + KB <= t.n; j += KB) {
     if (d == 64 && bf16_keys_run(t, j, KB, 64))
@@ -172,7 +176,7 @@ static inline void bf16_pv_block(const uint32_t* vp, const uint32_t* pp, int64_t
 template <int R>
 static void bf16_pv(const uint32_t* vp, const uint32_t* pp, int64_t pairs, const float* alpha,
                     int64_t rp, int64_t d, float* acc, ChunkLines& lines) {
-  constexpr int EB = R == 1 ? 16 : R == 2 ? 8 : 4;  // head_dim is a multiple of 32
+  constexpr int EB = bf16_block(R);  // head_dim is a multiple of 32
   for (int64_t e0 = 0; e0 < d; e0 += EB) {
     bf16_pv_block<R, EB>(vp, pp, pairs, alpha, rp, d, e0, acc);
     lines.step();
@@ -200,8 +204,13 @@ static void chunk_item_bf16(const ChunkArgs& a, const ChunkItem& it, float* scra
   bf16_load_queries(a, it, rp, qf, qp);
   chunk_reset_state(rp, d, st);
   const PairIndex index;
-  const int64_t passes = (rp / 16 + 3) / 4;
-  const int64_t steps = passes * (tile / 4 + d / 4);
+  // the register blocks of a tile (bf16_qk and bf16_pv over every row pass): the step() calls
+  // that spread the next tile's prefetches, so that none is left for the burst of finish()
+  int64_t steps = 0;
+  for (int64_t c = 0; c < rp; c += 64) {
+    const int r = (int)chunk_min((rp - c) / 16, 4);
+    steps += tile / bf16_block(r) + d / bf16_block(r);
+  }
   // an odd last key gets a partner (key 0's rows) whose weight is set to 0
   chunk_each_tile<uint16_t>(a, it, true, steps,
                             [&](int64_t j0, const ChunkTile<uint16_t>& t, ChunkLines& ahead) {

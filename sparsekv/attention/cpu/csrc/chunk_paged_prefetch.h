@@ -40,14 +40,22 @@ struct ChunkLines {
     for (int i = 0; i < num_runs; ++i) __builtin_prefetch(run[i]);
   }
   void step(int64_t lines) {
-    for (; lines > 0 && r < num_runs; --lines) {
-      __builtin_prefetch(run[r] + offset);
-      offset += 64;
-      if (offset >= bytes[r]) {
-        ++r;
-        offset = 0;
+    // in registers, a run at a time: a few instructions per line between the register blocks
+    int i = r;
+    int64_t off = offset;
+    while (lines > 0 && i < num_runs) {
+      const char* p = run[i] + off;
+      const int64_t left = (bytes[i] - off + 63) / 64, take = lines < left ? lines : left;
+      for (int64_t l = 0; l < take; ++l) __builtin_prefetch(p + 64 * l);
+      lines -= take;
+      off += 64 * take;
+      if (off >= bytes[i]) {
+        ++i;
+        off = 0;
       }
     }
+    r = i;
+    offset = off;
   }
   void step() { step(per_step); }
   void finish() { step(INT64_MAX); }
