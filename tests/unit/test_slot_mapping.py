@@ -6,15 +6,17 @@ import random
 
 import torch
 
-from sparsekv.kv_cache.storage.base import KVStorage
+from sparsekv.kv_cache.storage.base import SMALL_SLOT_MAPPING, KVStorage
 
 
 def test_slot_mapping_matches_the_whole_table_formula():
     """Only the pages the slots fall in are converted; the slots equal those computed from the
-    whole table, for starts and counts across page boundaries and a non-zero page offset."""
+    whole table, for starts and counts across page boundaries and a non-zero page offset, on
+    both paths (Python ints up to SMALL_SLOT_MAPPING slots, tensors above)."""
     block_size, page_offset = 4, 3
     store = KVStorage(12, page_offset, 1, block_size, 8, torch.float32)
     rng = random.Random(0)
+    counts = set()
     for _ in range(200):
         table = rng.sample(range(page_offset, page_offset + 12), 12)
         start = rng.randrange(0, 40)
@@ -23,6 +25,8 @@ def test_slot_mapping_matches_the_whole_table_formula():
         local = torch.tensor(table) - page_offset
         want = local[held // block_size] * block_size + held % block_size
         assert torch.equal(store._slot_mapping(table, start, count), want)
+        counts.add(count <= SMALL_SLOT_MAPPING)
+    assert counts == {True, False}
 
 
 def test_write_slots_lands_where_gather_reads():

@@ -59,8 +59,18 @@ def chunk_isa(head_dim: int) -> str | None:
     """The variant for ``head_dim`` (a multiple of twice its lanes): the one
     ``SPARSEKV_KERNEL_ISA`` names if this CPU runs it and it fits, else the fastest that fits;
     ``None`` when none does or the extension is unavailable."""
-    fits = [isa for isa in chunk_isas() if head_dim % (2 * _LANES[isa]) == 0]
-    forced = os.environ.get("SPARSEKV_KERNEL_ISA", "").strip()  # read per call: tests set it
+    ext = build.load_extension()
+    if ext is None:
+        return None
+    forced = os.environ.get("SPARSEKV_KERNEL_ISA", "")  # read per call: tests set it
+    return _pick_chunk_isa(ext, head_dim, forced)
+
+
+@functools.cache
+def _pick_chunk_isa(ext, head_dim: int, forced: str) -> str | None:
+    # Cached per setting: every verification layer asks (twice).
+    fits = [isa for isa in _chunk_isas(ext) if head_dim % (2 * _LANES[isa]) == 0]
+    forced = forced.strip()
     if forced in fits:
         return forced
     return fits[0] if fits else None
@@ -132,10 +142,9 @@ def chunk_attention_paged(
         RuntimeError: the extension is unavailable or rejects the tensors (see
             :func:`supports_chunk_paged`).
     """
-    m = query.shape[1]
+    counts = torch.tensor([0, query.shape[1], num_cached], dtype=torch.int64)  # one tensor
     tables = block_table.to(torch.int64).reshape(1, -1)
-    starts = torch.tensor([0, m], dtype=torch.int64)
-    cached = torch.tensor([num_cached], dtype=torch.int64)
+    starts, cached = counts[:2], counts[2:]
     return chunk_attention_paged_batch(
         query, key, value, kv_pool, tables, starts, cached, scale, sliding_window
     )
