@@ -16,6 +16,7 @@ from sparsekv.config import CompressionConfig, EngineConfig, SpeculativeConfig
 from sparsekv.engine import output_processor as op
 from sparsekv.engine.detokenizer import IncrementalDetokenizer
 from sparsekv.engine.engine_setup import EngineParts, build_engine_parts
+from sparsekv.engine.prompts import ContextLengthError
 from sparsekv.engine.request import Request
 from sparsekv.engine.stats import EngineStats
 from sparsekv.kv_cache.policy import (
@@ -164,7 +165,7 @@ class LLMEngine:
         if not prompt_token_ids:
             raise ValueError("prompt: the prompt is empty")
         if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(
+            raise ContextLengthError(
                 f"prompt: {len(prompt_token_ids)} tokens leave no room in the context of "
                 f"{self.max_model_len} tokens"
             )

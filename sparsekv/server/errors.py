@@ -2,7 +2,8 @@
 
 User input never yields a 500: ``ValueError``s (whose messages start with the parameter name,
 docs/internals.md) and pydantic errors become 400s naming ``param``. Every invalid parameter
-value or type has the code ``invalid_value``; a body that is not JSON, whether malformed or
+value or type has the code ``invalid_value``, a prompt longer than the context
+``context_length_exceeded``; a body that is not JSON, whether malformed or
 not UTF-8 text at all, has ``invalid_json``. A method an endpoint does not take is a 405
 ``method_not_allowed`` with an ``Allow`` header listing the methods it does take.
 """
@@ -17,6 +18,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from sparsekv.engine.prompts import ContextLengthError
 
 logger = logging.getLogger(__name__)
 
@@ -97,13 +100,15 @@ def param_of(message: str) -> str | None:
 def invalid_request(exc: ValueError, renames: dict[str, str] | None = None) -> APIError:
     """A 400 from an engine/config ``ValueError``; ``renames`` maps engine names to the names
     the client sent (chat: ``prompt`` -> ``messages``, ``max_tokens`` ->
-    ``max_completion_tokens``), in ``param`` and at the start of the message."""
+    ``max_completion_tokens``), in ``param`` and at the start of the message. Code
+    ``context_length_exceeded`` for a ``ContextLengthError``, else ``invalid_value``."""
     message = str(exc)
     param = param_of(message)
     if param is not None and renames and param in renames:
         message = renames[param] + message[len(param) :]
         param = renames[param]
-    return APIError(400, message, param=param, code="invalid_value")
+    code = "context_length_exceeded" if isinstance(exc, ContextLengthError) else "invalid_value"
+    return APIError(400, message, param=param, code=code)
 
 
 def method_not_allowed(method: str, path: str, allowed: list[str]) -> APIError:

@@ -166,6 +166,31 @@ def test_text_prompts_that_can_never_fit_are_rejected_before_tokenizing(limited,
     assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
 
 
+def test_prompt_over_the_context_in_tokens_is_context_length_exceeded(limited):
+    """A prompt within the character bound that tokenizes to the context's length or more gets
+    OpenAI's code, naming the field the client sent."""
+    ids = [42] * 8192  # SmolLM2: 8192-token context
+    response = httpx.post(f"{limited.url}/v1/completions", json={"prompt": ids}, timeout=60)
+    assert response.status_code == 400
+    assert response.json() == {
+        "error": {
+            "message": "prompt: 8192 tokens leave no room in the context of 8192 tokens",
+            "type": "invalid_request_error",
+            "param": "prompt",
+            "code": "context_length_exceeded",
+        }
+    }
+    chat = {"messages": [{"role": "user", "content": "hello " * 8200}], "max_tokens": 1}
+    response = httpx.post(f"{limited.url}/v1/chat/completions", json=chat, timeout=60)
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["code"] == "context_length_exceeded"
+    assert error["param"] == "messages" and error["message"].startswith("messages: ")
+    # One token less fits the context: what refuses it here is this server's small pool.
+    fits = {"prompt": ids[:8191], "max_tokens": 1}
+    error = httpx.post(f"{limited.url}/v1/completions", json=fits, timeout=60).json()["error"]
+    assert error["code"] == "invalid_value" and "KV pages" in error["message"]
+
+
 def test_dead_engine_loop_makes_health_503(limited):
     """Runs last in this module: it kills this server's engine loop on purpose."""
     assert httpx.get(f"{limited.url}/health").status_code == 200
