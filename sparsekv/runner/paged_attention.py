@@ -5,9 +5,9 @@
 - decode path: requests with one new token; their K/V are written into their pages and one
   batched paged-attention call reads the pages in place. A layer that reaches
   ``budget + block_size`` slots (decode-time eviction) is re-scored from its pages and
-  compacted back to its budget after the forward (``finish``): a request's compacting layers
-  are scored together as one view with their heads stacked, one selection instead of one
-  per layer (the layer's pages are not read again in the step);
+  compacted back to its budget after the forward (``finish``, ``runner.step_compression``): a
+  request's compacting layers are scored together as one view with their heads stacked, one
+  selection instead of one per layer (the layer's pages are not read again in the step);
 - general path (prefill chunks, steps that compress, layers with head-wise pages:
   ``runner.headwise``): earlier K/V are gathered, the new K/V
   appended as activations, attention returns each row's log-sum-exp, and a compressing layer
@@ -39,14 +39,13 @@ from collections.abc import Callable
 import torch
 
 from sparsekv.attention.backends.base import AttentionBackend, DecodeParams
-from sparsekv.compression.base import LayerView, ReconstructionRows
+from sparsekv.compression.base import ReconstructionRows
 from sparsekv.compression.scoring import prefill_attention_mass
 from sparsekv.kv_cache.request_kv import LayerKV
 from sparsekv.kv_cache.spec import LayerSpec
 from sparsekv.kv_cache.storage import KVStorage
-from sparsekv.runner import compaction, headwise
+from sparsekv.runner import headwise, step_compression
 from sparsekv.runner.chunk_batch import attend_chunk_batch
-from sparsekv.runner.layer_scores import shared_scores
 from sparsekv.runner.metadata import AttentionMetadata, RequestSlice
 from sparsekv.runner.row_exit import drop_finished_rows
 
@@ -320,8 +319,8 @@ class PagedAttention:
         if step.compress_to is not None:
             # Shared pages are never written: a compaction then goes to fresh pages.
             target = step.compact_table if step.compact_table is not None else step.block_table
-            self._compress(
-                request, layer, state, target, keys, values, lse, scale, reconstruction, True
+            step_compression.compress(
+                self, request, layer, state, target, keys, values, lse, scale, reconstruction, True
             )
         return out
 
@@ -377,133 +376,11 @@ class PagedAttention:
 
     def finish(self) -> None:
         """Log the step's decode queries for the recent-query windows, then run the step's
-        decode-time compactions (call once after the model's forward)."""
+        decode-time compactions (call once after the model's forward;
+        ``step_compression.compact_pending``)."""
         self._log_decode_queries()
-        by_request: dict[int, list[tuple[RequestSlice, int, float]]] = {}
-        for item in self._pending:
-            by_request.setdefault(id(item[0]), []).append(item)
-        self._pending = []
-        for items in by_request.values():
-            request = items[0][0]
-            groups: dict[tuple, list[int]] = {}
-            for _, layer, scale in items:
-                step = request.layers[layer]
-                key = (step.num_held, step.compress_to, scale, id(self.storages[layer]))
-                groups.setdefault(key, []).append(layer)
-            for (_, _, scale, _), layers in groups.items():
-                if compaction.applies(
-                    request, layers, self.storages, self.backend, self.logit_softcap
-                ):
-                    compaction.compact_from_pages(
-                        request, layers, self.storages, scale, self.backend
-                    )
-                elif request.compressor.stackable:
-                    self._compact_decode_stacked(request, layers, scale)
-                else:
-                    for layer in layers:
-                        self._compact_decode(request, layer, scale)
-
-    def _compact_decode(self, request: RequestSlice, layer: int, scale: float) -> None:
-        """Decode-time eviction after the decode path wrote and attended the new token.
-
-        The layer's ``num_held + 1`` slots are gathered from the pages once and re-scored with
-        the stored window queries (the compressor computes their log-sum-exps over exactly
-        the slots each row sees: ``w x n`` logits, no attention re-run over a gathered copy);
-        the kept K/V go to the first slots of the layer's table (or its copy-on-write table).
-        """
-        step = request.layers[layer]
-        state = request.kv.layers[layer]
-        keys, values = self.storages[layer].gather(state, step.block_table, step.num_held + 1)
-        target = step.compact_table if step.compact_table is not None else step.block_table
-        self._compress(request, layer, state, target, keys, values, None, scale)
-
-    def _compact_decode_stacked(self, request: RequestSlice, layers: list[int], scale: float):
-        """``_compact_decode`` of several layers with equal slot counts and budgets at once:
-        their heads are stacked into one ``LayerView`` (layer-major, so every query head stays
-        in its KV head's group) and one ``select`` picks every layer's kept slots."""
-        states = [request.kv.layers[layer] for layer in layers]
-        num_slots = request.layers[layers[0]].num_held + 1
-        gathered = [
-            self.storages[layer].gather(state, request.layers[layer].block_table, num_slots)
-            for layer, state in zip(layers, states)
-        ]
-        keys = torch.cat([k for k, _ in gathered])
-        values = torch.cat([v for _, v in gathered])
-        accumulated = None
-        if states[0].accumulated is not None:
-            accumulated = torch.cat([state.accumulated for state in states])
-        view = LayerView(
-            keys=keys,
-            values=values,
-            window_queries=torch.cat([state.recent_queries for state in states]),
-            window_lse=None,
-            scale=scale,
-            accumulated=accumulated,
-            generator=request.generator,
-            logit_softcap=self.logit_softcap,
-            backend=self.backend,
-        )
-        budget = request.layers[layers[0]].compress_to
-        kept = request.compressor.select(view, budget, request.window)  # [L * KVH, k]
-        num_kv_heads = gathered[0][0].shape[0]
-        for i, (layer, state) in enumerate(zip(layers, states)):
-            rows = slice(i * num_kv_heads, (i + 1) * num_kv_heads)
-            step = request.layers[layer]
-            target = step.compact_table if step.compact_table is not None else step.block_table
-            self.storages[layer].write_kept(state, target, keys[rows], values[rows], kept[rows])
-            if state.accumulated is not None:
-                state.accumulated = state.accumulated.gather(1, kept[rows])
-
-    def _compress(
-        self,
-        request: RequestSlice,
-        layer: int,
-        state: LayerKV,
-        table: list[int],
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        lse: torch.Tensor | None,
-        scale: float,
-        reconstruction: tuple[ReconstructionRows, ...] = (),
-        prompt: bool = False,
-    ) -> None:
-        """Score and compact one layer of ``request`` to its step's budget; ``prompt``: the
-        prefill compression, where the policy may rank by the first layer's scores
-        (``runner.layer_scores``)."""
-        window_queries = state.recent_queries
-        num_window = window_queries.shape[1]
-        # The chunk's own LSE serves when the whole window lies in this chunk.
-        window_lse = None
-        if lse is not None and lse.shape[1] >= num_window:
-            window_lse = lse[:, -num_window:]
-        view = LayerView(
-            keys=keys,
-            values=values,
-            window_queries=window_queries,
-            window_lse=window_lse,
-            scale=scale,
-            accumulated=state.accumulated,
-            generator=request.generator,
-            logit_softcap=self.logit_softcap,
-            backend=self.backend,
-            rope_inv_freq=None if self.rope_frequencies is None else self.rope_frequencies[layer],
-            reconstruction=reconstruction,
-        )
-        step = request.layers[layer]
-        scores = shared_scores(request, view, step.compress_to) if prompt else None
-        if prompt and scores is None and request.compressor.reconstructs and not reconstruction:
-            if view.num_tokens > step.compress_to:  # the rows left too early: a planning bug
-                raise RuntimeError(f"layer {layer} scores without its reconstruction rows")
-        if step.to_heads:
-            kept_heads = request.compressor.select_heads(
-                view, step.compress_to, request.window, scores
-            )
-            headwise.write_heads(self.storages[layer], state, table, keys, values, kept_heads)
-            return
-        kept = request.compressor.select(view, step.compress_to, request.window, scores)
-        self.storages[layer].write_kept(state, table, keys, values, kept)
-        if state.accumulated is not None:
-            state.accumulated = state.accumulated.gather(1, kept)
+        pending, self._pending = self._pending, []
+        step_compression.compact_pending(self, pending)
 
 
 def _accumulate(state: LayerKV, mass: torch.Tensor) -> None:

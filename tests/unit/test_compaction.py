@@ -1,5 +1,5 @@
 """Decode-time compaction read from the pages (``runner.compaction``) equals the general
-route that gathers the layers (``PagedAttention._compact_decode_stacked``)."""
+route that gathers the layers (``step_compression.compact_decode_stacked``)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from sparsekv.compression.snapkv import SnapKVCompressor
 from sparsekv.kv_cache.plan import LayerStep
 from sparsekv.kv_cache.request_kv import LayerKV, RequestKV
 from sparsekv.kv_cache.storage import KVStorage
-from sparsekv.runner import compaction
+from sparsekv.runner import compaction, step_compression
 from sparsekv.runner.metadata import RequestSlice
 from sparsekv.runner.paged_attention import PagedAttention
 
@@ -81,7 +81,7 @@ def test_compaction_from_pages_equals_gathered_route(
 
     compaction.compact_from_pages(request, layers, [storage] * num_layers, SCALE, NATIVE)
     attention = PagedAttention([reference] * num_layers, None, [None] * num_layers, NATIVE)
-    attention._compact_decode_stacked(ref_request, layers, SCALE)
+    step_compression.compact_decode_stacked(attention, ref_request, layers, SCALE)
 
     for (k, v), (ref_k, ref_v) in zip(
         _kept_kv(storage, request, budget), _kept_kv(reference, ref_request, budget)
