@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from sparsekv.errors import ContextLengthError
+
 MAX_LOGPROBS = 20
 # Temperatures below this are treated as greedy: dividing logits by them overflows fp32.
 GREEDY_TEMPERATURE = 1e-5
@@ -98,7 +100,9 @@ class SamplingParams:
             num_prompt_tokens: length of the templated prompt in tokens.
 
         Raises:
-            ValueError: message starts with the offending parameter's name.
+            ValueError: message starts with the offending parameter's name;
+                ``ContextLengthError`` (a ``ValueError``) when the prompt plus ``max_tokens``
+                exceeds ``max_model_len``.
         """
         self._validate_counts()
         self._validate_distribution()
@@ -171,7 +175,7 @@ class SamplingParams:
             return
         num_prompt = num_prompt_tokens or 0
         if num_prompt + self.max_tokens > max_model_len:
-            raise ValueError(
+            raise ContextLengthError(
                 f"max_tokens ({self.max_tokens}) plus the prompt's {num_prompt} tokens "
                 f"= {num_prompt + self.max_tokens} exceeds max_model_len ({max_model_len})"
             )

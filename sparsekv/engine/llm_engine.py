@@ -16,9 +16,9 @@ from sparsekv.config import CompressionConfig, EngineConfig, SpeculativeConfig
 from sparsekv.engine import output_processor as op
 from sparsekv.engine.detokenizer import IncrementalDetokenizer
 from sparsekv.engine.engine_setup import EngineParts, build_engine_parts
-from sparsekv.engine.prompts import ContextLengthError
 from sparsekv.engine.request import Request
 from sparsekv.engine.stats import EngineStats
+from sparsekv.errors import ContextLengthError
 from sparsekv.kv_cache.policy import (
     CompressionPolicy,
     check_head_budget_method,
@@ -109,8 +109,10 @@ class LLMEngine:
             collect_logits: keep fp32 logits of every sampled position (fidelity metric).
 
         Raises:
-            ValueError: invalid parameters, an empty or out-of-vocabulary prompt, a prompt over
-                the context, or a request whose peak footprint exceeds the whole pool.
+            ValueError: invalid parameters, an empty or out-of-vocabulary prompt, or a request
+                whose peak footprint exceeds the whole pool.
+            ContextLengthError: (a ``ValueError``) a prompt of at least ``max_model_len``
+                tokens, or the prompt plus ``max_tokens`` over it.
         """
         if request_id in self._groups:
             raise ValueError(f"request_id: {request_id!r} is already in use")

@@ -9,12 +9,6 @@ from sparsekv.engine.token_bytes import TokenBytes
 Prompt = str | Sequence[int] | Sequence[dict]
 
 
-class ContextLengthError(ValueError):
-    """A prompt that leaves no room for a token in the model's context (the server answers
-    it as OpenAI does: 400 with the code ``context_length_exceeded``). The message starts with
-    the parameter name, as every engine ``ValueError``'s does."""
-
-
 def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
     """Token ids of a prompt.
 

@@ -2,7 +2,8 @@
 
 User input never yields a 500: ``ValueError``s (whose messages start with the parameter name,
 docs/internals.md) and pydantic errors become 400s naming ``param``. Every invalid parameter
-value or type has the code ``invalid_value``, a prompt longer than the context
+value or type has the code ``invalid_value``, a request that does not fit the context (a
+prompt of at least its length, or prompt plus ``max_tokens`` over it)
 ``context_length_exceeded``; a body that is not JSON, whether malformed or
 not UTF-8 text at all, has ``invalid_json``. A method an endpoint does not take is a 405
 ``method_not_allowed`` with an ``Allow`` header listing the methods it does take.
@@ -19,7 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from sparsekv.engine.prompts import ContextLengthError
+from sparsekv.errors import ContextLengthError
 
 logger = logging.getLogger(__name__)
 

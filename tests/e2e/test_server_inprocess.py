@@ -185,6 +185,7 @@ def test_prompt_over_the_context_in_tokens_is_context_length_exceeded(limited):
     error = response.json()["error"]
     assert response.status_code == 400 and error["code"] == "context_length_exceeded"
     assert error["param"] == "messages" and error["message"].startswith("messages: ")
+    assert "tokens leave no room" in error["message"]  # the token check, not the character one
     # One token less fits the context: what refuses it here is this server's small pool.
     fits = {"prompt": ids[:8191], "max_tokens": 1}
     error = httpx.post(f"{limited.url}/v1/completions", json=fits, timeout=60).json()["error"]

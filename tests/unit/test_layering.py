@@ -63,6 +63,7 @@ TIERS = {  # longest matching prefix wins
     "sparsekv.parallel_config": BASE,
     "sparsekv.outputs": BASE,
     "sparsekv.sampling_params": BASE,
+    "sparsekv.errors": BASE,
     "sparsekv.ext_cache": BASE,
     "sparsekv.host_allocator": BASE,
     "sparsekv.kv_cache.spec": BASE,

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from sparsekv.errors import ContextLengthError
 from sparsekv.sampling_params import SamplingParams
+from sparsekv.server.errors import invalid_request
 
 
 def test_defaults_validate_and_stop_string_becomes_list():
@@ -85,10 +87,28 @@ def test_boundaries_are_accepted(kwargs):
 
 def test_prompt_plus_max_tokens_must_fit_the_context():
     SamplingParams(max_tokens=100).validate(max_model_len=612, num_prompt_tokens=512)
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(ContextLengthError) as info:  # a ValueError the server tells apart
         SamplingParams(max_tokens=101).validate(max_model_len=612, num_prompt_tokens=512)
     message = str(info.value)
     assert message.startswith("max_tokens")
     assert "512" in message and "612" in message and "101" in message
     with pytest.raises(ValueError, match="^max_tokens"):
         SamplingParams(max_tokens=700).validate(max_model_len=612)
+
+
+def test_context_errors_are_context_length_exceeded_and_keep_the_renamed_param():
+    """The server's 400 for an engine ``ValueError``: ``ContextLengthError`` keeps OpenAI's
+    code through chat's renames, any other ``ValueError`` is ``invalid_value``."""
+    renames = {"prompt": "messages", "max_tokens": "max_completion_tokens"}
+    error = invalid_request(ContextLengthError("prompt: 9 tokens leave no room"), renames)
+    assert error.status == 400
+    assert error.body()["error"] == {
+        "message": "messages: 9 tokens leave no room",
+        "type": "invalid_request_error",
+        "param": "messages",
+        "code": "context_length_exceeded",
+    }
+    error = invalid_request(ContextLengthError("max_tokens (9) plus ..."), renames)
+    assert (error.param, error.code) == ("max_completion_tokens", "context_length_exceeded")
+    error = invalid_request(ValueError("max_tokens must be >= 0, got -1"))
+    assert (error.param, error.code) == ("max_tokens", "invalid_value")

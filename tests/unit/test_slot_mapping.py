@@ -16,7 +16,7 @@ def test_slot_mapping_matches_the_whole_table_formula():
     block_size, page_offset = 4, 3
     store = KVStorage(12, page_offset, 1, block_size, 8, torch.float32)
     rng = random.Random(0)
-    counts = set()
+    paths = set()
     for _ in range(200):
         table = rng.sample(range(page_offset, page_offset + 12), 12)
         start = rng.randrange(0, 40)
@@ -25,8 +25,8 @@ def test_slot_mapping_matches_the_whole_table_formula():
         local = torch.tensor(table) - page_offset
         want = local[held // block_size] * block_size + held % block_size
         assert torch.equal(store._slot_mapping(table, start, count), want)
-        counts.add(count <= SMALL_SLOT_MAPPING)
-    assert counts == {True, False}
+        paths.add(count <= SMALL_SLOT_MAPPING)
+    assert paths == {True, False}
 
 
 def test_write_slots_lands_where_gather_reads():

@@ -95,7 +95,7 @@ static inline bool bf16_keys_run(const ChunkTile<uint16_t>& t, int64_t j, int64_
 }
 
 // Register block of R row vectors: KB keys of the logits, EB elements of the value sum (KB * R
-// and EB * R accumulators: 16 of the 32 registers).
+// and EB * R accumulators: at most 16 of the 32 registers).
 static constexpr int bf16_block(int r) { return r == 1 ? 16 : r == 2 ? 8 : 4; }
 
 template <int R>
