@@ -80,6 +80,9 @@ class CompletionFormatter:
         self.want_prompt_logprobs = body.prompt_logprobs is not None
         self.prompt_text = prompt_text
         self.text_offsets: dict[int, int] = {}
+        # Tokens the text leaves out (skip_special_tokens): listed, but no characters of text.
+        skipped = ctx.tokenizer.all_special_ids if body.skip_special_tokens else ()
+        self.textless_ids = frozenset(skipped)
         self.echoed: set[int] = set()
         self.terminated: set[int] = set()
 
@@ -96,7 +99,9 @@ class CompletionFormatter:
         return chunk
 
     def _logprobs(self, index: int, records: list[Logprob | None]) -> dict:
-        """OpenAI's legacy shape: tokens, token_logprobs, top_logprobs, text_offset."""
+        """OpenAI's legacy shape: tokens, token_logprobs, top_logprobs, text_offset (each
+        token's first character in the choice's ``text``; a special token the text skips
+        takes none)."""
         decode = self.ctx.tokenizer.decode
         offset = self.text_offsets.get(index, 0)
         tokens, offsets, values, tops = [], [], [], []
@@ -104,7 +109,8 @@ class CompletionFormatter:
             text = decode([record.token_id])
             tokens.append(text)
             offsets.append(offset)
-            offset += len(text)
+            if record.token_id not in self.textless_ids:
+                offset += len(text)
             values.append(record.logprob)
             if record.top is None:
                 tops.append(None)

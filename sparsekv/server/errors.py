@@ -161,9 +161,11 @@ def install_error_handlers(app: FastAPI) -> None:
             allow = (exc.headers or {}).get("Allow", "")
             allowed = sorted(m.strip() for m in allow.split(",") if m.strip())
             return method_not_allowed(request.method, request.url.path, allowed).response()
-        # FastAPI answers a body json.loads cannot even decode (bytes that are not UTF-8) with
-        # a generic 400 whose cause is the UnicodeDecodeError; it is not JSON either.
-        if exc.status_code == 400 and isinstance(exc.__cause__, UnicodeDecodeError):
+        # FastAPI answers a body json.loads cannot take with a generic 400 whose cause is the
+        # error: bytes that are not UTF-8 (UnicodeDecodeError), an integer of more digits
+        # than Python converts (ValueError), nesting deeper than the parser's recursion
+        # (RecursionError). None of them is JSON the server can read.
+        if exc.status_code == 400 and isinstance(exc.__cause__, (ValueError, RecursionError)):
             return _invalid_json().response()
         return APIError(exc.status_code, str(exc.detail), headers=exc.headers).response()
 

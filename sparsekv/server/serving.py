@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
@@ -246,14 +247,33 @@ async def start_request(
         raise APIError(503, str(exc), code="engine_unavailable") from None
 
 
+# The most characters of field names X-Ignored-Fields carries (a client may send thousands).
+IGNORED_FIELDS_MAX_CHARS = 1024
+
+
 def response_headers(body: SamplingBody) -> dict[str, str]:
     """Headers every answer carries: ``X-Ignored-Fields`` lists the body's unknown fields
-    (also logged, once per request), as vLLM warns about them."""
+    (also logged, once per request), as vLLM warns about them.
+
+    The names are the client's own text: in the header each is JSON-escaped to printable
+    ASCII (a header is Latin-1, and a CR or LF would end it), the list cut at
+    ``IGNORED_FIELDS_MAX_CHARS`` characters with the count of the rest; the log line
+    ``repr``s them, so a name cannot write a line of its own."""
     ignored = body.ignored_fields
     if not ignored:
         return {}
-    logger.warning("ignored unknown request fields: %s", ", ".join(ignored))
-    return {IGNORED_FIELDS_HEADER: ", ".join(ignored)}
+    logger.warning("ignored unknown request fields: %s", ", ".join(map(repr, ignored)))
+    names = [json.dumps(name)[1:-1] for name in ignored]  # ensure_ascii: \uXXXX, \r, \n
+    value = ", ".join(names)
+    if len(value) > IGNORED_FIELDS_MAX_CHARS:
+        kept, length = [], 0
+        for name in names:
+            length += len(name) + 2
+            if length > IGNORED_FIELDS_MAX_CHARS:
+                break
+            kept.append(name)
+        value = ", ".join(kept + [f"... ({len(names) - len(kept)} more)"])
+    return {IGNORED_FIELDS_HEADER: value}
 
 
 def usage(output: RequestOutput) -> dict:
