@@ -29,13 +29,15 @@ from sparsekv.engine.async_engine import (
 )
 from sparsekv.engine.llm_engine import LLMEngine
 from sparsekv.engine.model_info import ModelInfo
+from sparsekv.errors import ContextLengthError
 from sparsekv.outputs import RequestOutput
 from sparsekv.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 # Admission kinds, mapped back to the exceptions ``AsyncEngine.add_request`` raises.
-ADMISSION_ERRORS = {
+ADMISSION_ERRORS = {  # the first entry an exception is an instance of names it
+    "context_length": ContextLengthError,
     "invalid": ValueError,
     "overloaded": EngineOverloadedError,
     "dead": EngineDeadError,
@@ -47,8 +49,8 @@ class Admission:
     """The first item of a replica's stream: ``error`` is ``None`` when the request runs.
 
     Attributes:
-        error: ``invalid``, ``overloaded`` or ``dead`` (keys of ``ADMISSION_ERRORS``), or
-            ``None`` once the engine accepted the request.
+        error: ``context_length``, ``invalid``, ``overloaded`` or ``dead`` (keys of
+            ``ADMISSION_ERRORS``), or ``None`` once the engine accepted the request.
         message: the engine's message (it names the invalid parameter first).
     """
 

@@ -84,7 +84,7 @@ def compact_decode(
 
 def compact_decode_stacked(
     attention: PagedAttention, request: RequestSlice, layers: list[int], scale: float
-):
+) -> None:
     """``compact_decode`` of several layers with equal slot counts and budgets at once:
     their heads are stacked into one ``LayerView`` (layer-major, so every query head stays
     in its KV head's group) and one ``select`` picks every layer's kept slots."""
@@ -135,9 +135,26 @@ def compress(
     reconstruction: tuple[ReconstructionRows, ...] = (),
     prompt: bool = False,
 ) -> None:
-    """Score and compact one layer of ``request`` to its step's budget; ``prompt``: the
-    prefill compression, where the policy may rank by the first layer's scores
-    (``runner.layer_scores``)."""
+    """Score and compact one layer of ``request`` to its step's budget (``compress_to``).
+
+    Args:
+        attention: the step's ``PagedAttention``.
+        request, layer: the request's slice of the step and the layer index.
+        state: the request's layer state (window queries, H2O accumulator).
+        table: the block table the kept slots are written to (the layer's, or its
+            copy-on-write table).
+        keys, values: ``[num_kv_heads, n, head_dim]`` every slot the layer holds, in the
+            storage dtype.
+        lse: ``[num_heads, m]`` fp32 log-sum-exps of the chunk's rows, or ``None``.
+        scale: softmax scale.
+        reconstruction: KVzip's reconstruction rows of the layer.
+        prompt: the prefill compression, where the policy may rank by the first layer's
+            scores (``runner.layer_scores``).
+
+    Raises:
+        RuntimeError: a reconstructing layer would score without its reconstruction rows
+            (a planning bug).
+    """
     window_queries = state.recent_queries
     num_window = window_queries.shape[1]
     # The chunk's own LSE serves when the whole window lies in this chunk.

@@ -80,9 +80,10 @@ class CompletionFormatter:
         self.want_prompt_logprobs = body.prompt_logprobs is not None
         self.prompt_text = prompt_text
         self.text_offsets: dict[int, int] = {}
-        # Tokens the text leaves out (skip_special_tokens): listed, but no characters of text.
-        skipped = ctx.tokenizer.all_special_ids if body.skip_special_tokens else ()
-        self.textless_ids = frozenset(skipped)
+        # Generated tokens (and echoed token-id prompts) go into the text decoded with
+        # skip_special_tokens; an echoed text prompt is the client's text as sent.
+        self.skip_special = body.skip_special_tokens
+        self.echo_as_sent = isinstance(_single_prompt(body), str)
         self.echoed: set[int] = set()
         self.terminated: set[int] = set()
 
@@ -98,19 +99,21 @@ class CompletionFormatter:
             chunk["usage"] = usage_value
         return chunk
 
-    def _logprobs(self, index: int, records: list[Logprob | None]) -> dict:
+    def _logprobs(self, index: int, records: list[Logprob | None], num_echo: int = 0) -> dict:
         """OpenAI's legacy shape: tokens, token_logprobs, top_logprobs, text_offset (each
-        token's first character in the choice's ``text``; a special token the text skips
-        takes none)."""
+        token's first character in the choice's ``text``: a token the text skips, a special
+        one under ``skip_special_tokens``, takes none). The first ``num_echo`` records are
+        the echoed prompt's."""
         decode = self.ctx.tokenizer.decode
         offset = self.text_offsets.get(index, 0)
         tokens, offsets, values, tops = [], [], [], []
-        for record in records:
+        for i, record in enumerate(records):
             text = decode([record.token_id])
             tokens.append(text)
             offsets.append(offset)
-            if record.token_id not in self.textless_ids:
-                offset += len(text)
+            if self.skip_special and not (i < num_echo and self.echo_as_sent):
+                text = decode([record.token_id], skip_special_tokens=True)
+            offset += len(text)
             values.append(record.logprob)
             if record.top is None:
                 tops.append(None)
@@ -154,10 +157,15 @@ class CompletionFormatter:
     def _choice(self, index, text, logprobs, finish_reason) -> dict:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def _records(self, output: RequestOutput, completion: CompletionOutput, new: list) -> list:
+    def _records(
+        self, output: RequestOutput, completion: CompletionOutput, new: list
+    ) -> tuple[list, int]:
+        """The records a choice's logprobs list now and how many lead with the echoed
+        prompt."""
         if self.echo and completion.index not in self.echoed:
-            return self._echo_records(output) + new
-        return new
+            echo = self._echo_records(output)
+            return echo + new, len(echo)
+        return new, 0
 
     def chunks(self, output: RequestOutput) -> list[dict]:
         """Text deltas (the echoed prompt first), then one terminal chunk per choice."""
@@ -170,8 +178,8 @@ class CompletionFormatter:
             if text or new or echo:
                 logprobs = None
                 if self.num_logprobs is not None:
-                    records = self._records(output, completion, new)
-                    logprobs = self._logprobs(completion.index, records)
+                    records, num_echo = self._records(output, completion, new)
+                    logprobs = self._logprobs(completion.index, records, num_echo)
                 self.echoed.add(completion.index)
                 choice = self._choice(completion.index, text, logprobs, None)
                 result.append(self._chunk([choice]))
@@ -199,7 +207,8 @@ class CompletionFormatter:
         for c in output.outputs:
             logprobs = None
             if self.num_logprobs is not None:
-                logprobs = self._logprobs(c.index, self._records(output, c, c.logprobs or []))
+                records, num_echo = self._records(output, c, c.logprobs or [])
+                logprobs = self._logprobs(c.index, records, num_echo)
             text = (self.prompt_text if self.echo else "") + c.text
             choice = self._choice(c.index, text, logprobs, c.finish_reason)
             if self.want_prompt_logprobs:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -247,32 +248,35 @@ async def start_request(
         raise APIError(503, str(exc), code="engine_unavailable") from None
 
 
-# The most characters of field names X-Ignored-Fields carries (a client may send thousands).
+# The most characters X-Ignored-Fields carries (a client may send thousands of names).
 IGNORED_FIELDS_MAX_CHARS = 1024
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_.\-]+")
 
 
 def response_headers(body: SamplingBody) -> dict[str, str]:
     """Headers every answer carries: ``X-Ignored-Fields`` lists the body's unknown fields
     (also logged, once per request), as vLLM warns about them.
 
-    The names are the client's own text: in the header each is JSON-escaped to printable
-    ASCII (a header is Latin-1, and a CR or LF would end it), the list cut at
-    ``IGNORED_FIELDS_MAX_CHARS`` characters with the count of the rest; the log line
-    ``repr``s them, so a name cannot write a line of its own."""
+    The names are the client's own text. A name of letters, digits and ``_.-`` is listed as
+    it is; any other is JSON-quoted with ``\\uXXXX`` escapes, so the value is printable ASCII
+    that neither starts nor ends with a space (a header is Latin-1 and a CR or LF would end
+    it) and ``", "`` only separates names. The list stops before ``IGNORED_FIELDS_MAX_CHARS``
+    characters with ``... (N more)``; the log line carries the same text."""
     ignored = body.ignored_fields
     if not ignored:
         return {}
-    logger.warning("ignored unknown request fields: %s", ", ".join(map(repr, ignored)))
-    names = [json.dumps(name)[1:-1] for name in ignored]  # ensure_ascii: \uXXXX, \r, \n
+    names = [n if _PLAIN_NAME.fullmatch(n) else json.dumps(n) for n in ignored]
     value = ", ".join(names)
     if len(value) > IGNORED_FIELDS_MAX_CHARS:
-        kept, length = [], 0
+        room = IGNORED_FIELDS_MAX_CHARS - len(f", ... ({len(names)} more)")
+        kept, length = [], -2  # the first name has no separator
         for name in names:
             length += len(name) + 2
-            if length > IGNORED_FIELDS_MAX_CHARS:
+            if length > room:
                 break
             kept.append(name)
         value = ", ".join(kept + [f"... ({len(names) - len(kept)} more)"])
+    logger.warning("ignored unknown request fields: %s", value)
     return {IGNORED_FIELDS_HEADER: value}
 
 

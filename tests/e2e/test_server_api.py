@@ -219,22 +219,27 @@ def test_echo_with_logprobs_and_no_generation(http):
 
 @pytest.mark.parametrize("skip", [True, False])
 def test_text_offsets_index_the_text_around_special_tokens(http, skip):
-    """A special token the text skips (the default) is listed at the offset of what follows
-    it; kept in the text, it takes its characters. Every offset points at its token's text."""
-    body = {"prompt": [1, 2, *PARIS_IDS], "max_tokens": 1, "echo": True, "logprobs": 0,
-            "temperature": 0, "skip_special_tokens": skip}  # fmt: skip
+    """Special tokens the text skips (the default; ids 1, 2 and added ones such as
+    <file_sep>, id 5) are listed at the offset of what follows them; kept in the text, they
+    take their characters. An echoed text prompt is the client's text: its special tokens'
+    text is in it whatever the setting. Every offset points at its token's text."""
+    ids = [1, 2, 5, *PARIS_IDS]
+    body = {"prompt": ids, "max_tokens": 1, "echo": True, "logprobs": 0, "temperature": 0,
+            "skip_special_tokens": skip}  # fmt: skip
     choice = http.post("/v1/completions", json=body).json()["choices"][0]
     tokens, offsets = choice["logprobs"]["tokens"], choice["logprobs"]["text_offset"]
-    assert tokens[:3] == ["<|im_start|>", "<|im_end|>", "The"]
-    specials = "" if skip else "<|im_start|><|im_end|>"
+    assert tokens[:4] == ["<|im_start|>", "<|im_end|>", "<file_sep>", "The"]
+    specials = "" if skip else "<|im_start|><|im_end|><file_sep>"
     assert choice["text"] == specials + PARIS + " Paris"
-    assert offsets == ([0, 0] if skip else [0, 12]) + [
-        len(specials) + o for o in [0, 3, 11, 14, 21, 24]
-    ]
-    for token, offset in zip(tokens, offsets):
-        if skip and token.startswith("<|"):
-            continue
+    lead = [0, 0, 0] if skip else [0, 12, 22]
+    assert offsets == lead + [len(specials) + o for o in [0, 3, 11, 14, 21, 24]]
+    for token, offset in zip(tokens[3:], offsets[3:]):
         assert choice["text"][offset:].startswith(token)
+    text = "<|im_start|>The capital"
+    body = dict(body, prompt=text)
+    choice = http.post("/v1/completions", json=body).json()["choices"][0]
+    assert choice["text"].startswith(text)
+    assert choice["logprobs"]["text_offset"][:3] == [0, 12, 15]
 
 
 def test_echo_with_generation_streamed(http):
@@ -263,13 +268,13 @@ def test_unknown_fields_are_listed_in_a_header(http):
 
 def test_unknown_field_names_cannot_break_the_header(http):
     """Names outside Latin-1, with CR / LF, or thousands of them: the answer is still a 200
-    whose header carries them escaped to ASCII, cut at 1024 characters (the log line:
-    tests/unit/test_server_headers.py)."""
+    whose header lists them JSON-quoted in ASCII, within 1024 characters (the rules and the
+    log line: tests/unit/test_server_headers.py)."""
     body = {"prompt": "hi", "max_tokens": 1, "ключ": 1, "fo\r\nX-Evil: 1": 2}
     response = http.post("/v1/completions", json=body)
     assert response.status_code == 200, response.text
     assert response.headers["x-ignored-fields"] == (
-        "fo\\r\\nX-Evil: 1, \\u043a\\u043b\\u044e\\u0447"
+        '"fo\\r\\nX-Evil: 1", "\\u043a\\u043b\\u044e\\u0447"'
     )
     assert "x-evil" not in response.headers
     many = {"prompt": "hi", "max_tokens": 1, **{f"f{i:05d}": 0 for i in range(3000)}}
@@ -277,7 +282,7 @@ def test_unknown_field_names_cannot_break_the_header(http):
     assert response.status_code == 200
     header = response.headers["x-ignored-fields"]
     assert header.startswith("f00000, f00001, ") and header.endswith(" more)")
-    assert len(header) <= 1024 + len(", ... (3000 more)")
+    assert len(header) <= 1024
 
 
 # ----------------------------------------------------------------- 9: wrong method, bad bytes
@@ -320,7 +325,7 @@ def test_an_unknown_path_stays_404(http):
     ],
     ids=["latin1", "binary", "malformed", "huge-int", "deep"],
 )
-def test_a_body_that_is_not_utf8_is_invalid_json(http, path, content):
+def test_an_unreadable_body_is_invalid_json(http, path, content):
     response = http.post(path, content=content, headers={"Content-Type": "application/json"})
     assert response.status_code == 400
     assert response.json() == error_body("the request body is not valid JSON", None, "invalid_json")

@@ -17,6 +17,7 @@ from sparsekv.engine.async_engine import (
     RequestTimeoutError,
 )
 from sparsekv.engine.model_info import ModelInfo
+from sparsekv.errors import ContextLengthError
 from sparsekv.outputs import CompletionOutput, RequestOutput
 from sparsekv.sampling_params import SamplingParams
 from sparsekv.server.replica_client import ReplicaClient
@@ -195,11 +196,20 @@ def test_replica_streams_admission_then_outputs_without_ray(make_engine, smollm2
     async def scenario():
         items = [i async for i in replica.generate("r", [1, 2, 3], PARAMS, None)]
         bad = [i async for i in replica.generate("b", [1], SamplingParams(max_tokens=-1), None)]
+        too_long = SamplingParams(max_tokens=10**6)  # past the context with any prompt
+        over = [i async for i in replica.generate("c", [1], too_long, None)]
         await replica.engine.shutdown()
-        return items, bad
+        return items, bad, over
 
-    items, bad = asyncio.run(scenario())
+    items, bad, over = asyncio.run(scenario())
     assert (
         items[0] == Admission() and items[-1].finished and len(items[-1].outputs[0].token_ids) == 2
     )
     assert bad == [Admission("invalid", bad[0].message)] and bad[0].message.startswith("max_tokens")
+    # The ingress raises what the engine raised: the server answers context_length_exceeded.
+    assert over == [Admission("context_length", over[0].message)]
+    with pytest.raises(ContextLengthError, match="^max_tokens"):
+        over[0].raise_error()
+    with pytest.raises(ValueError) as info:
+        bad[0].raise_error()
+    assert type(info.value) is ValueError

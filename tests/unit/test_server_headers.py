@@ -5,30 +5,45 @@ from __future__ import annotations
 import logging
 from types import SimpleNamespace
 
+import h11
+
 from sparsekv.server.serving import IGNORED_FIELDS_MAX_CHARS, response_headers
 
 
-def test_names_are_escaped_to_ascii_and_quoted_in_the_log(caplog):
-    body = SimpleNamespace(ignored_fields=["fo\r\nX-Evil: 1", "ключ", "plain"])
+def _header(names: list[str]) -> str:
+    return response_headers(SimpleNamespace(ignored_fields=names))["X-Ignored-Fields"]
+
+
+def _valid_for_h11(value: str) -> None:
+    """Raises when h11 (uvicorn without httptools) would refuse the header."""
+    h11.Response(status_code=200, headers=[("X-Ignored-Fields", value)])
+
+
+def test_plain_names_as_they_are_others_json_quoted_and_the_log_line_the_same(caplog):
+    names = ["fo\r\nX-Evil: 1", "ключ", "plain_name-1.x", " x", "", "a, b"]
     with caplog.at_level(logging.WARNING, logger="sparsekv.server.serving"):
-        headers = response_headers(body)
-    value = headers["X-Ignored-Fields"]
-    assert value == "fo\\r\\nX-Evil: 1, \\u043a\\u043b\\u044e\\u0447, plain"
-    value.encode("ascii")  # printable ASCII: fits a Latin-1 header
-    assert all(32 <= ord(c) < 127 for c in value)
+        value = _header(names)
+    assert value == (
+        '"fo\\r\\nX-Evil: 1", "\\u043a\\u043b\\u044e\\u0447", plain_name-1.x, " x", "", "a, b"'
+    )
+    assert all(32 <= ord(c) < 127 for c in value) and value == value.strip()
+    _valid_for_h11(value)
     (record,) = caplog.records
-    message = record.getMessage()
-    assert "\n" not in message and "\r" not in message
-    assert message == ("ignored unknown request fields: 'fo\\r\\nX-Evil: 1', 'ключ', 'plain'")
+    assert record.getMessage() == f"ignored unknown request fields: {value}"
 
 
-def test_a_long_list_is_cut_with_the_count_of_the_rest():
-    names = [f"field{i:04d}" for i in range(500)]  # 9 characters each, 11 with the separator
-    value = response_headers(SimpleNamespace(ignored_fields=names))["X-Ignored-Fields"]
-    kept = IGNORED_FIELDS_MAX_CHARS // 11
-    assert value == ", ".join(names[:kept] + [f"... ({500 - kept} more)"])
-    one_long = response_headers(SimpleNamespace(ignored_fields=["x" * 5000]))
-    assert one_long["X-Ignored-Fields"] == "... (1 more)"
+def test_a_long_list_stops_within_the_cap_with_the_count_of_the_rest():
+    names = [f"field{i:04d}" for i in range(500)]  # 9 characters each
+    value = _header(names)
+    assert len(value) <= IGNORED_FIELDS_MAX_CHARS
+    head, tail = value.rsplit(", ... (", 1)
+    kept = head.split(", ")
+    assert kept == names[: len(kept)] and tail == f"{500 - len(kept)} more)"
+    assert len(value) + len(", field0000") > IGNORED_FIELDS_MAX_CHARS  # no room for one more
+    _valid_for_h11(value)
+    assert _header(["x" * 5000]) == "... (1 more)"
+    exact = ["y" * (IGNORED_FIELDS_MAX_CHARS - 3), "z"]  # 1024 characters with ", ": all fit
+    assert _header(exact) == ", ".join(exact)
 
 
 def test_no_unknown_fields_no_header():
