@@ -99,16 +99,15 @@ def compact_decode_stacked(
     accumulated = None
     if states[0].accumulated is not None:
         accumulated = torch.cat([state.accumulated for state in states])
-    view = LayerView(
-        keys=keys,
-        values=values,
+    view = _view(
+        attention,
+        request,
+        keys,
+        values,
+        scale,
         window_queries=torch.cat([state.recent_queries for state in states]),
         window_lse=None,
-        scale=scale,
         accumulated=accumulated,
-        generator=request.generator,
-        logit_softcap=attention.logit_softcap,
-        backend=attention.backend,
     )
     budget = request.layers[layers[0]].compress_to
     kept = request.compressor.select(view, budget, request.window)  # [L * KVH, k]
@@ -161,16 +160,15 @@ def compress(
     window_lse = None
     if lse is not None and lse.shape[1] >= num_window:
         window_lse = lse[:, -num_window:]
-    view = LayerView(
-        keys=keys,
-        values=values,
+    view = _view(
+        attention,
+        request,
+        keys,
+        values,
+        scale,
         window_queries=window_queries,
         window_lse=window_lse,
-        scale=scale,
         accumulated=state.accumulated,
-        generator=request.generator,
-        logit_softcap=attention.logit_softcap,
-        backend=attention.backend,
         rope_inv_freq=(
             None if attention.rope_frequencies is None else attention.rope_frequencies[layer]
         ),
@@ -189,3 +187,24 @@ def compress(
     attention.storages[layer].write_kept(state, table, keys, values, kept)
     if state.accumulated is not None:
         state.accumulated = state.accumulated.gather(1, kept)
+
+
+def _view(
+    attention: PagedAttention,
+    request: RequestSlice,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scale: float,
+    **fields,
+) -> LayerView:
+    """A ``LayerView`` of ``keys`` / ``values`` (``[num_kv_heads, n, head_dim]``) with the
+    step's soft-cap and backend and the request's generator; ``fields``: the rest."""
+    return LayerView(
+        keys=keys,
+        values=values,
+        scale=scale,
+        generator=request.generator,
+        logit_softcap=attention.logit_softcap,
+        backend=attention.backend,
+        **fields,
+    )

@@ -66,10 +66,21 @@ class _Unscored:
 
 
 class CompletionFormatter:
-    """Builds completion response bodies and stream chunks for one request."""
+    """Builds completion response bodies and stream chunks for one request.
+
+    Args:
+        prompt_text: the echoed prompt (``""`` without ``echo``).
+        echo_as_sent: the prompt was text, echoed as the client sent it (its special tokens'
+            text included whatever ``skip_special_tokens`` says).
+    """
 
     def __init__(
-        self, ctx: ServerContext, request_id: str, body: CompletionRequest, prompt_text: str
+        self,
+        ctx: ServerContext,
+        request_id: str,
+        body: CompletionRequest,
+        prompt_text: str,
+        echo_as_sent: bool = False,
     ) -> None:
         self.ctx = ctx
         self.request_id = request_id
@@ -83,7 +94,7 @@ class CompletionFormatter:
         # Generated tokens (and echoed token-id prompts) go into the text decoded with
         # skip_special_tokens; an echoed text prompt is the client's text as sent.
         self.skip_special = body.skip_special_tokens
-        self.echo_as_sent = isinstance(_single_prompt(body), str)
+        self.echo_as_sent = echo_as_sent  # a text prompt: echoed as the client sent it
         self.echoed: set[int] = set()
         self.terminated: set[int] = set()
 
@@ -254,7 +265,7 @@ async def create_completion(
     ctx.mark_fault(request_id, [prompt] if isinstance(prompt, str) else [])
     stream = await start_request(ctx, request_id, prompt_ids, params, body)
     prompt_text = _echo_text(ctx, prompt, params.skip_special_tokens) if body.echo else ""
-    formatter = CompletionFormatter(ctx, request_id, body, prompt_text)
+    formatter = CompletionFormatter(ctx, request_id, body, prompt_text, isinstance(prompt, str))
     if body.stream:
         usage_chunk = formatter.usage_chunk if body.include_usage else None
 

@@ -207,8 +207,8 @@ static void chunk_item_bf16(const ChunkArgs& a, const ChunkItem& it, float* scra
   // the register blocks of a tile (bf16_qk and bf16_pv over every row pass): the step() calls
   // that spread the next tile's prefetches, so that none is left for the burst of finish()
   int64_t steps = 0;
-  for (int64_t c = 0; c < rp; c += 64) {
-    const int r = (int)chunk_min((rp - c) / 16, 4);
+  for (int64_t c = 0; c < rp; c += 4 * W) {  // the passes of SKV_CHUNK_ROW_PASSES
+    const int r = chunk_pass_vectors(rp, c);
     steps += tile / bf16_block(r) + d / bf16_block(r);
   }
   // an odd last key gets a partner (key 0's rows) whose weight is set to 0

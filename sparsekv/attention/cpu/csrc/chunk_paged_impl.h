@@ -241,15 +241,20 @@ static void chunk_softmax(const ChunkArgs& a, const ChunkItem& it, int64_t rows,
   }
 }
 
+// Row vectors of the pass that starts at lane c of rp: runs of at most four.
+static inline int chunk_pass_vectors(int64_t rp, int64_t c) {
+  return (int)chunk_min((rp - c) / W, 4);
+}
+
 // Runs CALL(R) for each run of at most four row vectors (c: the run's first lane).
-#define SKV_CHUNK_ROW_PASSES(rp, CALL)             \
-  for (int64_t c = 0; c < (rp); c += 4 * W) {      \
-    switch (((rp)-c) / W < 4 ? ((rp)-c) / W : 4) { \
-      case 1: CALL(1); break;                      \
-      case 2: CALL(2); break;                      \
-      case 3: CALL(3); break;                      \
-      default: CALL(4); break;                     \
-    }                                              \
+#define SKV_CHUNK_ROW_PASSES(rp, CALL)           \
+  for (int64_t c = 0; c < (rp); c += 4 * W) {    \
+    switch (chunk_pass_vectors((rp), c)) {       \
+      case 1: CALL(1); break;                    \
+      case 2: CALL(2); break;                    \
+      case 3: CALL(3); break;                    \
+      default: CALL(4); break;                   \
+    }                                            \
   }
 
 // Runs body(j0, tile, ahead) over the item's key tiles that hold a key its rows see, in order:
