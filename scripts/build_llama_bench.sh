@@ -7,6 +7,9 @@
 #                                  the newest on the index)
 #        PIP                       pip to download with (default: python3 -m pip)
 #        JOBS                      parallel compile jobs (default 2)
+#        LLAMA_NO_AMX=1            compile without AMX (-mno-amx-*): on some AMX VMs ggml's AMX
+#                                  matmuls run tile instructions the process may not use (SIGILL,
+#                                  llama-bench exits -4); the build goes to build-noamx/
 # Prints the path of the llama-bench binary on its last line. Idempotent: an existing binary
 # is reused; a finished download or extraction is not repeated.
 set -euo pipefail
@@ -34,6 +37,12 @@ fi
 
 llama="$src/vendor/llama.cpp"
 build="$llama/build"
+flags=()
+if [[ "${LLAMA_NO_AMX:-0}" == 1 ]]; then
+    build="$llama/build-noamx"
+    amx_off="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    flags=("-DCMAKE_C_FLAGS=$amx_off" "-DCMAKE_CXX_FLAGS=$amx_off")
+fi
 bin="$build/bin/llama-bench"
 if [[ ! -x "$bin" ]]; then
     if ! command -v cmake >/dev/null; then
@@ -42,7 +51,7 @@ if [[ ! -x "$bin" ]]; then
     fi
     cmake -S "$llama" -B "$build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
         -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF \
-        -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF >&2
+        -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF "${flags[@]}" >&2
     cmake --build "$build" --target llama-bench -j "$jobs" >&2
 fi
 echo "$bin"

@@ -3,9 +3,10 @@
 ``python -m sparsekv.bench.results_index [DIR]`` (``make results-index``) reads every report
 under ``DIR`` (default ``docs/results``): each JSON file with a ``provenance`` object, and each
 Markdown report with a ``## Provenance`` section that has no JSON twin. A row names the report,
-its title, date, commit (short SHA, ``+dirty`` when the tree had changes), CPU (model and the
-kernel-relevant flags), threads, and the command that reproduces it: the report's own
-``provenance.command`` where it records one, else the entry of :data:`COMMANDS`. ``--check``
+its title, date, commit (short SHA, ``+dirty`` when the tree had changes), CPU (model, core
+generation where recorded, and the kernel-relevant flags), threads, and the command that
+reproduces it: the report's own ``provenance.command`` where it records one, else the entry of
+:data:`COMMANDS`. ``--check``
 exits 1 when the committed index differs from what would be written (a test runs it).
 """
 
@@ -152,7 +153,7 @@ def _cpu(provenance: dict) -> str:
     flags: set[str] = set(provenance.get("cpu_flags") or [])
     model = ""
     if isinstance(cpu, dict):
-        model = str(cpu.get("model") or "")
+        model = " ".join(str(cpu.get(key) or "") for key in ("model", "generation"))
         flags |= {name for name, on in (cpu.get("flags") or {}).items() if on}
     elif isinstance(cpu, str) and cpu != "x86_64":
         model = cpu

@@ -25,6 +25,15 @@ CPU_FLAGS_OF_INTEREST = (
 )
 # AMD CPU families whose core generation a report names (the model name of a cloud VM is often
 # just "AMD EPYC"): 25 (0x19) with AVX-512 is Zen 4 (Zen 3 has none), 26 (0x1A) is Zen 5.
+# Intel family 6 server models, by the model number Intel's SDM lists (a cloud VM's model name is
+# often just "Intel(R) Xeon(R) Processor"): the CPU classes this project's figures are taken on.
+_INTEL_SERVER_MODELS = {
+    85: "Skylake / Cascade Lake",
+    106: "Ice Lake",
+    143: "Sapphire Rapids",
+    207: "Emerald Rapids",
+    173: "Granite Rapids",
+}
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -54,7 +63,7 @@ def code_version() -> tuple[str | None, bool | None]:
 
 def cpu_info(path: str = "/proc/cpuinfo") -> dict[str, Any]:
     """CPU model name, vendor, family and model numbers, the core generation where known (AMD
-    Zen 4 / Zen 5), and the flags of :data:`CPU_FLAGS_OF_INTEREST` (``False`` when unknown).
+    Zen 4 / Zen 5, Intel Xeon Skylake to Granite Rapids), and the flags of :data:`CPU_FLAGS_OF_INTEREST` (``False`` when unknown).
 
     Reads Linux's ``/proc/cpuinfo``; elsewhere the model is ``platform.processor()``, the
     numbers are ``None`` and no flag is set.
@@ -76,7 +85,7 @@ def cpu_info(path: str = "/proc/cpuinfo") -> dict[str, Any]:
         "vendor": vendor,
         "family": family,
         "model_number": number,
-        "generation": _amd_generation(vendor, family, "avx512f" in flags),
+        "generation": _generation(vendor, family, number, "avx512f" in flags),
         "flags": {name: name in flags for name in CPU_FLAGS_OF_INTEREST},
     }
 
@@ -86,7 +95,11 @@ def _int_field(fields: dict[str, str], key: str) -> int | None:
     return int(value) if value.isdigit() else None
 
 
-def _amd_generation(vendor: str | None, family: int | None, avx512: bool) -> str | None:
+def _generation(
+    vendor: str | None, family: int | None, model: int | None, avx512: bool
+) -> str | None:
+    if vendor == "GenuineIntel":
+        return _INTEL_SERVER_MODELS.get(model) if family == 6 and model is not None else None
     if vendor != "AuthenticAMD":
         return None
     if family == 26:

@@ -1,10 +1,10 @@
 """The OpenAI-compatible HTTP server: FastAPI app, lifespan, and ``sparsekv serve``.
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics; another method on one of them is a 405 naming the methods it takes, an unknown
-path under /v1 a 404. Readiness: /health answers 200 only once the model is loaded and a
-one-token warm-up generation has run, and 503 if the engine loop died or the server is
-draining.
+Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET and HEAD
+/health (a probe that sends HEAD gets the status without a body), GET /metrics; another method
+on one of them is a 405 naming the methods it takes, an unknown path under /v1 a 404.
+Readiness: /health answers 200 only once the model is loaded and a one-token warm-up generation
+has run, and 503 if the engine loop died or the server is draining.
 
 Drain: on SIGTERM (or SIGINT) the listener stays open; new /v1 requests get 503 with the code
 ``draining`` while the requests in flight finish, for at most ``--shutdown-timeout`` seconds
@@ -102,7 +102,7 @@ def create_app_for(ctx: ServerContext) -> FastAPI:
     app.state.ctx = ctx
     install_error_handlers(app)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> JSONResponse:
         if ctx.is_draining:
             return JSONResponse({"status": "draining"}, status_code=503)

@@ -290,7 +290,7 @@ def test_unknown_field_names_cannot_break_the_header(http):
     ("method", "path", "allow"),
     [("GET", "/v1/chat/completions", "POST"), ("GET", "/v1/completions", "POST"),
      ("DELETE", "/v1/completions", "POST"), ("PUT", "/v1/models", "GET"),
-     ("POST", "/v1/models/" + MODEL, "GET"), ("POST", "/health", "GET")],
+     ("POST", "/v1/models/" + MODEL, "GET"), ("POST", "/health", "GET, HEAD")],
 )  # fmt: skip
 def test_a_wrong_method_is_405_with_the_allowed_ones(http, method, path, allow):
     response = http.request(method, path)
@@ -298,6 +298,13 @@ def test_a_wrong_method_is_405_with_the_allowed_ones(http, method, path, allow):
     assert response.headers["allow"] == allow
     message = f"method {method} is not allowed on {path}; allowed: {allow}"
     assert response.json() == error_body(message, None, "method_not_allowed")
+
+
+def test_health_answers_head_as_get_without_a_body(http):
+    # Load balancers and orchestrators probe with either method.
+    head, get = http.head("/health"), http.get("/health")
+    assert (head.status_code, get.status_code) == (200, 200)
+    assert head.content == b"" and get.json() == {"status": "ok"}
 
 
 def test_an_unknown_path_stays_404(http):

@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from sparsekv.bench import results_index
 from sparsekv.evaluation import provenance as provenance_module
 from sparsekv.evaluation.report import (
     heatmap_grid,
@@ -149,20 +150,44 @@ def test_provenance_without_git_and_cpu_flags(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "vendor, family, flags, generation",
+    "vendor, family, model, flags, generation",
     [
-        ("AuthenticAMD", 26, "avx2 avx512f avx_vnni", "Zen 5"),
-        ("AuthenticAMD", 25, "avx2 avx512f avx512_bf16", "Zen 4"),
-        ("AuthenticAMD", 25, "avx2", None),  # Zen 3: no AVX-512
-        ("GenuineIntel", 6, "avx2 avx512f amx_tile", None),
+        ("AuthenticAMD", 26, 2, "avx2 avx512f avx_vnni", "Zen 5"),
+        ("AuthenticAMD", 25, 17, "avx2 avx512f avx512_bf16", "Zen 4"),
+        ("AuthenticAMD", 25, 1, "avx2", None),  # Zen 3: no AVX-512
+        ("GenuineIntel", 6, 143, "avx2 avx512f amx_tile", "Sapphire Rapids"),
+        ("GenuineIntel", 6, 207, "avx2 avx512f amx_tile", "Emerald Rapids"),
+        ("GenuineIntel", 6, 2, "avx2", None),  # a model number not in the table
+        ("GenuineIntel", 15, 207, "avx2", None),  # not family 6
     ],
 )
-def test_cpu_info_names_the_amd_generation(tmp_path, vendor, family, flags, generation):
+def test_cpu_info_names_the_core_generation(tmp_path, vendor, family, model, flags, generation):
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text(
-        f"vendor_id\t: {vendor}\ncpu family\t: {family}\nmodel\t\t: 2\n"
-        f"model name\t: AMD EPYC\nflags\t\t: {flags}\n"
+        f"vendor_id\t: {vendor}\ncpu family\t: {family}\nmodel\t\t: {model}\n"
+        f"model name\t: EPYC or Xeon\nflags\t\t: {flags}\n"
     )
     info = provenance_module.cpu_info(str(cpuinfo))
-    assert (info["vendor"], info["family"], info["model_number"]) == (vendor, family, 2)
+    assert (info["vendor"], info["family"], info["model_number"]) == (vendor, family, model)
     assert info["generation"] == generation
+
+
+@pytest.mark.parametrize(
+    "cpu, machine",
+    [
+        (
+            {"model": "Intel(R) Xeon(R) Processor", "generation": "Emerald Rapids",
+             "flags": {"amx_bf16": True, "avx512_bf16": True}},
+            "Intel Xeon Processor Emerald Rapids, AMX",
+        ),
+        (
+            {"model": "AMD EPYC", "generation": "Zen 5",
+             "flags": {"amx_bf16": False, "avx512_bf16": True}},
+            "AMD EPYC Zen 5, AVX512-BF16",
+        ),
+        ({"model": "AMD EPYC", "flags": {"avx2": True}}, "AMD EPYC, AVX2"),  # older reports
+    ],
+)  # fmt: skip
+def test_results_index_names_the_machine_with_its_generation(tmp_path, cpu, machine):
+    row = results_index.report_row(tmp_path, tmp_path / "r.json", {"cpu": cpu}, {})
+    assert row["machine"] == machine
