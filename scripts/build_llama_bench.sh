@@ -8,8 +8,8 @@
 #        PIP                       pip to download with (default: python3 -m pip)
 #        JOBS                      parallel compile jobs (default 2)
 #        LLAMA_NO_AMX=1            compile without AMX (-mno-amx-*): on some AMX VMs ggml's AMX
-#                                  matmuls run tile instructions the process may not use (SIGILL,
-#                                  llama-bench exits -4); the build goes to build-noamx/
+#                                  matmuls die with SIGILL at a tile instruction once a prompt
+#                                  is processed; the build goes to build-noamx/
 # Prints the path of the llama-bench binary on its last line. Idempotent: an existing binary
 # is reused; a finished download or extraction is not repeated.
 set -euo pipefail

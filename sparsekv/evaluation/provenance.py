@@ -24,11 +24,13 @@ CPU_FLAGS_OF_INTEREST = (
     "amx_tile",
 )
 # AMD CPU families whose core generation a report names (the model name of a cloud VM is often
-# just "AMD EPYC"): 25 (0x19) with AVX-512 is Zen 4 (Zen 3 has none), 26 (0x1A) is Zen 5.
+# just "AMD EPYC"): 25 (0x19) with AVX-512 is Zen 4 (Zen 3 has none), 26 (0x1A) is Zen 5; see
+# _generation.
+
 # Intel family 6 server models, by the model number Intel's SDM lists (a cloud VM's model name is
 # often just "Intel(R) Xeon(R) Processor"): the CPU classes this project's figures are taken on.
 _INTEL_SERVER_MODELS = {
-    85: "Skylake / Cascade Lake",
+    85: "Skylake / Cascade Lake / Cooper Lake",
     106: "Ice Lake",
     143: "Sapphire Rapids",
     207: "Emerald Rapids",
@@ -63,7 +65,8 @@ def code_version() -> tuple[str | None, bool | None]:
 
 def cpu_info(path: str = "/proc/cpuinfo") -> dict[str, Any]:
     """CPU model name, vendor, family and model numbers, the core generation where known (AMD
-    Zen 4 / Zen 5, Intel Xeon Skylake to Granite Rapids), and the flags of :data:`CPU_FLAGS_OF_INTEREST` (``False`` when unknown).
+    Zen 4 / Zen 5, Intel Xeon Skylake to Granite Rapids), and the flags of
+    :data:`CPU_FLAGS_OF_INTEREST` (``False`` when unknown).
 
     Reads Linux's ``/proc/cpuinfo``; elsewhere the model is ``platform.processor()``, the
     numbers are ``None`` and no flag is set.

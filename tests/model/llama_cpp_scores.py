@@ -13,6 +13,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +48,7 @@ def llama_cpp_scores(model_path: Path, token_ids: list[int], tmp_path: Path) -> 
     if importlib.util.find_spec("llama_cpp") is None:
         pytest.skip("llama_cpp is not installed")
     out = tmp_path / "llama_cpp_scores.npy"
+    signals = []  # of the runs a signal killed
     for extra_buffer_types in (True, False):
         args = {"model": str(model_path), "tokens": list(token_ids), "out": str(out)}
         args["extra_buffer_types"] = extra_buffer_types
@@ -58,7 +60,14 @@ def llama_cpp_scores(model_path: Path, token_ids: list[int], tmp_path: Path) -> 
         )
         if done.returncode >= 0:
             break
-    if done.returncode < 0:
-        pytest.skip(f"llama_cpp crashed on this CPU (signal {-done.returncode})")
+        signals.append(-done.returncode)
+    if len(signals) == 2:
+        pytest.skip(f"llama_cpp crashed on this CPU with and without extra buffers ({signals})")
+    if signals:
+        warnings.warn(
+            f"llama_cpp died with signal {signals[0]} on this CPU; the reference ran with its "
+            "extra buffer types off",
+            stacklevel=2,
+        )
     assert done.returncode == 0, done.stderr[-2000:]
     return np.load(out)
