@@ -6,8 +6,8 @@ Markdown report with a ``## Provenance`` section that has no JSON twin. A row na
 its title, date, commit (short SHA, ``+dirty`` when the tree had changes), CPU (model, core
 generation where recorded, and the kernel-relevant flags), threads, and the command that
 reproduces it: the report's own ``provenance.command`` where it records one, else the entry of
-:data:`COMMANDS`. ``--check``
-exits 1 when the committed index differs from what would be written (a test runs it).
+:data:`COMMANDS`. ``--check`` exits 1 when the committed index differs from what would be written
+(a test runs it).
 """
 
 from __future__ import annotations

@@ -23,10 +23,6 @@ CPU_FLAGS_OF_INTEREST = (
     "amx_bf16",
     "amx_tile",
 )
-# AMD CPU families whose core generation a report names (the model name of a cloud VM is often
-# just "AMD EPYC"): 25 (0x19) with AVX-512 is Zen 4 (Zen 3 has none), 26 (0x1A) is Zen 5; see
-# _generation.
-
 # Intel family 6 server models, by the model number Intel's SDM lists (a cloud VM's model name is
 # often just "Intel(R) Xeon(R) Processor"): the CPU classes this project's figures are taken on.
 _INTEL_SERVER_MODELS = {
@@ -102,9 +98,11 @@ def _generation(
     vendor: str | None, family: int | None, model: int | None, avx512: bool
 ) -> str | None:
     if vendor == "GenuineIntel":
-        return _INTEL_SERVER_MODELS.get(model) if family == 6 and model is not None else None
+        return _INTEL_SERVER_MODELS.get(model) if family == 6 else None
     if vendor != "AuthenticAMD":
         return None
+    # AMD families (the model name of a cloud VM is often just "AMD EPYC"): 25 (0x19) with
+    # AVX-512 is Zen 4 (Zen 3 has none), 26 (0x1A) is Zen 5.
     if family == 26:
         return "Zen 5"
     if family == 25 and avx512:

@@ -48,12 +48,12 @@ def llama_cpp_scores(model_path: Path, token_ids: list[int], tmp_path: Path) -> 
     if importlib.util.find_spec("llama_cpp") is None:
         pytest.skip("llama_cpp is not installed")
     out = tmp_path / "llama_cpp_scores.npy"
+    args = {"model": str(model_path), "tokens": list(token_ids), "out": str(out)}
     signals = []  # of the runs a signal killed
     for extra_buffer_types in (True, False):
-        args = {"model": str(model_path), "tokens": list(token_ids), "out": str(out)}
-        args["extra_buffer_types"] = extra_buffer_types
+        child_args = json.dumps({**args, "extra_buffer_types": extra_buffer_types})
         done = subprocess.run(
-            [sys.executable, "-c", _CHILD, json.dumps(args)],
+            [sys.executable, "-c", _CHILD, child_args],
             capture_output=True,
             text=True,
             timeout=600,
