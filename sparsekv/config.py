@@ -200,7 +200,8 @@ class CompressionConfig:
             chunk) or ``bounded`` (after every chunk: less memory, approximate).
         scope: what is compressed: the whole ``prompt``, or only the ``context`` before the
             last user message (compressed once, then shared by later requests).
-        context_tokens: for scope ``context`` on a completion prompt, the context length.
+        context_tokens: for scope ``context`` on a completion prompt, the context length
+            (another scope rejects it).
         head_budgets: how a layer's budget is split among its KV heads: ``flat`` (every head
             keeps ``budget`` slots) or ``adaptive`` (the heads share ``num_kv_heads * budget``
             slots by score, Ada-KV; set once at prefill, no decode-time eviction).
@@ -288,6 +289,12 @@ class CompressionConfig:
         if self.context_tokens is not None and self.context_tokens < 1:
             raise ValueError(
                 f"kv_compression.context_tokens must be >= 1, got {self.context_tokens}"
+            )
+        if self.context_tokens is not None and self.scope != "context":
+            # Only scope "context" reads it: under another scope it would be silently ignored.
+            raise ValueError(
+                f"kv_compression.context_tokens applies only to scope 'context'; the scope is "
+                f"{self.scope!r}"
             )
         if self.head_budgets not in HEAD_BUDGETS:
             raise ValueError(

@@ -31,6 +31,9 @@ def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
     if not items:
         raise ValueError("prompt: the prompt is empty")
     if all(isinstance(t, int) for t in items):
+        # bool is an int subclass: True / False would silently become token ids 1 / 0
+        if any(isinstance(t, bool) for t in items):
+            raise ValueError("prompt: token ids must be integers, got a boolean")
         return items
     if all(isinstance(m, dict) for m in items):
         return render_chat(tokenizer, items)

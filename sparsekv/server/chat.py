@@ -37,7 +37,7 @@ def _message_dicts(messages: list[ChatMessage]) -> list[dict]:
                 )
             content = "".join(part.text for part in content)
         role = "system" if message.role == "developer" else message.role
-        result.append({"role": role, "content": content or ""})
+        result.append({"role": role, "content": content})
     return result
 
 

@@ -4,9 +4,10 @@ User input never yields a 500: ``ValueError``s (whose messages start with the pa
 docs/internals.md) and pydantic errors become 400s naming ``param``. Every invalid parameter
 value or type has the code ``invalid_value``, a request that does not fit the context (a
 prompt of at least its length, or prompt plus ``max_tokens`` over it)
-``context_length_exceeded``; a body that is not JSON, whether malformed or
-not UTF-8 text at all, has ``invalid_json``. A method an endpoint does not take is a 405
-``method_not_allowed`` with an ``Allow`` header listing the methods it does take.
+``context_length_exceeded``; a body that is not a JSON object (empty, malformed, not UTF-8
+text at all, sent without a JSON ``Content-Type``, or a JSON array, string, number or
+``null``) has ``invalid_json``, its message saying which. A method an endpoint does not take
+is a 405 ``method_not_allowed`` with an ``Allow`` header listing the methods it does take.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import logging
 import re
 from http import HTTPStatus
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -129,6 +131,36 @@ def _invalid_json() -> APIError:
     return APIError(400, "the request body is not valid JSON", code="invalid_json")
 
 
+def _not_an_object(error_type: str | None, body: Any, content_type: str | None) -> APIError:
+    """The 400 for a body that FastAPI could not read as a JSON object, saying why.
+
+    FastAPI reports each case as the whole body (``loc`` ``("body",)``) failing to validate:
+    an empty body as ``missing``; a body whose ``Content-Type`` is not JSON is handed over
+    unparsed, as bytes; any other is JSON of another type than an object.
+    """
+    if error_type == "missing":
+        message = "the request body is empty; send a JSON object"
+    elif isinstance(body, bytes):
+        media = (content_type or "").split(";")[0].strip()
+        given = f"Content-Type {media[:64]!r}" if media else "no Content-Type"
+        message = (
+            f"the request body must be JSON sent with Content-Type: application/json; got {given}"
+        )
+    else:
+        message = f"the request body must be a JSON object, got {_json_kind(body)}"
+    return APIError(400, message, code="invalid_json")
+
+
+def _json_kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    return "a string" if isinstance(value, str) else "an array"
+
+
 def _pydantic_param(loc: tuple) -> str | None:
     parts = [str(p) for p in loc if p != "body"]
     # Drop the branch labels pydantic inserts for unions and validators ("list[int]", "str",
@@ -146,13 +178,19 @@ def install_error_handlers(app: FastAPI) -> None:
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
         first = errors[0] if errors else {}
         if first.get("type") == "json_invalid":
             return _invalid_json().response()
+        if tuple(first.get("loc", ())) == ("body",):
+            content_type = request.headers.get("content-type")
+            return _not_an_object(first.get("type"), exc.body, content_type).response()
         param = _pydantic_param(tuple(first.get("loc", ())))
-        message = f"{param or 'body'}: {first.get('msg', 'invalid value')}"
+        # pydantic prefixes a validator's ValueError with "Value error, ": the client needs
+        # only the validator's own words
+        detail = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+        message = f"{param or 'body'}: {detail}"
         return APIError(400, message, param=param, code="invalid_value").response()
 
     @app.exception_handler(StarletteHTTPException)

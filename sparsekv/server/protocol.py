@@ -9,6 +9,7 @@ does not know are kept (``model_extra``), logged and listed in a response header
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -20,6 +21,7 @@ from pydantic import (
     ValidationInfo,
     field_validator,
 )
+from pydantic_core import PydanticCustomError
 
 
 def _encodable(text: str) -> str:
@@ -39,6 +41,39 @@ TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 Seed = Annotated[int, Field(ge=-(2**62), le=2**62)]
 # Policy sizes: ranges are CompressionConfig.validate's; this only bounds absurd integers.
 Size = Annotated[int, Field(lt=2**31)]
+
+
+def _shown(value: Any) -> str:
+    """A client's JSON value as it sent it, cut short, for an error message."""
+    text = json.dumps(value, default=repr)
+    text = text if len(text) <= 40 else text[:37] + "..."
+    return f"{text} (a boolean)" if isinstance(value, bool) else text
+
+
+def _check_token_ids(prompt: Any) -> Any:
+    """Reject a token-id prompt (a list, or a list of lists) holding anything but integers,
+    naming the value and its place.
+
+    Left to the union of prompt types, such a prompt is reported against its first branch
+    ("Input should be a valid string"). Booleans are named explicitly: ``true`` is an ``int``
+    in Python. A list of strings only is left to the union (a batch of text prompts).
+    """
+    if not isinstance(prompt, list):
+        return prompt
+    nested = bool(prompt) and all(isinstance(row, list) for row in prompt)
+    rows = list(enumerate(prompt)) if nested else [(None, prompt)]
+    for r, row in rows:
+        if all(isinstance(token, str) for token in row):
+            continue
+        for i, token in enumerate(row):
+            if type(token) is not int:
+                where = f"prompt[{i}]" if r is None else f"prompt[{r}][{i}]"
+                raise PydanticCustomError(
+                    "token_id_type",
+                    "token ids must be integers, got {value} at {where}",
+                    {"value": _shown(token), "where": where},
+                )
+    return prompt
 
 
 class SpeculativeBody(BaseModel):
@@ -161,6 +196,11 @@ class CompletionRequest(SamplingBody):
     suffix: str | None = None
     prompt_logprobs: int | None = None
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _integer_token_ids(cls, value: Any) -> Any:
+        return _check_token_ids(value)
+
 
 class TextPart(BaseModel):
     """One part of a multi-part message content; only text is supported."""
@@ -172,13 +212,28 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    """One chat message (``content`` text or a list of text parts)."""
+    """One chat message (``content`` text or a list of text parts, required for every role)."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Text | list[TextPart] | None = None
+    # OpenAI allows a null (or absent) content only on an assistant message that carries
+    # tool_calls, a function_call or a refusal instead. This server takes none of those (they
+    # would be dropped, changing the conversation the model sees), so content is required and
+    # null is a 400 for every role.
+    content: Text | list[TextPart]
     name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _not_null(cls, value: Any) -> Any:
+        if value is None:
+            raise PydanticCustomError(
+                "content_null",
+                "must be a string or a list of text parts, not null (null content is only for "
+                "assistant tool calls, which this server does not support)",
+            )
+        return value
 
 
 class ChatCompletionRequest(SamplingBody):

@@ -2,8 +2,10 @@
 text decoded across the prompt, strict types and consistent errors, raw token bytes in
 logprobs, a case-insensitive ``Bearer``, per-token usage, ``echo`` / ``max_tokens: 0`` /
 ``prompt_logprobs``, the unknown-fields header, 405s for a wrong method, ``invalid_json`` for a
-body that is not UTF-8, and 400s for settings that would be silently ignored (a speculative
-field its method never reads, ``full_layers`` past the model's layers).
+body that is not UTF-8 or not a JSON object at all (empty, not sent as JSON, an array), 400s
+for token ids that are not integers and for null message content, and 400s for settings that
+would be silently ignored (a speculative field its method never reads, ``full_layers`` past the
+model's layers, ``context_tokens`` outside scope ``context``).
 """
 
 from __future__ import annotations
@@ -109,6 +111,8 @@ STRICT = [
      "logit_bias is not supported"),
     ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs",
      "prompt_logprobs must be in [0, 20], got 21"),
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}},
+     "stream_options", "stream_options: stream_options is only allowed when stream is true"),
 ]  # fmt: skip
 
 
@@ -404,3 +408,81 @@ def test_adaptive_head_budgets_per_request(http):
     error = response.json()["error"]
     assert error["param"] == "kv_compression.head_budgets"
     assert "h2o accumulates attention mass" in error["message"]
+
+
+# ----------------------------------------------------------------- 11: bodies, ids, content
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize(
+    ("content", "content_type", "message"),
+    [(b"", None, "the request body is empty; send a JSON object"),
+     (b"", "application/json", "the request body is empty; send a JSON object"),
+     (b'{"prompt": "hi"}', "text/plain",
+      "the request body must be JSON sent with Content-Type: application/json; "
+      "got Content-Type 'text/plain'"),
+     (b"{not json", "text/plain; charset=utf-8",
+      "the request body must be JSON sent with Content-Type: application/json; "
+      "got Content-Type 'text/plain'"),
+     (b'{"prompt": "hi"}', None,
+      "the request body must be JSON sent with Content-Type: application/json; "
+      "got no Content-Type"),
+     (b"[1, 2]", "application/json", "the request body must be a JSON object, got an array"),
+     (b"null", "application/json", "the request body must be a JSON object, got null")],
+    ids=["empty", "empty-json", "text-plain", "text-plain-malformed", "no-type", "array", "null"],
+)  # fmt: skip
+def test_a_body_that_is_no_json_object_is_400(http, path, content, content_type, message):
+    headers = {"Content-Type": content_type} if content_type else {}
+    response = http.post(path, content=content, headers=headers)
+    assert response.status_code == 400
+    assert response.json() == error_body(message, None, "invalid_json")
+
+
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [([504, 1.5], "got 1.5 at prompt[1]"),
+     ([504, 3.0], "got 3.0 at prompt[1]"),
+     ([True, 504], "got true (a boolean) at prompt[0]"),
+     ([504, None], "got null at prompt[1]"),
+     ([504, "a"], 'got "a" at prompt[1]'),
+     ([[504, 3575], [504, 1.5]], "got 1.5 at prompt[1][1]"),
+     ([[504, False]], "got false (a boolean) at prompt[0][1]")],
+)  # fmt: skip
+def test_token_ids_that_are_not_integers_are_400(http, prompt, message):
+    response = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+    assert response.status_code == 400
+    assert response.json() == error_body(f"prompt: token ids must be integers, {message}", "prompt")
+
+
+NULL_CONTENT = (
+    "must be a string or a list of text parts, not null (null content is only for assistant "
+    "tool calls, which this server does not support)"
+)
+
+
+@pytest.mark.parametrize("role", ["system", "developer", "user", "assistant", "tool"])
+def test_null_message_content_is_400_for_every_role(http, role):
+    messages = [{"role": role, "content": None}, {"role": "user", "content": "Hi."}]
+    response = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
+    assert response.status_code == 400
+    assert response.json() == error_body(
+        f"messages.0.content: {NULL_CONTENT}", "messages.0.content"
+    )
+    del messages[0]["content"]
+    response = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
+    assert response.status_code == 400
+    assert response.json() == error_body("messages.0.content: Field required", "messages.0.content")
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize(
+    "compression", [{"context_tokens": 4}, {"scope": "prompt", "context_tokens": 4}]
+)
+def test_context_tokens_outside_scope_context_is_400(http, path, compression):
+    body = {"max_tokens": 1, "kv_compression": compression}
+    body |= {"messages": CHAT} if "chat" in path else {"prompt": PARIS_IDS}
+    response = http.post(path, json=body)
+    assert response.status_code == 400
+    message = "kv_compression.context_tokens applies only to scope 'context'; the scope is 'prompt'"
+    assert response.json() == error_body(message, "kv_compression.context_tokens")
+    # With its scope, the same field is taken.
+    body["kv_compression"] = {"scope": "context", "context_tokens": 4}
+    assert http.post(path, json=body).status_code == 200

@@ -13,9 +13,10 @@ from sparsekv.attention.cpu import build, chunk_paged
 
 FP32_TOL = {"atol": 1e-5, "rtol": 0.0}
 BF16_TOL = {"atol": 1e-2, "rtol": 1.6e-2}  # the output rounded to bf16
-# The avx512_bf16 variant's dot products round bf16 pages' queries to bf16 (logits off by
-# ~|q| |k| 2^-9): its LSE is checked to this instead of fp32's.
+# The avx512_amx and avx512_bf16 variants' dot products round bf16 pages' queries to bf16
+# (logits off by ~|q| |k| 2^-9): their LSE is checked to this instead of fp32's.
 BF16_DOT_LSE_TOL = {"atol": 5e-3, "rtol": 0.0}
+BF16_DOT_ISAS = ("avx512_amx", "avx512_bf16")
 ISA_ENV = "SPARSEKV_KERNEL_ISA"
 
 
@@ -75,7 +76,7 @@ def check(isa, monkeypatch, cached, rows, kvh, group, block_size, head_dim, dtyp
     )
     want_out, want_lse = reference(pool, tables, starts, cached, q, k, v, scale, window)
     assert out.dtype == dtype and out.shape == want_out.shape
-    bf16_dots = isa == "avx512_bf16" and dtype == torch.bfloat16
+    bf16_dots = isa in BF16_DOT_ISAS and dtype == torch.bfloat16
     torch.testing.assert_close(
         lse, want_lse, **(BF16_DOT_LSE_TOL if bf16_dots else {"atol": 1e-4, "rtol": 0.0})
     )
@@ -131,6 +132,35 @@ def test_bf16_key_blocks_across_pages(isas, monkeypatch, head_dim, block_size):
         check(
             isa, monkeypatch, [45, 300], [5, 17], 2, 3, block_size, head_dim, torch.bfloat16, None
         )
+
+
+@pytest.mark.kernel_variant("chunk_paged")
+@pytest.mark.parametrize("window", [None, 300], ids=["full", "window300"])
+def test_rising_logits_move_the_max(isas, monkeypatch, window):
+    """Keys whose logits rise along the cache (key j scaled by 1 + j / 40, so a row's max
+    grows by far more than 2^8 within an item): the online softmax must move its max and
+    rescale what it has summed, tile after tile (the AMX kernel's lazy max redoes such blocks
+    the exact way), with two threads splitting the keys."""
+    cached, rows = [1200, 700], [5, 3]
+    pool, tables, starts, q, k, v = make_batch(cached, rows, 2, 3, 16, 64, torch.bfloat16, seed=9)
+    for b, n in enumerate(cached):  # scale each held key by its position
+        for j in range(n):
+            page, off = tables[b, j // 16], j % 16
+            pool[page, 0, :, off] *= 1 + j / 40
+    want = reference(pool, tables, starts, cached, q, k, v, 0.125, window)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for isa in isas:
+            monkeypatch.setenv(ISA_ENV, isa)
+            out, lse = chunk_paged.chunk_attention_paged_batch(
+                q, k, v, pool, tables, starts, torch.tensor(cached), 0.125, window
+            )
+            # the LSE reaches ~100 here: queries rounded to bf16 move it by up to ~2^-9 of that
+            torch.testing.assert_close(lse, want[1], atol=1e-3, rtol=4e-3)
+            torch.testing.assert_close(out.float(), want[0], atol=0.05, rtol=0.05)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.kernel_variant("chunk_paged")
@@ -226,12 +256,18 @@ def test_supports_only_what_the_kernel_takes():
 
 
 @pytest.mark.kernel_variant("chunk_paged")
-@pytest.mark.parametrize(("dtype", "rows", "native"), [
-    (torch.bfloat16, 16, True), (torch.bfloat16, 17, False), (torch.float32, 200, True)
+@pytest.mark.parametrize(("dtype", "extra_rows", "native"), [
+    (torch.bfloat16, 0, True), (torch.bfloat16, 1, False), (torch.float32, 200, True)
 ])  # fmt: skip
-def test_backend_routes_long_bf16_chunks_to_the_gather(isas, monkeypatch, dtype, rows, native):
+def test_backend_routes_long_bf16_chunks_to_the_gather(
+    isas, monkeypatch, dtype, extra_rows, native
+):
     """``CpuNativeBackend`` runs the kernel where it is the faster route: every chunk over fp32
-    pages, chunks of up to ``BF16_MAX_ROWS`` rows over bf16 pages; same results either way."""
+    pages, chunks of up to ``bf16_max_rows`` rows over bf16 pages (``AMX_MAX_ROWS`` on the AMX
+    variant, else ``BF16_MAX_ROWS``); same results either way."""
+    limit = chunk_paged.bf16_max_rows(64)
+    assert limit == (128 if chunk_paged.chunk_isa(64) == "avx512_amx" else 16)
+    rows = limit + extra_rows
     calls = []
     kernel = chunk_paged.chunk_attention_paged_batch
     monkeypatch.setattr(
@@ -243,7 +279,7 @@ def test_backend_routes_long_bf16_chunks_to_the_gather(isas, monkeypatch, dtype,
     out, lse = CpuNativeBackend().prefill_attention_paged(q, k, v, pool, tables[0], 50, 0.125)
     want = reference(pool, tables, starts, [50], q, k, v, 0.125, None)
     assert len(calls) == int(native)
-    bf16_dots = native and dtype == torch.bfloat16 and chunk_paged.chunk_isa(64) == "avx512_bf16"
+    bf16_dots = native and dtype == torch.bfloat16 and chunk_paged.chunk_isa(64) in BF16_DOT_ISAS
     torch.testing.assert_close(
         lse, want[1], **(BF16_DOT_LSE_TOL if bf16_dots else {"atol": 1e-4, "rtol": 0.0})
     )

@@ -166,6 +166,7 @@ def test_draft_tokens_count_in_the_peak():
         ({"budget": 64, "compression_ratio": 0.5}, {}, "kv_compression.budget and"),
         ({"scope": "context"}, {}, r"^kv_compression\.context_tokens: scope 'context'"),
         ({"scope": "context", "context_tokens": 300}, {}, "context_tokens: 300 exceeds"),
+        ({"context_tokens": 100}, {}, r"^kv_compression\.context_tokens applies only to scope"),
         ({"layer_budgets": (0, 64)}, {}, r"^kv_compression\.layer_budgets: 2 budgets"),
         ({"layer_fractions": (0.5,)}, {}, r"^kv_compression\.layer_fractions: 1 fractions"),
         (CompressionConfig(method="snap"), {}, r"^kv_compression\.method: unknown method"),

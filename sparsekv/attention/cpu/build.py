@@ -35,6 +35,7 @@ SOURCES = (  # headers: tracked by ninja, and part of the build folder's digest
     "compaction_binding.cpp",
     "prefill_binding.cpp",
     "chunk_paged_binding.cpp",
+    "chunk_paged_avx512_amx.cpp",
     "chunk_paged_avx512_bf16.cpp",
     "chunk_paged_avx512.cpp",
     "chunk_paged_avx2.cpp",

@@ -4,11 +4,7 @@
 constexpr int kAmxMaxHeads = 16;  // query heads per pass (tile rows / columns)
 constexpr int kAmxChunk = 32;     // bf16 elements per tile row (64 bytes)
 
-struct TileConfig {  // ldtilecfg's 64-byte operand, palette 1
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
+#include "amx_tile_config.h"
 
 // Decode tile registers: 0, 1 logits [16 slots][g] fp32 (two row groups); 2, 3 key rows
 // [16][32] or value pairs [16][16][2] bf16; 4 query pairs [16][g][2] bf16; 5, 6 output

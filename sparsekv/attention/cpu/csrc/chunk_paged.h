@@ -74,6 +74,7 @@ struct ChunkKernel {
   void (*combine)(const ChunkArgs&, const ChunkItem* items, int64_t count, const float* states);
 };
 
+extern const ChunkKernel kChunkAvx512Amx;
 extern const ChunkKernel kChunkAvx512Bf16;
 extern const ChunkKernel kChunkAvx512;
 extern const ChunkKernel kChunkAvx2;

@@ -26,6 +26,7 @@ struct ChunkVariant {
 };
 
 const ChunkVariant kChunkVariants[] = {  // fastest first
+    {"avx512_amx", &skv::kChunkAvx512Amx},
     {"avx512_bf16", &skv::kChunkAvx512Bf16},
     {"avx512", &skv::kChunkAvx512},
     {"avx2", &skv::kChunkAvx2},
@@ -35,6 +36,7 @@ const ChunkVariant kChunkVariants[] = {  // fastest first
 std::string chunk_status(const ChunkVariant& v) {
   if (v.kernel->item == nullptr) return "not compiled for this target";
   if (std::string(v.name) == "avx512_bf16") return skv::avx512_bf16_status();
+  if (std::string(v.name) == "avx512_amx") return skv::amx_status();
   // Same CPU requirements as the decode variants of the same name.
   return skv::find_table(v.name) != nullptr ? "ok" : std::string("no ") + v.name + " on this CPU";
 }

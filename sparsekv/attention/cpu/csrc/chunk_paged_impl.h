@@ -326,6 +326,11 @@ static void chunk_item_t(const ChunkArgs& a, const ChunkItem& it, float* scratch
 #if defined(SKV_CHUNK_BF16)
 #include "chunk_paged_bf16.h"
 #endif
+#if defined(SKV_CHUNK_AMX)
+#include "amx_tile_config.h"
+#include "lazy_softmax.h"
+#include "chunk_paged_amx.h"
+#endif
 #undef SKV_CHUNK_ROW_PASSES
 
 // Rows per item up to which the keys go in lanes (chunk_narrow) rather than the rows: measured
@@ -341,6 +346,9 @@ static int64_t chunk_scratch(const ChunkArgs& a, int64_t rows) {
   int64_t most = narrow > lanes ? narrow : lanes;
 #if defined(SKV_CHUNK_BF16)
   most = bf16_scratch(a, rows) > most ? bf16_scratch(a, rows) : most;
+#endif
+#if defined(SKV_CHUNK_AMX)
+  most = amx_chunk_scratch(a, rows) > most ? amx_chunk_scratch(a, rows) : most;
 #endif
   return most;
 }
@@ -358,6 +366,12 @@ static void chunk_item_dim(const ChunkArgs& a, const ChunkItem& it, float* scrat
 
 static void chunk_item(const ChunkArgs& a, const ChunkItem& it, float* scratch, float* states) {
   const int64_t rows = a.num_heads / a.num_kv_heads * it.num_rows;
+#if defined(SKV_CHUNK_AMX)
+  if (a.pool_bf16 && rows <= kAmxChunkCols) {
+    chunk_item_amx(a, it, scratch, states);
+    return;
+  }
+#endif
   if (rows <= kNarrowRows) {
     if (a.pool_bf16)
       chunk_narrow<uint16_t>(a, it, scratch, states);

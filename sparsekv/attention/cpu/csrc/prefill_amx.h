@@ -42,16 +42,6 @@
 
 #include "prefill_softmax.h"
 
-static void configure_prefill_tiles(TileConfig* cfg) {
-  __builtin_memset(cfg, 0, sizeof(*cfg));
-  cfg->palette = 1;
-  for (int t = 0; t < 8; ++t) {
-    cfg->rows[t] = 16;
-    cfg->colsb[t] = 64;
-  }
-  _tile_loadconfig(cfg);
-}
-
 static int64_t prefill_scratch_amx(const PrefillArgs& a) {
   return prefill_layout(a, nullptr, nullptr) + 16;  // + 16: room to align the base
 }
@@ -161,7 +151,7 @@ static void prefill_item_amx(const PrefillArgs& a, int64_t kvh, int64_t qb, floa
   // The first block any column sees: below it, every key is past every window.
   const int64_t first_key = a.nk - a.nq + q0 - reach;
   const int64_t first_block = first_key > 0 ? first_key / kPKeys * kPKeys : 0;
-  configure_prefill_tiles(w.cfg);
+  configure_full_tiles(w.cfg);
   for (int64_t k0 = first_block; k0 <= last_key; k0 += kPKeys) {
     // Column tiles that see some key of the block, and whether the block crosses their
     // diagonal or window edge (thresholds rise along a tile, padding rows last).

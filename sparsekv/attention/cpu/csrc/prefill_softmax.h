@@ -13,6 +13,8 @@
 //
 // Needs a TileConfig type (amx_util.h; a declaration is enough where no tile is used) and
 // kernel_impl.h's vector helpers (vexp2, kNegInf, kLog2e, kLn2).
+#include "lazy_softmax.h"
+
 constexpr int64_t kPKeys = kPrefillKeyBlock;   // keys per block (a multiple of 32)
 constexpr int64_t kPMaxTiles = 64;             // column tiles per item (group x query block)
 constexpr int64_t kPairChunk = 32;             // query elements per 16 packed pairs
@@ -29,11 +31,6 @@ struct PrefillScratch {
   int32_t* thr;      // [cols] last key index the column sees
 };
 
-// The running max before a column has seen a key: finite, so that a column whose first
-// processed blocks lie outside its window keeps alpha = 1 and l = 0 (with -inf, alpha would be
-// exp2(-inf + inf) = NaN), and exp2(kNoMax - m_new) is exactly 0 (vexp2 flushes below -126)
-// once it sees one, as -inf gave.
-constexpr float kNoMax = -1e30f;
 
 // How far below its last visible key (thr) a column sees: window - 1 with a sliding window,
 // otherwise 2^30 (more than any key index, so every key up to thr is visible).
@@ -41,11 +38,6 @@ static int32_t window_reach(const PrefillArgs& a) {
   return a.window > 0 ? (int32_t)(a.window - 1) : (int32_t)(1 << 30);
 }
 
-// Keys k0 of the columns' lanes that are visible: thr - reach <= k0 <= thr, as one unsigned
-// compare of thr - k0 against reach (negative differences wrap past it).
-static inline __mmask16 visible_keys(__m512i thr, __m512i reach, int64_t k0) {
-  return _mm512_cmple_epu32_mask(_mm512_sub_epi32(thr, _mm512_set1_epi32((int)k0)), reach);
-}
 
 static int64_t prefill_columns(const PrefillArgs& a) {
   return a.num_heads / a.num_kv_heads * a.query_block;
@@ -70,22 +62,6 @@ static int64_t prefill_layout(const PrefillArgs& a, float* base, PrefillScratch*
   return used;
 }
 
-
-// 2^t for finite t to 7.5e-5 (2^-13.7) relative error: 2^(t - floor t) by a degree-3
-// polynomial on [0, 1) (minimax fit of the relative error; 2^0 comes out as 1 - 7.5e-5), times
-// 2^floor(t) by scalef, which floors its exponent operand itself (and gives 0 or inf past the
-// ends of the range). vreduceps gives t - floor(t) in one instruction: 5 vector instructions in
-// all. The probabilities are rounded to bf16 (2^-9 relative) for the value product, where the
-// error is invisible; the row sum l adds them unrounded, so the lse moves by at most 7.5e-5
-// (degree 4, 2.7e-6, cost one more instruction per vector: ~4% of the kernel).
-static inline __m512 prefill_exp2(__m512 t) {
-  const __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.07802419364452362f), f,
-                             _mm512_set1_ps(0.2260672152042389f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6958337426185608f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.9999251961708069f));
-  return _mm512_scalef_ps(p, t);
-}
 
 // Query pairs of the item's columns (zero past nq) and each column's last visible key.
 static void pack_queries(const PrefillArgs& a, int64_t kvh, int64_t q0,
@@ -132,8 +108,8 @@ static inline __m512 block_probabilities(int64_t k0, int t, __m512 m, float scal
   __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
   uint32_t* p = w.p + t * (kPKeys / 32) * 256;
   for (int64_t k = 0; k < kPKeys; k += 2) {
-    __m512 p0 = prefill_exp2(_mm512_fmadd_ps(_mm512_loadu_ps(s + k * 16), sc, neg_m));
-    __m512 p1 = prefill_exp2(_mm512_fmadd_ps(_mm512_loadu_ps(s + (k + 1) * 16), sc, neg_m));
+    __m512 p0 = fast_exp2(_mm512_fmadd_ps(_mm512_loadu_ps(s + k * 16), sc, neg_m));
+    __m512 p1 = fast_exp2(_mm512_fmadd_ps(_mm512_loadu_ps(s + (k + 1) * 16), sc, neg_m));
     if (kMasked) {  // masked logits may be anything finite: their exp2 is dropped, inf included
       p0 = _mm512_maskz_mov_ps(visible_keys(thr, reach_v, k0 + k), p0);
       p1 = _mm512_maskz_mov_ps(visible_keys(thr, reach_v, k0 + k + 1), p1);
@@ -171,11 +147,6 @@ static inline __m512 block_max(int64_t k0, int t, bool masked, float scale2, int
   return _mm512_mul_ps(mx_all, _mm512_set1_ps(scale2));
 }
 
-// A block's probabilities against a column's current max m may reach this much (sum over the
-// block) before the max is moved: a lazy max (see block_softmax). 2^8: the rounded
-// probabilities stay far from bf16's and fp32's limits, and a row's max rarely grows that much
-// after its first keys.
-constexpr float kLazySum = 256.0f;
 
 // Online softmax of column tile t over the block's logits: updates m and l, writes the bf16
 // probability pairs and returns alpha = exp2(m_old - m_new) per column. kMasked: the block

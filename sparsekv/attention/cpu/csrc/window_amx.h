@@ -11,16 +11,6 @@
 // query pairs (all eight are configured 16 x 64 bytes: window_fused_amx.h keeps key rows in
 // 4 .. 7).
 
-static void configure_window_tiles(TileConfig* cfg) {
-  __builtin_memset(cfg, 0, sizeof(*cfg));
-  cfg->palette = 1;
-  for (int t = 0; t < 8; ++t) {
-    cfg->rows[t] = 16;
-    cfg->colsb[t] = 64;
-  }
-  _tile_loadconfig(cfg);
-}
-
 static int64_t window_scratch_amx(const WindowArgs& a) {
   const int64_t vector = window_scratch(a), tiles = 16 + 2 * 256 + 16 * a.head_dim / 2 + 16;
   return vector > tiles ? vector : tiles;
@@ -103,7 +93,7 @@ static void window_pages_or_amx(const WindowArgs& a, int64_t kvh, int64_t page_b
   }
   float* base = scratch + (16 - (reinterpret_cast<uintptr_t>(scratch) / 4) % 16) % 16;
   float* c = base + 16;  // two C tiles
-  configure_window_tiles(reinterpret_cast<TileConfig*>(base));
+  configure_full_tiles(reinterpret_cast<TileConfig*>(base));
   for (int64_t pi = page_begin; pi < page_end; ++pi)
     window_page_amx(a, kvh, pi, c, reinterpret_cast<uint16_t*>(c + 2 * 256));
   _tile_release();  // see decode_item_amx

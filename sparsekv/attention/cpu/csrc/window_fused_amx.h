@@ -115,7 +115,7 @@ static void window_fused_item_amx(const WindowFusedArgs& a, int64_t kvh, float* 
       lse_row[r] = a.lse_in[(kvh * a.group + r / a.w) * a.w + r % a.w];
   }
   window_fused_pack_queries(a, kvh, qp);
-  configure_window_tiles(reinterpret_cast<TileConfig*>(base));
+  configure_full_tiles(reinterpret_cast<TileConfig*>(base));
   window_fused_logits(a, kvh, qp, L, stage, thr, a.lse_in == nullptr ? mx : nullptr);
   _tile_release();  // see decode_item_amx
   for (int64_t rb = 0; rb < R / 16; rb += 4) {
