@@ -131,6 +131,12 @@ def _invalid_json() -> APIError:
     return APIError(400, "the request body is not valid JSON", code="invalid_json")
 
 
+# How FastAPI reports a body that is not a JSON object at all: empty ("missing"), or read but
+# of another type (pydantic's "model_attributes_type", "model_type", "dict_type"). Another
+# error located at the whole body (a model-level validator's) keeps its own message.
+_BODY_TYPE_ERRORS = ("missing", "model_type", "model_attributes_type", "dict_type")
+
+
 def _not_an_object(error_type: str | None, body: Any, content_type: str | None) -> APIError:
     """The 400 for a body that FastAPI could not read as a JSON object, saying why.
 
@@ -183,7 +189,7 @@ def install_error_handlers(app: FastAPI) -> None:
         first = errors[0] if errors else {}
         if first.get("type") == "json_invalid":
             return _invalid_json().response()
-        if tuple(first.get("loc", ())) == ("body",):
+        if tuple(first.get("loc", ())) == ("body",) and first.get("type") in _BODY_TYPE_ERRORS:
             content_type = request.headers.get("content-type")
             return _not_an_object(first.get("type"), exc.body, content_type).response()
         param = _pydantic_param(tuple(first.get("loc", ())))

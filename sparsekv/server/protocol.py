@@ -65,6 +65,13 @@ def _check_token_ids(prompt: Any) -> Any:
     for r, row in rows:
         if all(isinstance(token, str) for token in row):
             continue
+        if any(isinstance(token, str) for token in row):
+            where = "prompt" if r is None else f"prompt[{r}]"
+            raise PydanticCustomError(
+                "prompt_list_mixed",
+                "a prompt list must hold only strings or only token ids, {where} mixes them",
+                {"where": where},
+            )
         for i, token in enumerate(row):
             if type(token) is not int:
                 where = f"prompt[{i}]" if r is None else f"prompt[{r}][{i}]"

@@ -442,7 +442,6 @@ def test_a_body_that_is_no_json_object_is_400(http, path, content, content_type,
      ([504, 3.0], "got 3.0 at prompt[1]"),
      ([True, 504], "got true (a boolean) at prompt[0]"),
      ([504, None], "got null at prompt[1]"),
-     ([504, "a"], 'got "a" at prompt[1]'),
      ([[504, 3575], [504, 1.5]], "got 1.5 at prompt[1][1]"),
      ([[504, False]], "got false (a boolean) at prompt[0][1]")],
 )  # fmt: skip
@@ -450,6 +449,17 @@ def test_token_ids_that_are_not_integers_are_400(http, prompt, message):
     response = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
     assert response.status_code == 400
     assert response.json() == error_body(f"prompt: token ids must be integers, {message}", "prompt")
+
+
+@pytest.mark.parametrize(
+    ("prompt", "where"),
+    [([504, "a"], "prompt"), (["hello", 5], "prompt"), ([[1, 2], [3, "a"]], "prompt[1]")],
+)
+def test_prompt_lists_mixing_text_and_token_ids_are_400(http, prompt, where):
+    response = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+    assert response.status_code == 400
+    message = f"prompt: a prompt list must hold only strings or only token ids, {where} mixes them"
+    assert response.json() == error_body(message, "prompt")
 
 
 NULL_CONTENT = (

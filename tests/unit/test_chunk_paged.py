@@ -135,18 +135,22 @@ def test_bf16_key_blocks_across_pages(isas, monkeypatch, head_dim, block_size):
 
 
 @pytest.mark.kernel_variant("chunk_paged")
-@pytest.mark.parametrize("window", [None, 300], ids=["full", "window300"])
-def test_rising_logits_move_the_max(isas, monkeypatch, window):
-    """Keys whose logits rise along the cache (key j scaled by 1 + j / 40, so a row's max
-    grows by far more than 2^8 within an item): the online softmax must move its max and
+@pytest.mark.parametrize(("cached", "rows", "window"), [
+    ([1200, 700], [5, 3], None),
+    ([1200, 700], [5, 3], 300),
+    ([900], [10], None),  # 30 columns: two column tiles of the AMX item
+    ([3000], [5], 1000),  # a window long enough to be cut into key splits
+])  # fmt: skip
+def test_rising_logits_move_the_max(isas, monkeypatch, cached, rows, window):
+    """Keys whose logits rise along the cache (key j of n scaled by 1 + 15 j / n, so a row's
+    max grows by far more than 2^8 within an item): the online softmax must move its max and
     rescale what it has summed, tile after tile (the AMX kernel's lazy max redoes such blocks
     the exact way), with two threads splitting the keys."""
-    cached, rows = [1200, 700], [5, 3]
     pool, tables, starts, q, k, v = make_batch(cached, rows, 2, 3, 16, 64, torch.bfloat16, seed=9)
     for b, n in enumerate(cached):  # scale each held key by its position
         for j in range(n):
             page, off = tables[b, j // 16], j % 16
-            pool[page, 0, :, off] *= 1 + j / 40
+            pool[page, 0, :, off] *= 1 + 15 * j / n
     want = reference(pool, tables, starts, cached, q, k, v, 0.125, window)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -161,6 +165,26 @@ def test_rising_logits_move_the_max(isas, monkeypatch, window):
             torch.testing.assert_close(out.float(), want[0], atol=0.05, rtol=0.05)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.kernel_variant("chunk_paged")
+def test_group_wider_than_an_amx_item(isas, monkeypatch):
+    """34 query heads per KV head: more columns than an AMX item takes even for one row, so
+    the AMX unit runs its AVX512-BF16 path (every variant checked the same)."""
+    for isa in isas:
+        check(isa, monkeypatch, [40, 100], [5, 2], 1, 34, 16, 64, torch.bfloat16, None)
+
+
+def test_bf16_route_limit_counts_amx_row_blocks(monkeypatch):
+    """Past the limit the backend gathers: 12 blocks of ``32 // group`` rows on AMX for groups
+    the AMX item takes, 16 rows otherwise (or on other variants)."""
+    monkeypatch.setattr(chunk_paged, "chunk_isa", lambda head_dim: "avx512_amx")
+    assert [chunk_paged.bf16_max_rows(64, g) for g in (1, 3, 8, 32, 33)] == [384, 120, 48, 12, 16]
+    monkeypatch.setattr(chunk_paged, "chunk_isa", lambda head_dim: "avx512_bf16")
+    assert [chunk_paged.bf16_max_rows(64, g) for g in (1, 3)] == [16, 16]
+    pool = torch.zeros(1, 2, 3, 16, 64, dtype=torch.bfloat16)
+    assert chunk_paged.beats_gather(pool, 16, 9) and not chunk_paged.beats_gather(pool, 17, 9)
+    assert chunk_paged.beats_gather(pool.float(), 1000, 9)
 
 
 @pytest.mark.kernel_variant("chunk_paged")
@@ -263,10 +287,8 @@ def test_backend_routes_long_bf16_chunks_to_the_gather(
     isas, monkeypatch, dtype, extra_rows, native
 ):
     """``CpuNativeBackend`` runs the kernel where it is the faster route: every chunk over fp32
-    pages, chunks of up to ``bf16_max_rows`` rows over bf16 pages (``AMX_MAX_ROWS`` on the AMX
-    variant, else ``BF16_MAX_ROWS``); same results either way."""
-    limit = chunk_paged.bf16_max_rows(64)
-    assert limit == (128 if chunk_paged.chunk_isa(64) == "avx512_amx" else 16)
+    pages, chunks of up to ``bf16_max_rows`` rows over bf16 pages; same results either way."""
+    limit = chunk_paged.bf16_max_rows(64, 2)
     rows = limit + extra_rows
     calls = []
     kernel = chunk_paged.chunk_attention_paged_batch

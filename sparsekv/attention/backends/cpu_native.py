@@ -92,7 +92,7 @@ class CpuNativeBackend(TorchBackend):
         kernel over the gathered keys is faster (``chunk_paged.beats_gather``)."""
         if chunk_paged.supports_chunk_paged(
             query, key, kv_pool, logit_softcap
-        ) and chunk_paged.beats_gather(kv_pool, query.shape[1]):
+        ) and chunk_paged.beats_gather(kv_pool, query.shape[1], query.shape[0]):
             return chunk_paged.chunk_attention_paged(
                 query, key, value, kv_pool, block_table, num_cached, scale, sliding_window
             )
@@ -120,7 +120,7 @@ class CpuNativeBackend(TorchBackend):
         (``chunk_paged.beats_gather``): the caller then goes per sequence."""
         if not chunk_paged.supports_chunk_paged(query, key, kv_pool, logit_softcap):
             return None
-        if not chunk_paged.beats_gather(kv_pool, int(row_starts.diff().max())):
+        if not chunk_paged.beats_gather(kv_pool, int(row_starts.diff().max()), query.shape[0]):
             return None
         return chunk_paged.chunk_attention_paged_batch(
             query, key, value, kv_pool, block_tables, row_starts, num_cached, scale,

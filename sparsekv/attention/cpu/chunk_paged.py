@@ -35,11 +35,12 @@ VARIANTS = ("avx512_amx", "avx512_bf16", "avx512", "avx2", "generic")
 # spread) where the flash kernel takes fp32, and faster at every length where the gather
 # feeds PyTorch attention (AVX2: 256 vs 302 ms at 512).
 BF16_MAX_ROWS = 16
-# The same on AMX tiles (``avx512_amx``, ``csrc/chunk_paged_amx.h``), at 4000 held slots (9 heads,
-# 3 KV heads, head_dim 64, 2 threads, Intel Emerald Rapids): 0.69 vs 1.79 ms at 16 rows, 1.9 vs
-# 2.9 ms at 64, 3.8 vs 4.0 ms at 128, 7.4 vs 6.4 ms at 256 (every item reads every key once per
-# block of rows, where the flash kernel packs them once).
-AMX_MAX_ROWS = 128
+# The same on AMX tiles (``avx512_amx``, ``csrc/chunk_paged_amx.h``), counted in row blocks (an
+# item takes ``32 // group`` chunk rows and reads every key once, where the flash kernel packs
+# them once for all rows): at 4000 held slots (9 heads, 3 KV heads: 10-row blocks, head_dim 64,
+# 2 threads, Intel Emerald Rapids; docs/results/kernels_chunk_gather_emr_*) the kernel leads up
+# to ~12 blocks and trails from ~25. Groups over 32 run the ``avx512_bf16`` path there.
+AMX_MAX_ROW_BLOCKS = 12
 _LANES = {"avx512_amx": 16, "avx512_bf16": 16, "avx512": 16, "avx2": 8, "generic": 4}
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -115,17 +116,25 @@ def supports_chunk_paged(
     return chunk_isa(head_dim) is not None
 
 
-def bf16_max_rows(head_dim: int) -> int:
-    """Longest chunk over bf16 pages of ``head_dim`` for which the kernel is the faster route:
-    :data:`AMX_MAX_ROWS` where the ``avx512_amx`` variant runs, else :data:`BF16_MAX_ROWS`."""
-    return AMX_MAX_ROWS if chunk_isa(head_dim) == "avx512_amx" else BF16_MAX_ROWS
+def bf16_max_rows(head_dim: int, group: int) -> int:
+    """Longest chunk over bf16 pages of ``head_dim`` for which the kernel is the faster route,
+    with ``group`` query heads per KV head: :data:`AMX_MAX_ROW_BLOCKS` blocks of ``32 // group``
+    rows where the ``avx512_amx`` variant runs and takes the group (at most 32), else
+    :data:`BF16_MAX_ROWS` rows."""
+    if chunk_isa(head_dim) == "avx512_amx" and group <= 32:
+        return AMX_MAX_ROW_BLOCKS * (32 // group)
+    return BF16_MAX_ROWS
 
 
-def beats_gather(kv_pool: torch.Tensor, max_rows: int) -> bool:
-    """True when the kernel is the faster route for chunks of up to ``max_rows`` rows over
-    ``kv_pool``'s pages ``[num_pages, 2, num_kv_heads, block_size, head_dim]``: always for
-    fp32 pages, up to :func:`bf16_max_rows` rows for bf16 ones."""
-    return kv_pool.dtype == torch.float32 or max_rows <= bf16_max_rows(kv_pool.shape[-1])
+def beats_gather(kv_pool: torch.Tensor, max_rows: int, num_heads: int) -> bool:
+    """True when the kernel is the faster route for chunks of up to ``max_rows`` rows of
+    ``num_heads`` query heads over ``kv_pool``'s pages ``[num_pages, 2, num_kv_heads,
+    block_size, head_dim]``: always for fp32 pages, up to :func:`bf16_max_rows` rows for bf16
+    ones."""
+    if kv_pool.dtype == torch.float32:
+        return True
+    group = num_heads // max(kv_pool.shape[2], 1)
+    return max_rows <= bf16_max_rows(kv_pool.shape[-1], group)
 
 
 def chunk_attention_paged(

@@ -1,9 +1,12 @@
 """Verification chunk rows: ``chunk_paged.chunk_attention_paged_batch`` (the multi-query paged
 kernel that scores a speculative step's ``K + 1`` rows, or a short prefill chunk, against the
 held slots read in place), once per variant this CPU runs (``chunk_paged.chunk_isas``:
-``avx512_bf16``, ``avx512``, ``avx2``, ``generic``), for ``--batch`` requests of
-``--chunk-rows`` rows over ``--tokens`` held slots each, on one layer. The bound is the larger
-of reading the K/V once (bandwidth) and ``Q K^T`` + ``P V`` at the dtype's matmul rate."""
+``avx512_amx``, ``avx512_bf16``, ``avx512``, ``avx2``, ``generic``), for ``--batch`` requests
+of ``--chunk-rows`` rows over ``--tokens`` held slots each, on one layer; and the route the
+backend takes past ``chunk_paged.beats_gather`` (each sequence's held slots gathered into a
+copy, then the flash prefill kernel: the ``gather`` row), which sets the longest chunk the
+kernel takes. The bound is the larger of reading the K/V once (bandwidth) and ``Q K^T`` +
+``P V`` at the dtype's matmul rate."""
 
 from __future__ import annotations
 
@@ -12,6 +15,8 @@ import functools
 
 import torch
 
+from sparsekv.attention.backends.base import AttentionBackend
+from sparsekv.attention.backends.cpu_native import CpuNativeBackend
 from sparsekv.attention.cpu import chunk_paged
 from sparsekv.bench.kernels.probe import DTYPES, row, timed
 
@@ -55,7 +60,7 @@ def bench_chunk(args: argparse.Namespace, dtype_name: str, machine: dict) -> lis
         cached,
         args.head_dim**-0.5,
     )
-    return [
+    rows_out = [
         row(
             f"chunk {isa} {batch}x{rows} rows x{args.tokens} {dtype_name}",
             timed(functools.partial(call, isa=isa), args.repeats),
@@ -64,3 +69,16 @@ def bench_chunk(args: argparse.Namespace, dtype_name: str, machine: dict) -> lis
         )
         for isa in chunk_paged.chunk_isas()
     ]
+    backend = CpuNativeBackend()
+    query_rows = query.to(dtype)
+
+    def gather() -> None:
+        for b in range(batch):  # the default route: gather, then the flash prefill kernel
+            span = slice(b * rows, (b + 1) * rows)
+            AttentionBackend.prefill_attention_paged(
+                backend, query_rows[:, span], key[:, span], value[:, span], pool, tables[b],
+                args.tokens, args.head_dim**-0.5,
+            )  # fmt: skip
+
+    name = f"chunk gather {batch}x{rows} rows x{args.tokens} {dtype_name}"
+    return rows_out + [row(name, timed(gather, args.repeats), bound, note)]

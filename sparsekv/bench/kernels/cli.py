@@ -35,8 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import subprocess
 import time
 from pathlib import Path
 
@@ -53,6 +51,7 @@ from sparsekv.bench.kernels.probe import DTYPES, measure_machine, native_isa
 from sparsekv.bench.kernels.variants import print_variants
 from sparsekv.bench.kernels.window import bench_window
 from sparsekv.bench.kernels.window_fused import bench_window_fused
+from sparsekv.evaluation.provenance import provenance as report_provenance
 from sparsekv.evaluation.report import markdown_table
 
 
@@ -123,31 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def provenance(args: argparse.Namespace) -> dict:
-    """Git SHA, torch version, threads, CPU and its kernel-relevant flags, kernel variants."""
-    try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False
-        ).stdout.strip()
-    except OSError:
-        sha = ""
-    flags: list[str] = []
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
-                flags = [f for f in line.split(":", 1)[1].split() if f in wanted]
-                break
-    except OSError:
-        pass
-    return {
-        "git_sha": sha,
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "cpu": platform.processor() or platform.machine(),
-        "cpu_flags": flags,
-        "kernel_variants": list(ops.available_isas()),
-        "kernel_variant_used": native_isa(args) if build.load_extension() else None,
-    }
+    """The shared report provenance (``evaluation.provenance``: git SHA and dirty flag,
+    versions, threads, the CPU with its generation and flags, date, command line), plus the
+    kernel variants this CPU runs and the one the decode rows used."""
+    document = report_provenance()
+    document["kernel_variants"] = list(ops.available_isas())
+    document["kernel_variant_used"] = native_isa(args) if build.load_extension() else None
+    return document
 
 
 def bench_rows(

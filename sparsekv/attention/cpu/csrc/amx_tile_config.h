@@ -1,5 +1,5 @@
-// The operand of ldtilecfg (AMX tile configuration), shared by every unit that uses tiles.
-#pragma once
+// The operand of ldtilecfg (AMX tile configuration), shared by every unit that uses tiles;
+// included once per unit, inside its namespace.
 
 struct TileConfig {  // ldtilecfg's 64-byte operand, palette 1
   uint8_t palette, start_row, reserved[14];

@@ -28,7 +28,14 @@
 // Tile registers (all 16 rows x 64 bytes): 0, 1 logits of the two key halves, then output
 // blocks; 2, 3 key rows, then value pairs; 4 query pairs; 6 probability rows.
 
+#if !defined(SKV_CHUNK_BF16)
+#error "chunk_paged_amx.h needs chunk_paged_bf16.h (SKV_CHUNK_BF16)"
+#endif
+
 constexpr int64_t kAmxChunkCols = 32;  // columns (group x rows) of an item on tiles
+// Keys per tile (a.tile of bf16 pages): the logits buffer, the two 16-key halves and the 16
+// probability pairs below are sized for exactly 32.
+static_assert(kChunkTileKeysBf16 == 32, "the AMX chunk item takes 32-key tiles");
 
 struct ChunkAmxScratch {
   TileConfig* cfg;

@@ -1,8 +1,7 @@
 // Pieces of the lane-wise online softmax shared by the AMX / AVX512-BF16 prefill kernels
 // (prefill_softmax.h) and the AMX chunk kernel (chunk_paged_amx.h): 16 query columns in the
 // lanes of an AVX-512 vector, keys along rows, logits in base 2. Needs <immintrin.h> with
-// AVX-512F / BW and AVX512-DQ (vreduceps).
-#pragma once
+// AVX-512F / BW and AVX512-DQ (vreduceps). Included once per unit, inside its namespace.
 
 // The running max before a column has seen a key: finite, so that a column whose first
 // processed blocks lie outside its window keeps alpha = 1 and l = 0 (with -inf, alpha would be
