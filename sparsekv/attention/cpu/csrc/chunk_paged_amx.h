@@ -60,11 +60,7 @@ static int64_t amx_chunk_layout(const ChunkArgs& a, int64_t rows, float* base,
   const int64_t sizes[12] = {16, d / 2 * rp, rp * d, rp * 32, 256, 256, 16 * d, rp * d, rp, rp,
                              rp, 16 * d};
   float* parts[12];
-  int64_t used = 0;
-  for (int i = 0; i < 12; ++i) {
-    parts[i] = base == nullptr ? nullptr : base + used;
-    used += (sizes[i] + 15) / 16 * 16;
-  }
+  const int64_t used = carve_scratch(base, sizes, 12, parts);
   if (out != nullptr)
     *out = {reinterpret_cast<TileConfig*>(parts[0]), reinterpret_cast<uint32_t*>(parts[1]),
             parts[2], parts[3], reinterpret_cast<uint32_t*>(parts[4]),
@@ -120,12 +116,6 @@ static void amx_chunk_logits(const ChunkArgs& a, const ChunkTile<uint16_t>& t, i
 template <bool kMasked>
 static inline __m512 amx_chunk_probabilities(const float* s, __m512 m, int64_t n, int64_t j0,
                                              __m512i thr, __m512i reach, uint32_t* pp) {
-  // The high halves of the fp32 words of p0 and p1, interleaved, rounded to nearest by adding
-  // half a bf16 unit first (as the prefill kernels do).
-  const __m512i interleave = _mm512_set_epi16(63, 31, 61, 29, 59, 27, 57, 25, 55, 23, 53, 21, 51,
-                                              19, 49, 17, 47, 15, 45, 13, 43, 11, 41, 9, 39, 7, 37,
-                                              5, 35, 3, 33, 1);
-  const __m512i half_unit = _mm512_set1_epi32(0x8000);
   __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
   for (int64_t k = 0; k < 32; k += 2) {
     __m512 p0 = fast_exp2(_mm512_sub_ps(_mm512_loadu_ps(s + k * 16), m));
@@ -136,10 +126,7 @@ static inline __m512 amx_chunk_probabilities(const float* s, __m512 m, int64_t n
     }
     sum0 = _mm512_add_ps(sum0, p0);
     sum1 = _mm512_add_ps(sum1, p1);
-    _mm512_storeu_si512(pp + k * 8, _mm512_permutex2var_epi16(
-                                        _mm512_add_epi32(_mm512_castps_si512(p0), half_unit),
-                                        interleave,
-                                        _mm512_add_epi32(_mm512_castps_si512(p1), half_unit)));
+    _mm512_storeu_si512(pp + k * 8, bf16_pair_words(p0, p1));
   }
   return _mm512_add_ps(sum0, sum1);
 }

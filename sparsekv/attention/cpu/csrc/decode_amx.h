@@ -41,11 +41,7 @@ static int64_t amx_scratch(const DecodeArgs& a, float* base, AmxScratch* out) {
   const int64_t sizes[8] = {16, G * d / 2, kAmxMaxHeads * ss, kAmxMaxHeads * pss / 2,
                             pss / kAmxChunk * (d / kAmxChunk) * 512, 2 * 256 + 32, 16 * d, 2 * pss};
   float* parts[8];
-  int64_t used = 0;
-  for (int i = 0; i < 8; ++i) {
-    parts[i] = base == nullptr ? nullptr : base + used;
-    used += (sizes[i] + 15) / 16 * 16;
-  }
+  const int64_t used = carve_scratch(base, sizes, 8, parts);
   if (out != nullptr)
     *out = {reinterpret_cast<TileConfig*>(parts[0]), reinterpret_cast<uint32_t*>(parts[1]),
             parts[2], reinterpret_cast<uint16_t*>(parts[3]), reinterpret_cast<uint32_t*>(parts[4]),

@@ -35,11 +35,7 @@ static int64_t fma_layout(const PrefillArgs& a, float* base, FmaScratch* out) {
   const int64_t cols = a.num_heads / a.num_kv_heads * a.query_block, d = a.head_dim;
   const int64_t sizes[6] = {cols * d, kFKeys * cols, cols * d, cols, cols, cols};
   float* parts[6];
-  int64_t used = 0;
-  for (int i = 0; i < 6; ++i) {
-    parts[i] = base == nullptr ? nullptr : base + used;
-    used += (sizes[i] + 15) / 16 * 16;
-  }
+  const int64_t used = carve_scratch(base, sizes, 6, parts);
   if (out != nullptr)
     *out = {parts[0], parts[1], parts[2], parts[3], parts[4], reinterpret_cast<int32_t*>(parts[5])};
   return used;

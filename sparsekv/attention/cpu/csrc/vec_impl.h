@@ -153,6 +153,18 @@ static inline int64_t chunk_pos(int64_t e) {
 #endif
 }
 
+// Consecutive scratch parts of sizes[i] floats carved from base, each rounded up to 16 floats
+// so that every part stays 64-byte aligned relative to base; parts[i] is nullptr when base is
+// (sizing only). Returns the floats used.
+static inline int64_t carve_scratch(float* base, const int64_t* sizes, int count, float** parts) {
+  int64_t used = 0;
+  for (int i = 0; i < count; ++i) {
+    parts[i] = base == nullptr ? nullptr : base + used;
+    used += (sizes[i] + 15) / 16 * 16;
+  }
+  return used;
+}
+
 static inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 // Horizontal sum and max as trees of halves: log2(W) dependent steps instead of W - 1, which
 // matters on the softmax's critical path (one per head per tile).
