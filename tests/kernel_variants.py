@@ -19,7 +19,10 @@ import pytest
 MARKER = "kernel_variant"
 FUSED_FAMILIES = {"fused": ("avx512", "avx2", "generic"), "fused_small_gemm": ("avx512_amx",)}
 # Packed-weight linears (sparsekv.models.quant); avx512_bf16 needs AVX-512 F/BW/VL + AVX512-BF16.
-PACKED_FAMILY, PACKED_VARIANTS = "packed_weights", ("avx512_vnni", "avx512_bf16", "avx2", "generic")
+PACKED_FAMILY, PACKED_VARIANTS = (
+    "packed_weights",
+    ("avx512_amx", "avx512_vnni", "avx512_bf16", "avx2", "generic"),
+)
 
 _tested: dict[str, dict[str, int]] = {}
 _untested: dict[str, dict[str, str]] = {}

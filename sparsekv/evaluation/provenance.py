@@ -21,6 +21,7 @@ CPU_FLAGS_OF_INTEREST = (
     "avx512_vnni",
     "avx_vnni",
     "amx_bf16",
+    "amx_int8",
     "amx_tile",
 )
 # Intel family 6 server models, by the model number Intel's SDM lists (a cloud VM's model name is

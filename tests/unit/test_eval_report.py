@@ -144,6 +144,7 @@ def test_provenance_without_git_and_cpu_flags(tmp_path, monkeypatch):
         "avx512_vnni": False,
         "avx_vnni": False,
         "amx_bf16": False,
+        "amx_int8": False,
         "amx_tile": True,
     }
     assert info["family"] is None and info["generation"] is None

@@ -51,6 +51,9 @@ RTOL = 1e-5
 BF16_FORMATS = ("q4_0", "q4_1", "q8_0")
 # Cases of the avx512_vnni variant's int8-activation and x16 kernels alone.
 X16 = pytest.mark.kernel_variant("packed_weights", "avx512_vnni")
+# The variants that quantize bf16 x to int8 for Q4_0 / Q4_1 / Q8_0 in the file's layout
+# (avx512_amx runs avx512_vnni's kernels there; its own tiles serve the x16 layouts only).
+INT8_X_ISAS = ("avx512_amx", "avx512_vnni")
 # The variants with x16 kernels (ops.X16_VARIANTS), one case each where the CPU runs it.
 X16_ISAS = pytest.mark.parametrize(
     "x16_isa",
@@ -182,7 +185,7 @@ def test_matmul_writes_only_its_columns(isa, dtype, rows):
         assert_close_to_exact(y[:, 4:13], x, dequantize_reference(weight))
     else:  # bf16 results: checked to the bit in the bf16 tests below
         exact = x.double() @ dequantize_reference(weight).double().T
-        if isa == "avx512_vnni":  # x quantized to int8 per block first
+        if isa in INT8_X_ISAS:  # x quantized to int8 per block first
             exact = int8_x_reference(x, weight)[0]
         torch.testing.assert_close(y[:, 4:13].double(), exact, rtol=2**-7, atol=1e-3)
 
@@ -216,7 +219,7 @@ def test_int8_x_non_finite_and_tiny_blocks(fmt, x16_isa):
     x[1, 5], x[2, 40], x[3, 0] = float("nan"), float("inf"), float("-inf")
     x[4, :32] = (x[4, :32].float() * 1e-37).bfloat16()  # a tiny block next to a normal one
     layouts = [(ops.repack_x16(weight).data, FORMATS[fmt + "x16"].code)]
-    if x16_isa == "avx512_vnni":  # also its int8 kernel of the file's layout
+    if x16_isa in INT8_X_ISAS:  # also its int8 kernel of the file's layout
         layouts.append((weight.data, FORMATS[fmt].code))
     for data, code in layouts:
         y = torch.empty(5, 16)
@@ -285,7 +288,7 @@ def int8_x_reference(x: torch.Tensor, weight: PackedTensor) -> tuple[torch.Tenso
 def bf16_x_product(x: torch.Tensor, weight: PackedTensor, isa: str) -> torch.Tensor:
     """The fp64 product variant ``isa`` approximates for bf16 ``x`` on its kernels: the
     int8-activation reference on ``avx512_vnni``'s formats, else the exact product."""
-    if isa == "avx512_vnni" and weight.format in BF16_FORMATS:
+    if isa in INT8_X_ISAS and weight.format in BF16_FORMATS:
         return int8_x_reference(x, weight)[0]
     return x.double() @ dequantize_reference(weight).double().T
 
@@ -309,7 +312,7 @@ def test_bf16_x_equals_fp64_reference(isa, fmt, in_features):
         _ext().matmul_(xr, weight.data, code, in_features, y16, 0, isa)
         _ext().matmul_(xr, weight.data, code, in_features, y16_bias, 0, isa, bias)
         exact = xr.double() @ dense.T
-        if isa == "avx512_vnni":
+        if isa in INT8_X_ISAS:
             reference, scale, rounding = int8_x_reference(xr, weight)
             assert ((y32.double() - reference).abs() <= RTOL * scale + 1e-30).all()
             assert ((reference - exact).abs() <= rounding * (1 + 1e-9) + 1e-30).all()
@@ -569,7 +572,7 @@ def test_x16_repack_rejects_what_it_cannot_hold():
 
 
 @pytest.mark.parametrize("fmt", BF16_FORMATS)
-@pytest.mark.parametrize("in_features", [64, 576, 1536])
+@pytest.mark.parametrize("in_features", [64, 96, 288, 576, 1536])  # 288, 96: odd block counts
 @X16_ISAS
 def test_x16_kernel_equals_the_int8_reference(fmt, in_features, x16_isa):
     weight = random_weight(fmt, 48, in_features, seed=in_features + 1)
@@ -577,7 +580,8 @@ def test_x16_kernel_equals_the_int8_reference(fmt, in_features, x16_isa):
     code = FORMATS[x16.format].code
     x = torch.randn(128, in_features, generator=torch.Generator().manual_seed(6)).bfloat16()
     bias = torch.randn(48, generator=torch.Generator().manual_seed(7))
-    for rows in (1, 2, 3, 5, 17, 64, 70, 128):  # up to X16_MAX_ROWS
+    # up to X16_MAX_ROWS; avx512_amx: tiles from 4 rows, 8 rows a product, passes of 64
+    for rows in (1, 2, 3, 4, 5, 8, 13, 17, 64, 70, 128):
         xr = x[:rows]
         y32, y32_bias = torch.empty(rows, 50), torch.empty(rows, 50)
         y16 = torch.empty(rows, 48, dtype=torch.bfloat16)
@@ -611,30 +615,55 @@ def test_x16_rows_do_not_depend_on_the_batch_or_the_threads(fmt, x16_isa):
         torch.set_num_threads(threads)
 
 
-@X16  # a CPU with AVX512-VNNI runs AVX2 too
-@pytest.mark.parametrize("fmt", BF16_FORMATS)
-def test_avx2_x16_kernel_equals_avx512_vnni_bit_for_bit(fmt):
-    # The AVX2 kernels sum the same integers (vpmaddubsw / vpmaddwd for vpdpbusd) and do the
-    # same fp32 operations per output in the same order, quantization of x included: extreme
-    # codes (Q8_0's -128), NaN / infinite / tiny blocks, scales over many magnitudes.
+def extreme_x16_case(fmt: str) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """An x16 weight ``[64, 576]`` (data, format code) and bf16 ``x [72, 576]`` at the edges of
+    the int8 arithmetic: extreme codes (Q8_0's -128), NaN / infinite / tiny / all-equal blocks,
+    blocks of x over 60 orders of magnitude."""
     weight = random_weight(fmt, 64, 576, seed=12)
     if fmt == "q8_0":  # every code -128 in the first row's first block
         layout = FORMATS[fmt]
         weight.data[0, 2 : layout.block_bytes] = 0x80
     x16 = ops.repack_x16(weight)
-    code = FORMATS[x16.format].code
     g = torch.Generator().manual_seed(13)
-    magnitude = 10.0 ** torch.randint(-30, 30, (40, 18), generator=g)  # per block of 32
-    x = (torch.randn(40, 576, generator=g) * magnitude.repeat_interleave(32, dim=1)).bfloat16()
+    magnitude = 10.0 ** torch.randint(-30, 30, (72, 18), generator=g)  # per block of 32
+    x = (torch.randn(72, 576, generator=g) * magnitude.repeat_interleave(32, dim=1)).bfloat16()
     x[3, 7], x[5, 100], x[6, 200] = float("nan"), float("inf"), float("-inf")
     x[7, :32] = 0.0
     x[8, :32] = -127.0  # codes at the ends of the range
+    return x16.data, FORMATS[x16.format].code, x
+
+
+def assert_same_results(a: torch.Tensor, b: torch.Tensor, what) -> None:
+    """``a`` and ``b`` equal bit for bit, NaNs in the same places."""
+    assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)), what
+    assert torch.equal(a.isnan(), b.isnan()), what
+
+
+@X16  # a CPU with AVX512-VNNI runs AVX2 too
+@pytest.mark.parametrize("fmt", BF16_FORMATS)
+def test_avx2_x16_kernel_equals_avx512_vnni_bit_for_bit(fmt):
+    # The AVX2 kernels sum the same integers (vpmaddubsw / vpmaddwd for vpdpbusd) and do the
+    # same fp32 operations per output in the same order, quantization of x included.
+    data, code, x = extreme_x16_case(fmt)
     for rows in (1, 3, 16, 40):
-        y = {isa: torch.empty(rows, 64) for isa in ops.X16_VARIANTS}
-        for isa in ops.X16_VARIANTS:
-            _ext().matmul_(x[:rows], x16.data, code, 576, y[isa], 0, isa)
-        assert torch.equal(y["avx2"].nan_to_num(7.0), y["avx512_vnni"].nan_to_num(7.0)), rows
-        assert torch.equal(y["avx2"].isnan(), y["avx512_vnni"].isnan())
+        y = {isa: torch.empty(rows, 64) for isa in ("avx2", "avx512_vnni")}
+        for isa in y:
+            _ext().matmul_(x[:rows], data, code, 576, y[isa], 0, isa)
+        assert_same_results(y["avx2"], y["avx512_vnni"], rows)
+
+
+@pytest.mark.kernel_variant("packed_weights", "avx512_amx")  # AMX-INT8 CPUs have AVX512-VNNI
+@pytest.mark.parametrize("fmt", BF16_FORMATS)
+def test_amx_x16_kernel_equals_avx512_vnni_bit_for_bit(fmt):
+    # The tile products are the same int32 sums per block and level, and the per-row fp32
+    # arithmetic follows in the same order: every row count, below the tiles' threshold (the
+    # VNNI kernel itself), one product, ragged products, two passes.
+    data, code, x = extreme_x16_case(fmt)
+    for rows in (2, 3, 4, 5, 8, 9, 16, 40, 64, 72):
+        y = {isa: torch.empty(rows, 64) for isa in ("avx512_amx", "avx512_vnni")}
+        for isa in y:
+            _ext().matmul_(x[:rows], data, code, 576, y[isa], 0, isa)
+        assert_same_results(y["avx512_amx"], y["avx512_vnni"], rows)
 
 
 @pytest.mark.parametrize("variant", ["", "avx512_bf16", "generic"])

@@ -9,14 +9,17 @@ expanded to bf16 (``vdpbf16ps``, fp32 accumulation), and on CPUs with AVX512-VNN
 ``avx512_vnni`` variant quantizes bf16 ``x`` to int8 per block of 32 (as llama.cpp does for its
 quantized dot products) and multiplies with integer dot products (``vpdpbusd``), fastest on
 weights repacked in groups of 16 rows (:func:`repack_x16`; ``apply`` does it at load for bf16
-models; the ``avx2`` variant runs the same x16 arithmetic with ``vpmaddubsw``, equal bit for
-bit). Larger inputs (prefill) dequantize the weight in slices of :data:`DEQUANT_SLICE_ROWS`
-output features and multiply densely in ``x``'s dtype, so they keep the dense path's speed.
+models; the ``avx2`` variant runs the same x16 arithmetic with ``vpmaddubsw``, and on CPUs with
+AMX-INT8 the ``avx512_amx`` variant runs it on tiles (``tdpbsud``) from 4 rows of ``x``, both
+equal bit for bit). Larger inputs (prefill) dequantize the weight in slices of
+:data:`DEQUANT_SLICE_ROWS` output features and multiply densely in ``x``'s dtype, so they keep
+the dense path's speed.
 
-``SPARSEKV_KERNEL_ISA`` forces a variant as for the other native kernels (``avx512_vnni``,
-``avx512_bf16``, ``avx2`` or ``generic``); naming one this CPU does not run, or one these
-kernels do not have, uses the fastest with a warning. x16 weights run on ``avx512_vnni`` and
-``avx2`` with bf16 ``x`` only; elsewhere (fp32 ``x``, another variant) they take the dense path.
+``SPARSEKV_KERNEL_ISA`` forces a variant as for the other native kernels (``avx512_amx``,
+``avx512_vnni``, ``avx512_bf16``, ``avx2`` or ``generic``); naming one this CPU does not run, or
+one these kernels do not have, uses the fastest with a warning. x16 weights run on
+``avx512_amx``, ``avx512_vnni`` and ``avx2`` with bf16 ``x`` only; elsewhere (fp32 ``x``,
+another variant) they take the dense path.
 """
 
 from __future__ import annotations
@@ -98,7 +101,8 @@ def _isa_for(ext, setting: str) -> str:
     return ""
 
 
-X16_VARIANTS = ("avx512_vnni", "avx2")  # the variants with kernels for the x16 group layouts
+# the variants with kernels for the x16 group layouts
+X16_VARIANTS = ("avx512_amx", "avx512_vnni", "avx2")
 _X16_NAMES = frozenset(X16_FORMATS.values())
 _X16_CODES = frozenset(FORMATS[name].code for name in _X16_NAMES)
 

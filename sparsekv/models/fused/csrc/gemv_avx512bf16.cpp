@@ -27,6 +27,12 @@ inline __m512bh load_bh(const uint16_t* p, __mmask32 mask) {
   return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
 }
 
+// How far ahead the weight stream is prefetched. Decode reads every weight from memory once,
+// in short calls, and the hardware prefetchers alone fall behind on a VM whose memory latency
+// is ~250 ns: SmolLM2 bf16 batch-1 decode after 512 tokens went from 55.7 to 63.6 tok/s with
+// it (2 cores, Emerald Rapids, 6 alternating rounds in one process).
+constexpr int64_t kPrefetchBytes = 16384;
+
 }  // namespace
 
 // Rows [begin, end) of y [n] = W [n, k] (row stride k) x [k]; bf16 in and out.
@@ -42,7 +48,13 @@ void gemv_bf16_avx512(const GemvArgs& a, int64_t begin, int64_t end) {
     const uint16_t* w3 = w2 + k;
     __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
     __m512 s2 = _mm512_setzero_ps(), s3 = _mm512_setzero_ps();
+    // The four rows are adjacent: each step reads 256 bytes of them, so step i prefetches the
+    // 256 bytes at the same place kPrefetchBytes further on (not past this call's rows).
+    const char* ahead = reinterpret_cast<const char*>(w0) + kPrefetchBytes;
+    const char* stop = reinterpret_cast<const char*>(a.w + end * k);
     for (int64_t i = 0; i < full; i += 32) {
+      for (int line = 0; line < 256; line += 64)
+        if (ahead + 8 * i + line < stop) __builtin_prefetch(ahead + 8 * i + line, 0, 3);
       const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i);
       s0 = _mm512_dpbf16_ps(s0, (__m512bh)_mm512_loadu_si512(w0 + i), xv);
       s1 = _mm512_dpbf16_ps(s1, (__m512bh)_mm512_loadu_si512(w1 + i), xv);

@@ -10,6 +10,12 @@
 #include <string>
 #include <vector>
 
+#if defined(__x86_64__) && defined(__linux__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include "binding_checks.h"
 #include "quant.h"
 #include "repack.h"
@@ -38,9 +44,28 @@ bool has_avx512() {
 }
 bool has_avx512_bf16() { return has_avx512() && __builtin_cpu_supports("avx512bf16"); }
 bool has_avx512_vnni() { return has_avx512() && __builtin_cpu_supports("avx512vnni"); }
+// AMX-TILE and AMX-INT8 in CPUID (leaf 7: EDX bits 24 and 25) and the tile state granted to
+// this process: Linux enables AMX per process on request (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA, process-wide and permanent; asking again is harmless), and without the
+// grant the first tile instruction kills the process.
+bool has_amx_int8() {
+  static const bool available = [] {
+#if defined(__linux__)
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!has_avx512_vnni() || !__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    if (!((edx >> 24) & 1u) || !((edx >> 25) & 1u)) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+#else
+    return false;
+#endif
+  }();
+  return available;
+}
 #else
 bool has_avx512_bf16() { return false; }
 bool has_avx512_vnni() { return false; }
+bool has_amx_int8() { return false; }
 #endif
 
 bool always() { return true; }
@@ -52,6 +77,7 @@ struct Variant {
 };
 
 const Variant kVariants[] = {  // fastest first
+    {"avx512_amx", &qk::kQuantAvx512Amx, has_amx_int8},
     {"avx512_vnni", &qk::kQuantAvx512Vnni, has_avx512_vnni},
     {"avx512_bf16", &qk::kQuantAvx512Bf16, has_avx512_bf16},
     {"avx2", &qk::kQuantAvx2, has_avx2},
@@ -98,7 +124,9 @@ void run_rows(const qk::MatmulArgs& args, int64_t n,
 void run_q8(const at::Tensor& x, const qk::QuantTable& table, qk::MatmulArgs& args, int64_t n,
             const at::Tensor& y, const c10::optional<at::Tensor>& bias) {
   const int64_t m = args.m, k = args.k, blocks = k / qk::kBlock;
-  std::vector<int8_t> codes(2 * m * k);  // per row: k high codes, then k residual codes
+  // per row: k high codes, then k residual codes; zero rows up to a multiple of 8 (the AMX
+  // kernel's tiles read whole groups of 8 rows)
+  std::vector<int8_t> codes(2 * ((m + 7) / 8 * 8) * k);
   std::vector<float> scales(m * blocks), x_sums(m * blocks);
   std::vector<int32_t> code_sums(m * blocks);
   const auto* xb = reinterpret_cast<const uint16_t*>(x.const_data_ptr<at::BFloat16>());
@@ -133,7 +161,8 @@ void matmul_(const at::Tensor& x, const at::Tensor& w, int64_t format, int64_t k
   if (m == 0 || n == 0) return;
   const auto& table = table_for(isa);
   TORCH_CHECK(!is_x16(format) || (x.scalar_type() == at::kBFloat16 && table.gemm_x16),
-              "x16-repacked weights need bf16 x and the avx512_vnni or avx2 kernel variant, got ",
+              "x16-repacked weights need bf16 x and the avx512_amx, avx512_vnni or avx2 kernel "
+              "variant, got ",
               x.scalar_type(), " x on '", table.name, "'");
   const bool y_bf16 = y.scalar_type() == at::kBFloat16;
   qk::MatmulArgs args{w.const_data_ptr<uint8_t>(), w.size(1), static_cast<int>(format),

@@ -101,6 +101,7 @@ struct QuantTable {
   void (*gemm_x16)(const MatmulArgs&, int64_t begin, int64_t end) = nullptr;
 };
 
+extern const QuantTable kQuantAvx512Amx;
 extern const QuantTable kQuantAvx512Vnni;
 extern const QuantTable kQuantAvx512Bf16;
 extern const QuantTable kQuantAvx2;

@@ -108,6 +108,7 @@ static void gemm_x16_avx2_rows(const MatmulArgs& a, int64_t begin, int64_t end) 
   const int64_t group_bytes = blocks * x16_group_block_bytes<F>();
   X16Avx2Block<F> chunk[kX16Avx2ChunkBlocks];
   __m256 acc[kPassRows][2];
+  const uint8_t* limit = a.w + end / 16 * group_bytes;
   for (int64_t i0 = begin; i0 < end; i0 += 16) {
     const uint8_t* group = a.w + i0 / 16 * group_bytes;
     for (int64_t r0 = 0; r0 < a.m; r0 += kPassRows) {
@@ -116,8 +117,11 @@ static void gemm_x16_avx2_rows(const MatmulArgs& a, int64_t begin, int64_t end) 
       for (int64_t b0 = 0; b0 < blocks; b0 += kX16Avx2ChunkBlocks) {
         const int nb = static_cast<int>(
             blocks - b0 < kX16Avx2ChunkBlocks ? blocks - b0 : kX16Avx2ChunkBlocks);
-        for (int b = 0; b < nb; ++b)
-          x16_avx2_expand<F>(group + (b0 + b) * x16_group_block_bytes<F>(), chunk[b]);
+        for (int b = 0; b < nb; ++b) {
+          const uint8_t* gb = group + (b0 + b) * x16_group_block_bytes<F>();
+          prefetch_weights_ahead(gb, x16_group_block_bytes<F>(), limit);
+          x16_avx2_expand<F>(gb, chunk[b]);
+        }
         for (int64_t r = 0; r < rows; ++r)
           for (int b = 0; b < nb; ++b)
             x16_avx2_block_row<F>(a, chunk[b], r0 + r, b0 + b, acc[r]);

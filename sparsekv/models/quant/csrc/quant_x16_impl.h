@@ -96,12 +96,14 @@ template <int F>
 static void gemm_x16_rows(const MatmulArgs& a, int64_t begin, int64_t end) {
   const int64_t blocks = a.k / kBlock;
   const int64_t group_bytes = blocks * x16_group_block_bytes<F>();
+  const uint8_t* limit = a.w + end / 16 * group_bytes;
   for (int64_t i0 = begin; i0 < end; i0 += 16) {
     const uint8_t* group = a.w + i0 / 16 * group_bytes;
     if (a.m == 1) {
       __m512 acc = _mm512_setzero_ps();
       for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t* gb = group + b * x16_group_block_bytes<F>();
+        prefetch_weights_ahead(gb, x16_group_block_bytes<F>(), limit);
         __m512i codes[8];
         x16_codes<F>(gb, codes);
         __m512 d, m;
@@ -117,6 +119,7 @@ static void gemm_x16_rows(const MatmulArgs& a, int64_t begin, int64_t end) {
         [&](int64_t b0, int nb) {
           for (int b = 0; b < nb; ++b) {
             const uint8_t* gb = group + (b0 + b) * x16_group_block_bytes<F>();
+            prefetch_weights_ahead(gb, x16_group_block_bytes<F>(), limit);
             x16_codes<F>(gb, chunk.codes[b]);
             x16_scales<F>(gb, chunk.d[b], chunk.m[b]);
           }
