@@ -230,14 +230,16 @@ class PrefixCache:
         """
         freed = 0
         pool = self.pool
-        for digest in list(self._groups):
+        victims = []  # evicted after the walk: from the LRU end, stopping once enough are found
+        for digest, group in self._groups.items():
             if freed >= num_pages:
                 break
-            pages = self._groups[digest].pages
-            num = sum(1 for p in pages if pool.ref_count(p) == 1 and pool.kind_of(p) == kind)
+            num = sum(1 for p in group.pages if pool.ref_count(p) == 1 and pool.kind_of(p) == kind)
             if num:
-                self.evict(digest)
+                victims.append(digest)
                 freed += num
+        for digest in victims:
+            self.evict(digest)
         return freed
 
     def evict_one(self) -> bool:
