@@ -158,6 +158,7 @@ def test_list_names_the_packed_weight_variant(capsys, monkeypatch):
     lines = capsys.readouterr().out.splitlines()
     assert f"packed       {runs[0]} (the fastest this CPU runs; runs {', '.join(runs)})" in lines
     assert ("avx512_bf16" in runs) != any("not avx512_bf16" in line for line in lines)
+    assert ("avx512_amx" in runs) != any("not avx512_amx: needs" in line for line in lines)
     monkeypatch.setenv(quant_ops.ISA_ENV, "avx2")
     assert kernels.main(["--list"]) == 0
     lines = capsys.readouterr().out.splitlines()

@@ -36,6 +36,11 @@ def _packed_lines() -> list[str]:
     forced = quant_ops.kernel_isa()
     why = f"{quant_ops.ISA_ENV}={forced}" if forced else "the fastest this CPU runs"
     lines = [f"packed       {forced or runs[0]} ({why}; runs {', '.join(runs)})"]
+    if "avx512_amx" not in runs:
+        lines.append(
+            f"{'':<12}   not avx512_amx: needs AVX512-VNNI, AMX-TILE and AMX-INT8 with the tile "
+            "state granted by the OS"
+        )
     if "avx512_bf16" not in runs:
         lines.append(f"{'':<12}   not avx512_bf16: needs AVX-512 F/BW/VL and AVX512-BF16")
     return lines
