@@ -45,7 +45,7 @@ FIXTURES = Path(__file__).parent / "fixtures" / "gguf"
 NUM_TEXTS, PROMPT_LEN, FORCED = 8, 128, 64
 AGREEMENT_FLOOR = {"gguf": 0.99, "int8": 0.90}
 BF16_AGREEMENT_FLOOR = 0.95
-BF16_ISAS = ("avx512_vnni", "avx512_bf16", "avx2")
+BF16_ISAS = ("avx512_amx", "avx512_vnni", "avx512_bf16", "avx2")
 
 
 @pytest.fixture(scope="module")

@@ -615,18 +615,18 @@ def test_x16_rows_do_not_depend_on_the_batch_or_the_threads(fmt, x16_isa):
         torch.set_num_threads(threads)
 
 
-def extreme_x16_case(fmt: str) -> tuple[torch.Tensor, int, torch.Tensor]:
-    """An x16 weight ``[64, 576]`` (data, format code) and bf16 ``x [72, 576]`` at the edges of
-    the int8 arithmetic: extreme codes (Q8_0's -128), NaN / infinite / tiny / all-equal blocks,
-    blocks of x over 60 orders of magnitude."""
-    weight = random_weight(fmt, 64, 576, seed=12)
+def extreme_x16_case(fmt: str, k: int = 576) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """An x16 weight ``[64, k]`` (data, format code) and bf16 ``x [72, k]`` (``k`` a multiple
+    of 32, at least 256) at the edges of the int8 arithmetic: extreme codes (Q8_0's -128), NaN /
+    infinite / tiny / all-equal blocks, blocks of x over 60 orders of magnitude."""
+    weight = random_weight(fmt, 64, k, seed=12)
     if fmt == "q8_0":  # every code -128 in the first row's first block
         layout = FORMATS[fmt]
         weight.data[0, 2 : layout.block_bytes] = 0x80
     x16 = ops.repack_x16(weight)
     g = torch.Generator().manual_seed(13)
-    magnitude = 10.0 ** torch.randint(-30, 30, (72, 18), generator=g)  # per block of 32
-    x = (torch.randn(72, 576, generator=g) * magnitude.repeat_interleave(32, dim=1)).bfloat16()
+    magnitude = 10.0 ** torch.randint(-30, 30, (72, k // 32), generator=g)  # per block of 32
+    x = (torch.randn(72, k, generator=g) * magnitude.repeat_interleave(32, dim=1)).bfloat16()
     x[3, 7], x[5, 100], x[6, 200] = float("nan"), float("inf"), float("-inf")
     x[7, :32] = 0.0
     x[8, :32] = -127.0  # codes at the ends of the range
@@ -654,15 +654,16 @@ def test_avx2_x16_kernel_equals_avx512_vnni_bit_for_bit(fmt):
 
 @pytest.mark.kernel_variant("packed_weights", "avx512_amx")  # AMX-INT8 CPUs have AVX512-VNNI
 @pytest.mark.parametrize("fmt", BF16_FORMATS)
-def test_amx_x16_kernel_equals_avx512_vnni_bit_for_bit(fmt):
+@pytest.mark.parametrize("k", [576, 288])  # 18 blocks: chunks of 8, 8, 2; 9: 8, then one
+def test_amx_x16_kernel_equals_avx512_vnni_bit_for_bit(fmt, k):
     # The tile products are the same int32 sums per block and level, and the per-row fp32
-    # arithmetic follows in the same order: every row count, below the tiles' threshold (the
-    # VNNI kernel itself), one product, ragged products, two passes.
-    data, code, x = extreme_x16_case(fmt)
-    for rows in (2, 3, 4, 5, 8, 9, 16, 40, 64, 72):
+    # arithmetic follows in the same order: below the tiles' threshold (the VNNI kernel itself),
+    # one product of 4-8 rows, ragged products, two passes of 64 rows.
+    data, code, x = extreme_x16_case(fmt, k)
+    for rows in (3, 4, 5, 7, 8, 9, 16, 40, 64, 72):
         y = {isa: torch.empty(rows, 64) for isa in ("avx512_amx", "avx512_vnni")}
         for isa in y:
-            _ext().matmul_(x[:rows], data, code, 576, y[isa], 0, isa)
+            _ext().matmul_(x[:rows], data, code, k, y[isa], 0, isa)
         assert_same_results(y["avx512_amx"], y["avx512_vnni"], rows)
 
 

@@ -4,9 +4,8 @@ up ``3072 x 576``, down ``576 x 1536``; the Q8_0 output head ``49152 x 576``), w
 activations as the model runs them, at each ``--packed-rows`` count and on every packed-weight
 variant this CPU runs (``avx512_amx``, ``avx512_vnni``, ``avx512_bf16``, ``avx2``, ``generic``;
 ``avx512_amx``, ``avx512_vnni`` and ``avx2`` also on the x16 group layout a bf16 model loads its
-weights in there). Weights hold random codes with
-fp16 scales of 0.01; the bound is reading the packed bytes once (bandwidth), which a call over
-weights already in cache can beat."""
+weights in there). Weights hold random codes with fp16 scales of 0.01; the bound is reading the
+packed bytes once (bandwidth), which a call over weights already in cache can beat."""
 
 from __future__ import annotations
 

@@ -39,7 +39,7 @@ def _packed_lines() -> list[str]:
     if "avx512_amx" not in runs:
         lines.append(
             f"{'':<12}   not avx512_amx: needs AVX512-VNNI, AMX-TILE and AMX-INT8 with the tile "
-            "state granted by the OS"
+            "state granted by the OS (and a GCC 11 or newer build)"
         )
     if "avx512_bf16" not in runs:
         lines.append(f"{'':<12}   not avx512_bf16: needs AVX-512 F/BW/VL and AVX512-BF16")

@@ -5,9 +5,8 @@ name table the dense loader walks, so fused QKV / gate-up projections collect th
 parts); ``int8`` quantizes every linear weight per output channel; ``bf16`` stores them as bf16
 rows. Embeddings and norms stay dense; so does a linear whose weight the file keeps in a
 format the kernels do not read (logged). In a bf16 model on a CPU whose packed-weight kernels
-run a variant of ``ops.X16_VARIANTS`` (``avx512_amx``, ``avx512_vnni``, ``avx2``), Q4_0 / Q4_1 /
-Q8_0 weights
-with a multiple of 16 output features are repacked to their x16 group layouts
+run a variant of ``ops.X16_VARIANTS`` (``avx512_amx``, ``avx512_vnni``, ``avx2``), Q4_0 / Q4_1
+/ Q8_0 weights with a multiple of 16 output features are repacked to their x16 group layouts
 (``ops.repack_x16``: same values, same bytes, about 2x faster decode matmuls).
 """
 

@@ -37,10 +37,10 @@ class QuantizedLinear(nn.Module):
     ``forward``: ``x`` ``[..., in_features]`` fp32 or bf16 -> ``[..., out_features]`` in ``x``'s
     dtype. Up to ``ops.kernel_max_rows`` rows accumulate in fp32 on the packed weight, add the
     bias in fp32 and round once to ``x``'s dtype inside the kernel op (bf16 ``x`` is quantized to
-    int8 per block of 32 by the ``avx512_vnni`` kernels of Q4_0 / Q4_1 / Q8_0 and the x16
-    layouts' kernels of ``avx512_amx``, ``avx512_vnni`` and ``avx2``, read as it is by the
-    ``avx512_bf16`` ones; other formats and variants convert it to fp32 inside the op); more rows multiply
-    densely in ``x``'s dtype.
+    int8 per block of 32 by the ``avx512_amx`` and ``avx512_vnni`` kernels of Q4_0 / Q4_1 /
+    Q8_0 and the x16 layouts' kernels of ``avx512_amx``, ``avx512_vnni`` and ``avx2``, read as
+    it is by the ``avx512_bf16`` ones; other formats and variants convert it to fp32 inside the
+    op); more rows multiply densely in ``x``'s dtype.
     """
 
     def __init__(self, parts: list[PackedTensor], bias: torch.Tensor | None = None) -> None:

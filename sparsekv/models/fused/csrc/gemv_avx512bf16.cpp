@@ -50,11 +50,12 @@ void gemv_bf16_avx512(const GemvArgs& a, int64_t begin, int64_t end) {
     __m512 s2 = _mm512_setzero_ps(), s3 = _mm512_setzero_ps();
     // The four rows are adjacent: each step reads 256 bytes of them, so step i prefetches the
     // 256 bytes at the same place kPrefetchBytes further on (not past this call's rows).
-    const char* ahead = reinterpret_cast<const char*>(w0) + kPrefetchBytes;
-    const char* stop = reinterpret_cast<const char*>(a.w + end * k);
+    const char* rows = reinterpret_cast<const char*>(w0);
+    const int64_t left = (end - r) * k * 2;  // bytes from w0 to the end of this call's rows
     for (int64_t i = 0; i < full; i += 32) {
-      for (int line = 0; line < 256; line += 64)
-        if (ahead + 8 * i + line < stop) __builtin_prefetch(ahead + 8 * i + line, 0, 3);
+      for (int64_t at = kPrefetchBytes + 8 * i; at < kPrefetchBytes + 8 * i + 256 && at < left;
+           at += 64)
+        __builtin_prefetch(rows + at, 0, 3);
       const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i);
       s0 = _mm512_dpbf16_ps(s0, (__m512bh)_mm512_loadu_si512(w0 + i), xv);
       s1 = _mm512_dpbf16_ps(s1, (__m512bh)_mm512_loadu_si512(w1 + i), xv);

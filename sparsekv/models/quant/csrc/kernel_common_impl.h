@@ -61,9 +61,9 @@ constexpr int64_t kWeightPrefetchBytes = 16384;
 // Prefetches the cache lines kWeightPrefetchBytes past [p, p + bytes), stopping at `limit`
 // (the end of this call's weight range: nothing beyond it is this thread's to read).
 static inline void prefetch_weights_ahead(const uint8_t* p, int64_t bytes, const uint8_t* limit) {
-  const uint8_t* from = p + kWeightPrefetchBytes;
-  const uint8_t* to = from + bytes < limit ? from + bytes : limit;
-  for (const uint8_t* line = from; line < to; line += 64) __builtin_prefetch(line, 0, 3);
+  const int64_t left = limit - p;  // offsets, not pointers past the range
+  const int64_t to = kWeightPrefetchBytes + bytes < left ? kWeightPrefetchBytes + bytes : left;
+  for (int64_t at = kWeightPrefetchBytes; at < to; at += 64) __builtin_prefetch(p + at, 0, 3);
 }
 
 template <int F>

@@ -97,7 +97,9 @@ struct QuantTable {
                      float* x_sums) = nullptr;
   void (*gemm_q8)(const MatmulArgs&, int64_t begin, int64_t end) = nullptr;
   // The int8-activation kernel of the x16 formats (weight rows [begin, end), multiples of 16),
-  // on the same quantized x; nullptr where the variant has none.
+  // on the same quantized x, whose code buffer must hold rows up to the next multiple of 8
+  // (zero codes: the AMX kernel's tile products read whole groups of 8 rows); nullptr where the
+  // variant has none.
   void (*gemm_x16)(const MatmulArgs&, int64_t begin, int64_t end) = nullptr;
 };
 

@@ -17,8 +17,9 @@
 
 constexpr int kAmxXRows = 8;  // rows of x per tile product (16 tile rows: two levels each)
 // Fewer rows of x keep the VNNI kernel: a block's tile loads, product and store form a latency
-// chain that its few rows cannot amortize (SmolLM2's Q4_1 shapes, one thread, Emerald Rapids:
-// 78 against 61 us at 2 rows, even at 4, 106 against 127 at 5).
+// chain that its few rows cannot amortize (SmolLM2's gate + up Q4_1, weights in cache, Emerald
+// Rapids: one thread 78 against 61 us at 2 rows, even at 4-5; two threads even at 5 rows, 119
+// against 176 us at 16; in the engine, 4-row decode steps gained ~9%).
 constexpr int64_t kAmxMinRows = 4;
 
 struct AmxTileConfig {  // ldtilecfg's 64-byte operand, palette 1
@@ -75,10 +76,14 @@ static inline void tile_product(const int8_t* x, int64_t stride, int32_t* dots) 
 
 constexpr int kAmxChunkBlocks = 8;  // group-blocks whose codes are laid out at a time (4 KiB)
 
+// GCC does not model tile loads and stores as memory accesses: without a compiler barrier it
+// may sink vector stores a tile load reads, or hoist vector loads of what a tile store writes.
+static inline void memory_barrier() { asm volatile("" ::: "memory"); }
+
 // Pointers to the B operand of group-blocks gb, gb + gb_bytes, ... (nb of them): Q8_0's codes
-// in place; the 4-bit formats' nibbles split into `split` [nb][512]. A chunk is split before
-// any of its tiles load, so the tile loads find the stores done (a tile load does not take
-// its bytes from the store buffer). Prefetches the weight stream ahead, up to `limit`.
+// in place; the 4-bit formats' nibbles split into `split` [nb][512]. A whole chunk is split
+// before any of its tiles load: split and loaded block by block, the loads waited on the
+// stores (~35% slower at 2 rows). Prefetches the weight stream ahead, up to `limit`.
 template <int F>
 static inline void x16_codes_for_tiles(const uint8_t* gb, int64_t gb_bytes, int nb,
                                        const uint8_t* limit, uint8_t (*split)[512],
@@ -99,15 +104,18 @@ static inline void x16_codes_for_tiles(const uint8_t* gb, int64_t gb_bytes, int 
       codes[j] = split[j];
     }
   }
+  memory_barrier();
 }
 
-// The products of block b's codes (set Set's B tile, loaded) with x rows p0 .. p0 + rows - 1, `tile_rows`
-// at a time: x row p0 + r's high-level dots land at dots + 32 * r, its residual's 16 further.
+// The products of block b's codes (set Set's B tile, loaded) with x rows p0 .. p0 + rows - 1,
+// `tile_rows` at a time: x row p0 + r's high-level dots land at dots + 32 * r, its residual's
+// 16 further.
 template <int Set>
 static inline void x16_tile_products(const MatmulArgs& a, int64_t p0, int64_t rows,
                                      int tile_rows, int64_t b, int32_t* dots) {
   for (int64_t r = 0; r < rows; r += tile_rows)
     tile_product<Set>(a.x_q8 + 2 * (p0 + r) * a.k + b * kBlock, a.k, dots + 32 * r);
+  memory_barrier();
 }
 
 // acc[j] += x row r0 + j times the group-block (j < n), from the tile product's C (stored at
@@ -124,7 +132,8 @@ static inline void x16_amx_block_rows(const MatmulArgs& a, const int32_t* dots, 
       low = _mm512_add_epi32(low, _mm512_set1_epi32(-zero_point<F>() * a.x_q8_sums[at]));
     const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(high, 8), low));
     acc[j] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(a.x_q8_scales[at])), dot, acc[j]);
-    if constexpr (F == kQ4_1) acc[j] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.x_block_sums[at]), acc[j]);
+    if constexpr (F == kQ4_1)
+      acc[j] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.x_block_sums[at]), acc[j]);
   }
 }
 
