@@ -94,13 +94,9 @@ static inline void x16_codes_for_tiles(const uint8_t* gb, int64_t gb_bytes, int 
     if constexpr (F == kQ8_0) {
       codes[j] = c;
     } else {
-      const __m512i low4 = _mm512_set1_epi8(0x0F);
-      for (int t = 0; t < 4; ++t) {
-        const __m512i raw = _mm512_loadu_si512(c + 64 * t);
-        _mm512_store_si512(split[j] + 64 * t, _mm512_and_si512(raw, low4));
-        _mm512_store_si512(split[j] + 64 * (4 + t),
-                           _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4));
-      }
+      __m512i v[8];  // the code vectors in B's row order (quant_x16_impl.h)
+      x16_codes<F>(gb + j * gb_bytes, v);
+      for (int t = 0; t < 8; ++t) _mm512_store_si512(split[j] + 64 * t, v[t]);
       codes[j] = split[j];
     }
   }
@@ -119,21 +115,18 @@ static inline void x16_tile_products(const MatmulArgs& a, int64_t p0, int64_t ro
 }
 
 // acc[j] += x row r0 + j times the group-block (j < n), from the tile product's C (stored at
-// `dots`, [2 * kAmxXRows][16] int32) and the block's d and Q4_1's m: x16_block_row's arithmetic.
+// `dots`, [2 * kAmxXRows][16] int32) and the block's d and Q4_1's m, scaled as x16_block_row
+// does (x16_scale_dots).
 template <int F>
 static inline void x16_amx_block_rows(const MatmulArgs& a, const int32_t* dots, __m512 d,
                                       __m512 m, int64_t r0, int n, int64_t b, __m512* acc) {
   const int64_t blocks = a.k / kBlock;
   for (int j = 0; j < n; ++j) {
     const int64_t at = (r0 + j) * blocks + b;
-    const __m512i high = _mm512_load_si512(dots + 32 * j);
     __m512i low = _mm512_load_si512(dots + 32 * j + 16);
     if constexpr (zero_point<F>() != 0)
       low = _mm512_add_epi32(low, _mm512_set1_epi32(-zero_point<F>() * a.x_q8_sums[at]));
-    const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(high, 8), low));
-    acc[j] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(a.x_q8_scales[at])), dot, acc[j]);
-    if constexpr (F == kQ4_1)
-      acc[j] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.x_block_sums[at]), acc[j]);
+    acc[j] = x16_scale_dots<F>(a, _mm512_load_si512(dots + 32 * j), low, d, m, at, acc[j]);
   }
 }
 
@@ -174,20 +167,16 @@ static void gemm_x16_amx_rows(const MatmulArgs& a, int64_t begin, int64_t end) {
                                                                       : kAmxChunkBlocks);
         const uint8_t* gb = group + b0 * gb_bytes;
         x16_codes_for_tiles<F>(gb, gb_bytes, nb, limit, split, codes);
-        int j = 0;
-        for (; j + 2 <= nb; j += 2) {  // two blocks, one per tile set
+        for (int j = 0; j < nb; j += 2) {  // two blocks, one per tile set (one at an odd end)
+          const bool pair = j + 1 < nb;
           load_codes_tile<0>(codes[j]);
-          load_codes_tile<1>(codes[j + 1]);
+          if (pair) load_codes_tile<1>(codes[j + 1]);
           x16_tile_products<0>(a, p0, rows, tile_rows, b0 + j, dots[0]);
-          x16_tile_products<1>(a, p0, rows, tile_rows, b0 + j + 1, dots[1]);
+          if (pair) x16_tile_products<1>(a, p0, rows, tile_rows, b0 + j + 1, dots[1]);
           x16_amx_block<F>(a, gb + j * gb_bytes, dots[0], p0, rows, tile_rows, b0 + j, acc);
-          x16_amx_block<F>(a, gb + (j + 1) * gb_bytes, dots[1], p0, rows, tile_rows,
-                           b0 + j + 1, acc);
-        }
-        if (j < nb) {
-          load_codes_tile<0>(codes[j]);
-          x16_tile_products<0>(a, p0, rows, tile_rows, b0 + j, dots[0]);
-          x16_amx_block<F>(a, gb + j * gb_bytes, dots[0], p0, rows, tile_rows, b0 + j, acc);
+          if (pair)
+            x16_amx_block<F>(a, gb + (j + 1) * gb_bytes, dots[1], p0, rows, tile_rows,
+                             b0 + j + 1, acc);
         }
       }
       for (int64_t r = 0; r < rows; ++r) store_group(a, p0 + r, i0, acc[r]);

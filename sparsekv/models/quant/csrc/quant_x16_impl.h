@@ -40,6 +40,18 @@ static inline void x16_scales(const uint8_t* gb, __m512& d, __m512& m) {
                  : _mm512_setzero_ps();
 }
 
+// acc += one group-block's contribution to row r of x from its two levels' integer dot
+// products with the 16 weight rows (`low` with the zero-point correction in): the scaling
+// every x16 kernel shares, so their results agree bit for bit. `at`: the block of x's row.
+template <int F>
+static inline __m512 x16_scale_dots(const MatmulArgs& a, __m512i high, __m512i low, __m512 d,
+                                    __m512 m, int64_t at, __m512 acc) {
+  const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(high, 8), low));
+  acc = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(a.x_q8_scales[at])), dot, acc);
+  if constexpr (F == kQ4_1) acc = _mm512_fmadd_ps(m, _mm512_set1_ps(a.x_block_sums[at]), acc);
+  return acc;
+}
+
 // acc += row r of x times one group-block (codes split, d and Q4_1's m as fp32 vectors).
 template <int F>
 static inline __m512 x16_block_row(const MatmulArgs& a, const __m512i* codes, __m512 d,
@@ -57,12 +69,8 @@ static inline __m512 x16_block_row(const MatmulArgs& a, const __m512i* codes, __
     hi[t & 1] = _mm512_dpbusd_epi32(hi[t & 1], codes[t], _mm512_set1_epi32(high[t]));
     lo[t & 1] = _mm512_dpbusd_epi32(lo[t & 1], codes[t], _mm512_set1_epi32(low[t]));
   }
-  const __m512i high_sum = _mm512_add_epi32(hi[0], hi[1]);
-  const __m512i low_sum = _mm512_add_epi32(lo[0], lo[1]);
-  const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(high_sum, 8), low_sum));
-  acc = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(a.x_q8_scales[at])), dot, acc);
-  if constexpr (F == kQ4_1) acc = _mm512_fmadd_ps(m, _mm512_set1_ps(a.x_block_sums[at]), acc);
-  return acc;
+  return x16_scale_dots<F>(a, _mm512_add_epi32(hi[0], hi[1]), _mm512_add_epi32(lo[0], lo[1]),
+                           d, m, at, acc);
 }
 
 static inline void store_group(const MatmulArgs& a, int64_t r, int64_t i0, __m512 acc) {
