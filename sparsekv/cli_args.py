@@ -60,6 +60,7 @@ FLAG_NAMES = {
     ("speculative", "method"): "speculative-method",
     ("speculative", "draft_sink_tokens"): "speculative-draft-sink-tokens",
     ("speculative", "draft_recent_tokens"): "speculative-draft-recent-tokens",
+    ("speculative", "draft_vocab_size"): "speculative-draft-vocab-size",
 }
 CHOICES = {
     ("compression", "method"): COMPRESSION_METHODS,

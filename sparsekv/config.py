@@ -383,6 +383,7 @@ SPECULATIVE_METHOD_FIELDS = {
     "ngram_prompt_lookup_max": "ngram",
     "draft_sink_tokens": "sparse_self",
     "draft_recent_tokens": "sparse_self",
+    "draft_vocab_size": "sparse_self",
 }
 
 
@@ -416,6 +417,10 @@ class SpeculativeConfig:
             (rounded up to whole pages).
         draft_recent_tokens: ``sparse_self``: most recent slots of each layer the draft
             reads (extended back to a page start); sliding-window layers read their window.
+        draft_vocab_size: ``sparse_self``: the draft proposes only token ids below this
+            (rounded up to a multiple of 16), reading that part of the output head
+            (``models.head_rows``); 0, or at least the vocabulary, proposes from all of it.
+            Verification always scores the whole vocabulary.
     """
 
     method: str | None = None
@@ -424,6 +429,7 @@ class SpeculativeConfig:
     ngram_prompt_lookup_max: int = 4
     draft_sink_tokens: int = 64
     draft_recent_tokens: int = 448
+    draft_vocab_size: int = 0
 
     @property
     def enabled(self) -> bool:
@@ -436,7 +442,7 @@ class SpeculativeConfig:
                 f"got {self.method!r}"
             )
         names = ("num_speculative_tokens", "ngram_prompt_lookup_min")
-        for name in (*names, "draft_sink_tokens", "draft_recent_tokens"):
+        for name in (*names, "draft_sink_tokens", "draft_recent_tokens", "draft_vocab_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")

@@ -11,7 +11,9 @@ verification, the bonus token included):
   verification reading the whole cache;
 
 with ``W`` the bytes of the weights a step reads (every linear and the LM head; the embedding
-is gathered, a few rows) and ``s`` the K/V bytes of one slot summed over layers. The bound is
+is gathered, a few rows) and ``s`` the K/V bytes of one slot summed over layers. A draft with a
+reduced vocabulary (``draft_vocab_size``) reads only that share of the LM head: its ``W`` is
+smaller (:func:`draft_weight_bytes`). The bound is
 ``bandwidth / bytes`` tokens per second and request. Compression off; every layer full.
 """
 
@@ -37,6 +39,17 @@ def weight_bytes(model: torch.nn.Module) -> int:
             continue
         total += tensor.numel() * tensor.element_size()
     return total
+
+
+def draft_weight_bytes(model: torch.nn.Module, weights: int, draft_vocab: int | None) -> int:
+    """Bytes a draft forward reads of the weights: ``weights`` (:func:`weight_bytes`) less the
+    LM head rows at or past ``draft_vocab`` (``None``: the whole head is read)."""
+    head = getattr(model, "lm_head", None)
+    vocab = getattr(head, "out_features", None)
+    if draft_vocab is None or head is None or not vocab or draft_vocab >= vocab:
+        return weights
+    head_bytes = sum(t.numel() * t.element_size() for t in (*head.parameters(), *head.buffers()))
+    return weights - round(head_bytes * (1 - draft_vocab / vocab))
 
 
 def slot_bytes(engine) -> int:
@@ -68,8 +81,11 @@ def step_figures(
     view: int,
     accepted_length: float | None,
     bandwidth: float,
+    draft_weights: int | None = None,
 ) -> dict:
     """Bytes per step and per emitted token, and the bandwidth bound (module docstring).
+
+    ``draft_weights`` is the weight bytes a draft forward reads (default ``weights``).
 
     Returns:
         ``target_step_mb`` (a plain or verification step), ``draft_step_mb`` (one draft
@@ -78,7 +94,7 @@ def step_figures(
         ``self_*`` figures are ``None`` without an accepted length.
     """
     target = weights + batch * context * per_slot
-    draft = weights + batch * view * per_slot
+    draft = (weights if draft_weights is None else draft_weights) + batch * view * per_slot
     figures = {
         "context_slots": context,
         "view_slots": view,

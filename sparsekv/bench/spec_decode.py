@@ -34,6 +34,7 @@ from sparsekv.bench import common, spec_bytes
 from sparsekv.cli_args import add_engine_args, engine_config_from_args
 from sparsekv.engine.prompts import render_chat
 from sparsekv.sampling_params import SamplingParams
+from sparsekv.spec_decode import self_draft
 
 _CODE = [
     "def mean(values):\n    total = 0\n    for value in values:\n        total += value\n"
@@ -255,7 +256,10 @@ def _add_bytes(engine, spec, prompts, output_len: int, bandwidth: float, *rows: 
     view = spec_bytes.view_slots(
         context, block_size, spec.draft_sink_tokens, spec.draft_recent_tokens
     )
-    weights = spec_bytes.weight_bytes(engine.parts.model)
+    model = engine.parts.model
+    weights = spec_bytes.weight_bytes(model)
+    draft_vocab = self_draft.draft_vocab(spec.draft_vocab_size)
+    draft_weights = spec_bytes.draft_weight_bytes(model, weights, draft_vocab)
     per_slot = spec_bytes.slot_bytes(engine)
     for row in rows:
         row.update(
@@ -268,6 +272,7 @@ def _add_bytes(engine, spec, prompts, output_len: int, bandwidth: float, *rows: 
                 view,
                 row["mean_accepted_length"],
                 bandwidth,
+                draft_weights,
             )  # fmt: skip
         )
 

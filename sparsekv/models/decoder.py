@@ -33,6 +33,7 @@ from torch import nn
 from sparsekv.kv_cache.spec import LayerSpec
 from sparsekv.models.families import variant_of
 from sparsekv.models.fused import ops as fused
+from sparsekv.models.head_rows import leading_rows
 from sparsekv.models.layers import GatedMLP, RMSNorm
 from sparsekv.models.rotary import RotaryEmbedding
 from sparsekv.models.variant import FULL, SLIDING, DecoderVariant
@@ -234,13 +235,22 @@ class DecoderForCausalLM(nn.Module):
                 tables = {key: tuple(t[kept] for t in table) for key, table in tables.items()}
         return self.norm.add_and_norm(residual, hidden)[1]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden``: ``[num_rows, hidden]`` -> fp32 logits ``[num_rows, vocab_size]``.
+    def compute_logits(self, hidden: torch.Tensor, num_tokens: int | None = None) -> torch.Tensor:
+        """``hidden``: ``[num_rows, hidden]`` -> fp32 logits ``[num_rows, vocab_size]``, or over
+        token ids ``0 .. num_tokens - 1`` only (``head_rows.leading_rows``: a draft's reduced
+        vocabulary, reading that part of the head; the whole vocabulary from ``vocab_size``
+        on).
 
         Soft-capped as ``cap * tanh(logits / cap)`` with a final soft-cap (in the model dtype,
         then fp32, as HF does).
+
+        Raises:
+            ValueError: ``num_tokens`` below 1 (or cutting a packed head's group of 16 rows).
         """
-        logits = self.lm_head(hidden)
+        if num_tokens is None or num_tokens >= self.variant.vocab_size:
+            logits = self.lm_head(hidden)
+        else:
+            logits = leading_rows(self.lm_head, hidden, num_tokens)
         cap = self.final_logit_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

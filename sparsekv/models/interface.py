@@ -56,6 +56,8 @@ class CausalLM(Protocol):
         """
         ...
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[num_rows, hidden_size]`` -> fp32 ``[num_rows, vocab_size]``."""
+    def compute_logits(self, hidden: torch.Tensor, num_tokens: int | None = None) -> torch.Tensor:
+        """``[num_rows, hidden_size]`` -> fp32 ``[num_rows, vocab_size]``; with ``num_tokens``,
+        the logits of token ids ``0 .. num_tokens - 1`` only ``[num_rows, num_tokens]`` (a
+        draft's reduced vocabulary)."""
         ...

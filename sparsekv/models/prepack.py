@@ -89,6 +89,24 @@ class PackedLinear(nn.Module):
                 return self._small_gemm(x, self._plain_weight)
         return self.onednn(x)
 
+    def leading_rows_forward(self, x: torch.Tensor, num_rows: int) -> torch.Tensor:
+        """``forward(x)[..., :num_rows]``: the first ``num_rows`` outputs only. Where the plain
+        weight is kept, decode-sized inputs read only its first ``num_rows`` rows (a view) with
+        the native kernel ``forward`` would use; otherwise every output is computed.
+
+        Raises:
+            ValueError: ``num_rows`` is not in ``[1, out_features]``.
+        """
+        if not 1 <= num_rows <= self.out_features:
+            raise ValueError(f"num_rows: must be in [1, {self.out_features}], got {num_rows}")
+        if self._plain_weight is not None and x.dim() == 2:
+            weight, rows = self._plain_weight[:num_rows], x.shape[0]
+            if rows == 1 and self._gemv is not None and x.is_contiguous():
+                return self._gemv(x, weight)
+            if 1 <= rows <= SMALL_GEMM_MAX_ROWS and self._small_gemm is not None:
+                return self._small_gemm(x, weight)
+        return self.forward(x)[..., :num_rows]
+
     def onednn(self, x: torch.Tensor) -> torch.Tensor:
         """``linear(x)`` through oneDNN's packed weight, for any row count."""
         return self._linear(x, self.packed_weight, self.bias, "none", [], "")

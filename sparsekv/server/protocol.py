@@ -96,6 +96,7 @@ class SpeculativeBody(BaseModel):
     ngram_prompt_lookup_max: Size | None = None
     draft_sink_tokens: Size | None = None
     draft_recent_tokens: Size | None = None
+    draft_vocab_size: Size | None = None
 
     def overrides(self) -> dict[str, Any]:
         """The fields the client gave; an explicit ``method: null`` is kept (opt-out)."""

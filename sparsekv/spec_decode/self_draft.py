@@ -63,6 +63,7 @@ def fill_self_drafts(
     storages = [kv.storage(layer) for layer in range(kv.num_layers)]
     rows = [_row(kv, item) for item in items]
     ctx = DraftAttention(storages, kv.layer_specs, rows, kv.block_size, device, logit_softcap)
+    vocab = {id(item): draft_vocab(item.request.speculative.draft_vocab_size) for item in items}
     for j in range(max(row.num_drafts for row in rows)):
         active = [items[i] for i in ctx.begin(j)]
         ids = torch.tensor([_input_token(item, j) for item in active], device=device)
@@ -70,10 +71,34 @@ def fill_self_drafts(
         pos = torch.tensor(positions, dtype=torch.long, device=device)
         with step_kernels(storages[0].backend):
             hidden = model(ids, pos, ctx)
-        drafts = model.compute_logits(hidden).argmax(dim=-1).tolist()
+            drafts = _argmax_drafts(model, hidden, [vocab[id(item)] for item in active])
         for item, token in zip(active, drafts):
             item.draft_token_ids[j] = token
     return time.perf_counter() - start
+
+
+def draft_vocab(draft_vocab_size: int) -> int | None:
+    """Token ids a ``sparse_self`` draft proposes from (``0 .. result - 1``): the request's
+    ``draft_vocab_size`` rounded up to a multiple of 16 (a packed head's group of rows);
+    ``None`` (the whole vocabulary) for 0."""
+    return -(-draft_vocab_size // 16) * 16 if draft_vocab_size > 0 else None
+
+
+def _argmax_drafts(
+    model: torch.nn.Module, hidden: torch.Tensor, vocabs: list[int | None]
+) -> list[int]:
+    """Row ``i``'s argmax over token ids below ``vocabs[i]`` (``None``: all): one head product
+    over the widest row's ids (``compute_logits(hidden, num_tokens)``, the whole vocabulary at
+    or past its size), narrower rows masked to their own."""
+    widest = None if None in vocabs else max(vocabs)
+    logits = model.compute_logits(hidden, widest)
+    width = logits.shape[-1]
+    limits = [width if v is None else min(v, width) for v in vocabs]
+    if min(limits) < width:
+        ids = torch.arange(width, device=logits.device)
+        bound = torch.tensor(limits, device=logits.device).unsqueeze(1)
+        logits = logits.masked_fill(ids >= bound, float("-inf"))
+    return logits.argmax(dim=-1).tolist()
 
 
 def _row(kv: KVCacheManager, item: ScheduledRequest) -> DraftRow:

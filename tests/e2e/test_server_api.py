@@ -349,6 +349,7 @@ def test_an_unreadable_body_is_invalid_json(http, path, content):
       "'ngram'"),
      ({"method": "ngram", "draft_sink_tokens": 4}, "draft_sink_tokens", "sparse_self", "'ngram'"),
      ({"draft_recent_tokens": 16}, "draft_recent_tokens", "sparse_self", "None"),
+     ({"method": "ngram", "draft_vocab_size": 64}, "draft_vocab_size", "sparse_self", "'ngram'"),
      ({"method": "sparse_self", "ngram_prompt_lookup_max": 2}, "ngram_prompt_lookup_max",
       "ngram", "'sparse_self'")],
 )  # fmt: skip
@@ -366,6 +367,7 @@ def test_a_speculative_field_of_the_requests_method_is_used(http):
     for speculative in (
         {"method": "ngram", "ngram_prompt_lookup_max": 2},
         {"method": "sparse_self", "draft_recent_tokens": 16},
+        {"method": "sparse_self", "draft_vocab_size": 4096},
     ):
         body = {"prompt": PARIS_IDS, "max_tokens": 3, "temperature": 0, "speculative": speculative}
         response = http.post("/v1/completions", json=body)

@@ -5,6 +5,7 @@ plain requests, across preemption and prefix-cache hits."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -91,6 +92,33 @@ def test_a_wider_view_accepts_more(checkpoint):
     wide_stats, narrow_stats = wide.stats.spec_decode, narrow.stats.spec_decode
     assert wide_stats.num_accepted_tokens == wide_stats.num_draft_tokens
     assert narrow_stats.num_accepted_tokens < narrow_stats.num_draft_tokens
+
+
+def test_a_reduced_draft_vocabulary_keeps_greedy_output(checkpoint, monkeypatch):
+    # Drafts come from each request's leading token ids only (one head product per forward,
+    # narrower requests masked); the verification still scores the whole vocabulary.
+    drafted = []
+    argmax = self_draft._argmax_drafts
+
+    def spy(model, hidden, vocabs):
+        tokens = argmax(model, hidden, vocabs)
+        drafted.extend(zip(tokens, vocabs))
+        return tokens
+
+    monkeypatch.setattr(self_draft, "_argmax_drafts", spy)
+    prompts = _prompts([40, 13, 55])
+    plain_params = [SamplingParams(max_tokens=24, **GREEDY) for _ in prompts]
+    plain = token_ids(generate(engine(checkpoint), prompts, plain_params))
+    params = [*plain_params]
+    params[1] = SamplingParams(max_tokens=24, speculative={"draft_vocab_size": 0}, **GREEDY)
+    params[2] = SamplingParams(max_tokens=24, speculative={"draft_vocab_size": 200}, **GREEDY)
+    narrow = dataclasses.replace(SELF, draft_vocab_size=60)
+    spec = engine(checkpoint, speculative=narrow)
+    assert token_ids(generate(spec, prompts, params)) == plain
+    assert {vocab for _, vocab in drafted} == {64, None, 208}
+    assert all(vocab is None or token < vocab for token, vocab in drafted)
+    assert any(vocab is None and token >= 208 for token, vocab in drafted)
+    assert spec.stats.spec_decode.num_accepted_tokens > 0
 
 
 def test_sampled_requests_repeat_and_respect_max_tokens(checkpoint):

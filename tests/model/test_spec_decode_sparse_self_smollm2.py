@@ -1,8 +1,11 @@
 """Sparse self-speculation on SmolLM2-135M-Instruct (fp32): greedy output equals plain decoding
-with compression off and on, in a batch with a plain request, while the draft view leaves out
-most of each prompt's pages and drafts are still accepted."""
+with compression off and on, and with drafts from the first 8192 token ids only, in a batch with
+a plain request, while the draft view leaves out most of each prompt's pages and drafts are
+still accepted."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
@@ -28,8 +31,14 @@ def _prompt(tokenizer, copies: int, task: str) -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("compression", [None, SNAPKV], ids=["full", "snapkv"])
-def test_greedy_equals_plain(make_engine, smollm2_checkpoint, smollm2_tokenizer, compression):
+@pytest.mark.parametrize(
+    ("compression", "draft_vocab_size"),
+    [(None, 0), (SNAPKV, 0), (None, 8192)],
+    ids=["full", "snapkv", "full-vocab8192"],
+)
+def test_greedy_equals_plain(
+    make_engine, smollm2_checkpoint, smollm2_tokenizer, compression, draft_vocab_size
+):
     prompts = [
         _prompt(smollm2_tokenizer, 11, "Repeat the function mean_3 exactly."),
         _prompt(smollm2_tokenizer, 9, "Add type hints to mean_0 and print it."),
@@ -42,7 +51,8 @@ def test_greedy_equals_plain(make_engine, smollm2_checkpoint, smollm2_tokenizer,
     requests = [("a", prompts[0], params), ("b", prompts[1], opted_out), ("c", prompts[1], params)]
     plain_engine = make_engine(smollm2_checkpoint, compression=compression)
     plain = run_to_completion(plain_engine, requests)
-    spec_engine = make_engine(smollm2_checkpoint, compression=compression, speculative=SELF)
+    speculative = dataclasses.replace(SELF, draft_vocab_size=draft_vocab_size)
+    spec_engine = make_engine(smollm2_checkpoint, compression=compression, speculative=speculative)
     spec = run_to_completion(spec_engine, requests)
     for request_id in "abc":
         assert spec[request_id].outputs[0].token_ids == plain[request_id].outputs[0].token_ids

@@ -30,6 +30,18 @@ def test_step_figures():
     assert figures["self_bytes_per_token_mb"] == pytest.approx((4 * 102 + 120) / 5)
     assert figures["self_bound_tok_s"] == pytest.approx(10e9 * 5 / 528e6)
     assert spec_bytes.step_figures(1, 1, 1, 1, 4, 1, None, 1.0)["self_bound_tok_s"] is None
+    # a draft reading 70 MB of the weights (a reduced vocabulary's share of the head)
+    narrow = spec_bytes.step_figures(100e6, 1000, 10_000, 2, 4, 1000, 2.5, 10e9, 70e6)
+    assert narrow["draft_step_mb"] == pytest.approx(72.0)
+    assert narrow["target_step_mb"] == pytest.approx(120.0)
+
+
+def test_draft_weight_bytes_leave_out_the_head_rows_past_the_vocabulary():
+    model = torch.nn.Module()
+    model.lm_head = torch.nn.Linear(8, 1000, bias=False)  # 32000 bytes of fp32 rows
+    assert spec_bytes.draft_weight_bytes(model, 50_000, 250) == 50_000 - 24_000
+    assert spec_bytes.draft_weight_bytes(model, 50_000, None) == 50_000
+    assert spec_bytes.draft_weight_bytes(model, 50_000, 1000) == 50_000
 
 
 def test_view_slots():
@@ -46,6 +58,7 @@ def test_sparse_self_rows_with_long_prompts(tmp_path, smollm2_tokenizer):
         *("--kv-compression", "none", "--batch-sizes", "2", "--output-len", "6"),
         *("--speculative-method", "sparse_self", "--num-speculative-tokens", "3"),
         *("--speculative-draft-sink-tokens", "16", "--speculative-draft-recent-tokens", "32"),
+        *("--speculative-draft-vocab-size", "4096"),
         *("--prompt-tokens", "400", "--read-bandwidth", "20", "--no-warmup"),
         *("--output", str(out)),
     ]
@@ -59,4 +72,6 @@ def test_sparse_self_rows_with_long_prompts(tmp_path, smollm2_tokenizer):
     assert document["read_bandwidth"] == 20e9
     assert 350 < plain["context_slots"] < 500 and spec["view_slots"] == 16 + 32 + 16
     assert spec["draft_step_mb"] < spec["target_step_mb"] == plain["target_step_mb"]
+    # the head (49152 x 64 fp32, 12.6 MB) is most of the weights; the draft reads 4096 rows
+    assert spec["draft_step_mb"] < 0.25 * spec["target_step_mb"]
     assert plain["self_bound_tok_s"] is None and spec["self_bound_tok_s"] > 0

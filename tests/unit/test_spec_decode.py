@@ -9,6 +9,7 @@ import torch
 from sparsekv.config import SpeculativeConfig
 from sparsekv.engine.request import Request
 from sparsekv.sampling_params import SamplingParams
+from sparsekv.spec_decode import self_draft
 from sparsekv.spec_decode.ngram import propose_ngram
 from sparsekv.spec_decode.verify import accept_greedy, accept_sampled, verify_request
 
@@ -146,3 +147,37 @@ def test_request_fields_of_the_requests_own_method_are_accepted():
         {"num_speculative_tokens": 0},
     ):
         base.merged(overrides).check_request_fields(overrides)
+
+
+class _Head:
+    """A model whose logits are fixed: row ``i`` peaks at id ``40 + i``, then at ``i``."""
+
+    def __init__(self, num_rows: int) -> None:
+        self.widths: list[int | None] = []
+        self.logits = torch.zeros(num_rows, 64)
+        for i in range(num_rows):
+            self.logits[i, 40 + i] = 2.0
+            self.logits[i, i] = 1.0
+
+    def compute_logits(self, hidden, num_tokens=None):
+        self.widths.append(num_tokens)
+        return self.logits[:, :num_tokens]
+
+
+def test_self_drafts_stay_within_each_requests_vocabulary():
+    head = _Head(3)
+    hidden = torch.zeros(3, 8)
+    assert self_draft._argmax_drafts(head, hidden, [16, None, 32]) == [0, 41, 2]
+    assert self_draft._argmax_drafts(head, hidden, [16, 48, 32]) == [0, 41, 2]
+    assert self_draft._argmax_drafts(head, hidden, [16, 16, 16]) == [0, 1, 2]
+    assert head.widths == [None, 48, 16]  # one head product, as wide as the widest row
+
+
+def test_draft_vocabulary_rounds_up_to_groups_of_16():
+    assert self_draft.draft_vocab(0) is None
+    assert [self_draft.draft_vocab(n) for n in (1, 16, 17, 8192)] == [16, 16, 32, 8192]
+    with pytest.raises(ValueError, match="speculative.draft_vocab_size must be an integer >= 0"):
+        SpeculativeConfig(method="sparse_self").merged({"draft_vocab_size": -1})
+    with pytest.raises(ValueError, match="applies only to method 'sparse_self'"):
+        overrides = {"method": "ngram", "draft_vocab_size": 64}
+        SpeculativeConfig().merged(overrides).check_request_fields(overrides)

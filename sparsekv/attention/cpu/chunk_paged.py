@@ -20,11 +20,10 @@ broadcast against them), which the first two also run for fp32 pages;
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-from sparsekv.attention.cpu import build
+from sparsekv.attention.cpu import build, ops
 
 VARIANTS = ("avx512_amx", "avx512_bf16", "avx512", "avx2", "generic")
 # Longest chunk for which the kernel beats gathering bf16 pages for the flash prefill kernel
@@ -68,10 +67,9 @@ def chunk_isa(head_dim: int) -> str | None:
     """The variant for ``head_dim`` (a multiple of twice its lanes): the one
     ``SPARSEKV_KERNEL_ISA`` names if this CPU runs it and it fits, else the fastest that fits;
     ``None`` when none does or the extension is unavailable."""
-    ext = build.load_extension()
+    ext, forced = ops.resolved_setting()  # a step's scope, else read per call: tests set it
     if ext is None:
         return None
-    forced = os.environ.get("SPARSEKV_KERNEL_ISA", "")  # read per call: tests set it
     return _pick_chunk_isa(ext, head_dim, forced)
 
 
@@ -206,7 +204,7 @@ def chunk_attention_paged_batch(
         RuntimeError: no variant for these tensors, or the kernel rejects them (page ids out
             of range, inconsistent shapes, an ``isa`` this CPU does not run).
     """
-    ext = build.load_extension()
+    ext = ops.resolved_setting()[0]
     isa = isa or chunk_isa(query.shape[-1])
     if ext is None or isa is None:
         raise RuntimeError("no native chunk attention kernel for these tensors")

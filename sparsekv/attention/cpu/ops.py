@@ -53,6 +53,15 @@ def _loaded():
     return scoped[0] if scoped is not None else build.load_extension()
 
 
+def resolved_setting() -> tuple:
+    """``(extension or None, SPARSEKV_KERNEL_ISA setting)``: the enclosing
+    :class:`native_scope`'s, else read now (tests change the environment between calls)."""
+    scoped = _scope.get()
+    if scoped is not None:
+        return scoped
+    return build.load_extension(), os.environ.get(ISA_ENV, "").strip()
+
+
 def _extension():
     ext = _loaded()
     if ext is None:
@@ -86,12 +95,7 @@ def pick_isa(head_dim: int, quantized: bool = False) -> str | None:
     """Variant for ``head_dim`` (a multiple of twice the variant's fp32 lane count, as for int4
     pages too; four times for int8 / fp8 pools: ``quantized``): the one ``SPARSEKV_KERNEL_ISA``
     names if this CPU runs it, else the fastest that fits."""
-    scoped = _scope.get()
-    if scoped is not None:
-        ext, forced = scoped
-    else:
-        # The environment is read per call (tests change it); the choice is cached per setting.
-        ext, forced = build.load_extension(), os.environ.get(ISA_ENV, "").strip()
+    ext, forced = resolved_setting()  # the choice is cached per setting
     if ext is None:
         return None
     return _pick_isa(ext, head_dim, quantized, forced)

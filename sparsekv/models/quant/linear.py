@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from sparsekv.models.quant import ops
-from sparsekv.models.quant.formats import PackedTensor
+from sparsekv.models.quant.formats import FORMATS, PackedTensor
 
 
 class QuantizedLinear(nn.Module):
@@ -91,6 +91,36 @@ class QuantizedLinear(nn.Module):
             self._calls = (tuple(calls), None if bias is None else bias.to(torch.float32))
         return self._calls
 
+    def leading_rows(self, num_rows: int) -> QuantizedLinear:
+        """The layer restricted to its first ``num_rows`` outputs (``W[:num_rows]``, the bias's
+        first ``num_rows``), over views of this layer's packed bytes: no copy. Built once per
+        ``num_rows`` and kept until the buffers change; it is not a submodule (its bytes are
+        this layer's).
+
+        Raises:
+            ValueError: ``num_rows`` is not in ``[1, out_features]``, or cuts an x16 group of
+                16 rows.
+        """
+        cache = self.__dict__.setdefault("_leading", {})
+        if num_rows not in cache:
+            if not 1 <= num_rows <= self.out_features:
+                raise ValueError(f"num_rows: must be in [1, {self.out_features}], got {num_rows}")
+            parts, left = [], num_rows
+            for part in self.parts:
+                group = FORMATS[part.format].group_rows
+                if left % group and left < part.shape[0]:
+                    raise ValueError(
+                        f"num_rows: {num_rows} cuts a group of {group} rows of {part.format}"
+                    )
+                take = min(left, part.shape[0])
+                parts.append(part.with_rows(part.data[: take // group]))
+                left -= take
+                if left == 0:
+                    break
+            bias = None if self.bias is None else self.bias[:num_rows]
+            cache[num_rows] = QuantizedLinear(parts, bias)
+        return cache[num_rows]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.dim() == 2  # the decoder's [num_tokens, features]: no reshapes (~1 us each)
         rows = x if flat else x.reshape(-1, self.in_features)
@@ -106,11 +136,13 @@ class QuantizedLinear(nn.Module):
     def _apply(self, fn, recurse=True):
         # Buffers may be replaced (moved, converted): the prepared calls would hold the old ones.
         self._calls = None
+        self.__dict__.pop("_leading", None)
         return super()._apply(fn, recurse)
 
     def __setattr__(self, name: str, value) -> None:
         if name.startswith("packed_") or name == "bias":
             self.__dict__["_calls"] = None
+            self.__dict__.pop("_leading", None)
         super().__setattr__(name, value)
 
     def extra_repr(self) -> str:
