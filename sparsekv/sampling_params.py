@@ -50,9 +50,10 @@ class SamplingParams:
         speculative: per-request speculative decoding settings over the engine's, field by
             field (``SpeculativeConfig``: ``method``, ``num_speculative_tokens``,
             ``ngram_prompt_lookup_min``, ``ngram_prompt_lookup_max``, ``draft_sink_tokens``,
-            ``draft_recent_tokens``, ``draft_vocab_size``); ``{"method": None}`` or ``{"num_speculative_tokens": 0}``
-            opts out, ``{"method": "ngram"}`` or ``{"method": "sparse_self"}`` opts in on an
-            engine started without speculation. ``None``: the engine's settings.
+            ``draft_recent_tokens``, ``draft_vocab_size``); ``{"method": None}`` or
+            ``{"num_speculative_tokens": 0}`` opts out, ``{"method": "ngram"}`` or
+            ``{"method": "sparse_self"}`` opts in on an engine started without speculation.
+            ``None``: the engine's settings.
     """
 
     n: int = 1

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from sparsekv.bench.kernels.probe import best_time
+from sparsekv.models.head_rows import reads_leading_rows
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -41,12 +42,17 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def draft_weight_bytes(model: torch.nn.Module, weights: int, draft_vocab: int | None) -> int:
-    """Bytes a draft forward reads of the weights: ``weights`` (:func:`weight_bytes`) less the
-    LM head rows at or past ``draft_vocab`` (``None``: the whole head is read)."""
+def draft_weight_bytes(
+    model: torch.nn.Module, weights: int, draft_vocab: int | None, rows: int
+) -> int:
+    """Bytes a draft forward of ``rows`` rows reads of the weights: ``weights``
+    (:func:`weight_bytes`) less the LM head rows at or past ``draft_vocab`` where the head reads
+    its leading rows alone (``head_rows.reads_leading_rows``; ``None``: the whole head)."""
     head = getattr(model, "lm_head", None)
     vocab = getattr(head, "out_features", None)
     if draft_vocab is None or head is None or not vocab or draft_vocab >= vocab:
+        return weights
+    if not reads_leading_rows(head, rows):
         return weights
     head_bytes = sum(t.numel() * t.element_size() for t in (*head.parameters(), *head.buffers()))
     return weights - round(head_bytes * (1 - draft_vocab / vocab))

@@ -259,7 +259,7 @@ def _add_bytes(engine, spec, prompts, output_len: int, bandwidth: float, *rows: 
     model = engine.parts.model
     weights = spec_bytes.weight_bytes(model)
     draft_vocab = self_draft.draft_vocab(spec.draft_vocab_size)
-    draft_weights = spec_bytes.draft_weight_bytes(model, weights, draft_vocab)
+    draft_weights = spec_bytes.draft_weight_bytes(model, weights, draft_vocab, len(prompts))
     per_slot = spec_bytes.slot_bytes(engine)
     for row in rows:
         row.update(

@@ -20,14 +20,12 @@ from sparsekv.models.quant.linear import QuantizedLinear
 
 
 def leading_rows(linear: nn.Module, x: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """``linear(x)[..., :num_rows]``, reading only the first ``num_rows`` weight rows where the
-    layer type allows it (packed GGUF / int8 rows, a pre-packed bf16 layer that keeps its plain
-    weight, a plain ``nn.Linear``); any other module, or one with forward hooks (a
-    vocabulary-parallel head gathers its shards in one), computes every output and slices.
+    """``linear(x)[..., :num_rows]``, reading only the first ``num_rows`` weight rows where
+    :func:`reads_leading_rows` says so; otherwise every output is computed and sliced.
 
     Args:
         linear: the output head (``in_features -> out_features``).
-        x: ``[..., in_features]`` in the layer's input dtype.
+        x: ``[rows, in_features]`` (or ``[..., in_features]``) in the layer's input dtype.
         num_rows: outputs wanted, in ``[1, out_features]`` (a packed x16 head needs a multiple
             of 16 unless it is ``out_features``).
 
@@ -37,15 +35,30 @@ def leading_rows(linear: nn.Module, x: torch.Tensor, num_rows: int) -> torch.Ten
     Raises:
         ValueError: ``num_rows`` out of range (or cutting an x16 group of rows).
     """
-    if linear._forward_hooks or linear._forward_pre_hooks:
-        return linear(x)[..., :num_rows]  # e.g. a vocabulary-parallel head gathering its shards
+    out_features = getattr(linear, "out_features", None)
+    if num_rows < 1 or (out_features is not None and num_rows > out_features):
+        raise ValueError(f"num_rows: must be in [1, {out_features}], got {num_rows}")
+    if not reads_leading_rows(linear, x.shape[0] if x.dim() == 2 else None):
+        return linear(x)[..., :num_rows]
     if isinstance(linear, QuantizedLinear):
         return linear.leading_rows(num_rows)(x)
     if isinstance(linear, PackedLinear):
         return linear.leading_rows_forward(x, num_rows)
-    if type(linear) is nn.Linear:
-        if not 1 <= num_rows <= linear.out_features:
-            raise ValueError(f"num_rows: must be in [1, {linear.out_features}], got {num_rows}")
-        bias = None if linear.bias is None else linear.bias[:num_rows]
-        return F.linear(x, linear.weight[:num_rows], bias)
-    return linear(x)[..., :num_rows]
+    bias = None if linear.bias is None else linear.bias[:num_rows]
+    return F.linear(x, linear.weight[:num_rows], bias)
+
+
+def reads_leading_rows(linear: nn.Module, rows: int | None) -> bool:
+    """Whether :func:`leading_rows` reads only the leading weight rows of ``linear`` for an
+    input of ``rows`` rows (``None``: not a 2-D input): packed GGUF / int8 heads and plain
+    ``nn.Linear`` heads always; a pre-packed bf16 head where it keeps its plain weight (a tied
+    head, or one of at most ``prepack.GEMV_MAX_WEIGHT_BYTES``) and ``rows`` takes its native
+    kernels (1 to ``prepack.SMALL_GEMM_MAX_ROWS``); never a head with forward hooks (a
+    vocabulary-parallel head gathers its shards in one) or of another type."""
+    if linear._forward_hooks or linear._forward_pre_hooks:
+        return False
+    if isinstance(linear, QuantizedLinear) or type(linear) is nn.Linear:
+        return True
+    if isinstance(linear, PackedLinear):
+        return linear.reads_plain_rows(rows)
+    return False

@@ -90,22 +90,38 @@ class PackedLinear(nn.Module):
         return self.onednn(x)
 
     def leading_rows_forward(self, x: torch.Tensor, num_rows: int) -> torch.Tensor:
-        """``forward(x)[..., :num_rows]``: the first ``num_rows`` outputs only. Where the plain
-        weight is kept, decode-sized inputs read only its first ``num_rows`` rows (a view) with
-        the native kernel ``forward`` would use; otherwise every output is computed.
+        """``forward(x)[..., :num_rows]``: the first ``num_rows`` outputs only.
+
+        Args:
+            x: ``[rows, in_features]`` bf16 (or ``[..., in_features]``).
+            num_rows: outputs wanted, in ``[1, out_features]``.
+
+        Returns:
+            ``[..., num_rows]`` bf16. Where :meth:`reads_plain_rows` holds, only the plain
+            weight's first ``num_rows`` rows (a view) are read, by the native kernel
+            ``forward`` would use; otherwise every output is computed and sliced.
 
         Raises:
             ValueError: ``num_rows`` is not in ``[1, out_features]``.
         """
         if not 1 <= num_rows <= self.out_features:
             raise ValueError(f"num_rows: must be in [1, {self.out_features}], got {num_rows}")
-        if self._plain_weight is not None and x.dim() == 2:
-            weight, rows = self._plain_weight[:num_rows], x.shape[0]
-            if rows == 1 and self._gemv is not None and x.is_contiguous():
+        if x.dim() == 2 and self.reads_plain_rows(x.shape[0]):
+            weight = self._plain_weight[:num_rows]
+            if x.shape[0] == 1 and self._gemv is not None and x.is_contiguous():
                 return self._gemv(x, weight)
-            if 1 <= rows <= SMALL_GEMM_MAX_ROWS and self._small_gemm is not None:
+            if self._small_gemm is not None:
                 return self._small_gemm(x, weight)
         return self.forward(x)[..., :num_rows]
+
+    def reads_plain_rows(self, rows: int | None) -> bool:
+        """Whether an input of ``rows`` rows (``None``: not 2-D) runs the native kernels on the
+        kept plain weight, whose leading rows :meth:`leading_rows_forward` can then read alone."""
+        if self._plain_weight is None or rows is None:
+            return False
+        if rows == 1 and self._gemv is not None:
+            return True
+        return 1 <= rows <= SMALL_GEMM_MAX_ROWS and self._small_gemm is not None
 
     def onednn(self, x: torch.Tensor) -> torch.Tensor:
         """``linear(x)`` through oneDNN's packed weight, for any row count."""

@@ -8,8 +8,9 @@ single-token forwards over every ``sparse_self`` request of the step, forward ``
 each request's last token (``j = 0``) or its draft ``j - 1`` at position
 ``num_computed_tokens + j`` and attending over the request's draft view
 (``sparse_view.DraftAttention``, one per step: each layer's tables are built once). The
-draft token is the argmax of the draft's logits. The
-verification then runs unchanged: greedy requests keep the drafts that match the target's
+draft token is the argmax of the draft's logits, over the request's first
+``draft_vocab_size`` token ids when it sets one (``models.head_rows``: one head product per
+forward, as wide as its widest request). The verification then runs unchanged: greedy requests keep the drafts that match the target's
 argmax, sampled ones accept draft ``d`` with probability ``p(d)`` (a deterministic draft is a
 one-hot draft distribution, so rejection sampling stays exact whatever drafted ``d``).
 """
@@ -78,9 +79,15 @@ def fill_self_drafts(
 
 
 def draft_vocab(draft_vocab_size: int) -> int | None:
-    """Token ids a ``sparse_self`` draft proposes from (``0 .. result - 1``): the request's
-    ``draft_vocab_size`` rounded up to a multiple of 16 (a packed head's group of rows);
-    ``None`` (the whole vocabulary) for 0."""
+    """Token ids a ``sparse_self`` draft proposes from.
+
+    Args:
+        draft_vocab_size: the request's ``speculative.draft_vocab_size`` (validated >= 0).
+
+    Returns:
+        ``n``: ids ``0 .. n - 1``, ``draft_vocab_size`` rounded up to a multiple of 16 (a
+        packed head's group of rows); ``None``, the whole vocabulary, for 0 (or below).
+    """
     return -(-draft_vocab_size // 16) * 16 if draft_vocab_size > 0 else None
 
 

@@ -90,6 +90,8 @@ def test_greedy_text_is_the_same_with_and_without_drafts(server, compression):
         ({"num_speculative_tokens": 2**31 - 1}, "speculative.num_speculative_tokens"),
         ({"ngram_prompt_lookup_min": 4, "ngram_prompt_lookup_max": 2}, None),
         ({"draft_model": "x"}, None),
+        ({"method": "sparse_self", "draft_vocab_size": -1}, "speculative.draft_vocab_size"),
+        ({"method": "sparse_self", "draft_vocab_size": "8192"}, "speculative.draft_vocab_size"),
     ],
 )
 def test_bad_speculative_settings_are_400(server, speculative, param):

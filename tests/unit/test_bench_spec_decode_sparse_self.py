@@ -39,9 +39,12 @@ def test_step_figures():
 def test_draft_weight_bytes_leave_out_the_head_rows_past_the_vocabulary():
     model = torch.nn.Module()
     model.lm_head = torch.nn.Linear(8, 1000, bias=False)  # 32000 bytes of fp32 rows
-    assert spec_bytes.draft_weight_bytes(model, 50_000, 250) == 50_000 - 24_000
-    assert spec_bytes.draft_weight_bytes(model, 50_000, None) == 50_000
-    assert spec_bytes.draft_weight_bytes(model, 50_000, 1000) == 50_000
+    assert spec_bytes.draft_weight_bytes(model, 50_000, 250, 1) == 50_000 - 24_000
+    assert spec_bytes.draft_weight_bytes(model, 50_000, None, 1) == 50_000
+    assert spec_bytes.draft_weight_bytes(model, 50_000, 1000, 1) == 50_000
+    # a head that computes every row (a vocabulary-parallel one gathers in a hook) saves none
+    model.lm_head.register_forward_hook(lambda module, inputs, output: output)
+    assert spec_bytes.draft_weight_bytes(model, 50_000, 250, 1) == 50_000
 
 
 def test_view_slots():

@@ -10,6 +10,7 @@ import torch
 from sparsekv.attention import torch_ref
 from sparsekv.attention.backends.cpu_native import CpuNativeBackend
 from sparsekv.attention.cpu import build, chunk_paged
+from sparsekv.attention.cpu import ops as native_ops
 
 FP32_TOL = {"atol": 1e-5, "rtol": 0.0}
 BF16_TOL = {"atol": 1e-2, "rtol": 1.6e-2}  # the output rounded to bf16
@@ -256,6 +257,18 @@ def test_named_variant_runs_that_variant(isas, monkeypatch):
         chunk_paged.chunk_attention_paged_batch(
             q, k, v, pool, tables, starts, cached, 0.125, isa="sse9"
         )
+
+
+def test_the_variant_is_resolved_once_per_step_scope(isas, monkeypatch):
+    """Inside a step's native scope (every forward runs in one) the setting read on entry
+    holds; outside it the environment is read per call."""
+    fastest, lowest = isas[0], isas[-1]
+    monkeypatch.setenv(ISA_ENV, lowest)
+    with native_ops.native_scope():
+        assert chunk_paged.chunk_isa(64) == lowest
+        monkeypatch.setenv(ISA_ENV, fastest)
+        assert chunk_paged.chunk_isa(64) == lowest
+    assert chunk_paged.chunk_isa(64) == fastest
 
 
 @pytest.mark.kernel_variant("chunk_paged")

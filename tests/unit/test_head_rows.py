@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from sparsekv.models import prepack
-from sparsekv.models.head_rows import leading_rows
+from sparsekv.models.head_rows import leading_rows, reads_leading_rows
 from sparsekv.models.quant import ops
 from sparsekv.models.quant.linear import QuantizedLinear
 from tests.model.family_models import VOCAB
@@ -66,12 +66,39 @@ def test_a_head_of_several_parts_is_cut_across_them():
             head.leading_rows(bad)
 
 
-def test_plain_linear_slices_its_weight():
+def test_leading_rows_are_views_that_follow_the_layer():
+    # three parts, the first two of one format (one tensor in the layer): views, no copy
+    parts = [random_weight("q8_0", 32, IN_FEATURES, seed=s) for s in (7, 8)]
+    head = QuantizedLinear([*parts, random_weight("q4_1", 32, IN_FEATURES, 9)], torch.randn(96))
+    sub = head.leading_rows(48)
+    assert sub.formats == ("q8_0",)
+    assert sub.parts[0].data.data_ptr() == head.parts[0].data.data_ptr()
+    assert sub.bias.data_ptr() == head.bias.data_ptr()
+    x = _x(2)
+    with torch.inference_mode():
+        head.bias.add_(1.0)  # an in-place update reaches the view
+        assert torch.equal(leading_rows(head, x, 48), head(x)[:, :48])
+    for num_rows in (16, 32, 64, 80):
+        head.leading_rows(num_rows)
+    assert list(head._leading) == [16, 32, 64, 80]  # the last four widths: 48 left
+    head.bias = torch.zeros(96)  # new buffers: the views are dropped
+    assert "_leading" not in head.__dict__
+
+
+def test_plain_linear_slices_its_weight(monkeypatch):
     torch.manual_seed(0)
     head = nn.Linear(IN_FEATURES, 80, bias=True)
     x = _x(4, torch.float32)
+    shapes = []
+    linear = torch.nn.functional.linear
+    monkeypatch.setattr(
+        torch.nn.functional,
+        "linear",
+        lambda x, w, b=None: shapes.append(w.shape) or linear(x, w, b),
+    )
     with torch.inference_mode():
         torch.testing.assert_close(leading_rows(head, x, 33), head(x)[:, :33], rtol=0, atol=1e-6)
+    assert shapes == [(33, IN_FEATURES), (80, IN_FEATURES)]  # the first reads 33 rows only
     with pytest.raises(ValueError, match=r"num_rows: must be in \[1, 80\], got 81"):
         leading_rows(head, x, 81)
 
@@ -79,10 +106,15 @@ def test_plain_linear_slices_its_weight():
 def test_a_hooked_head_computes_everything_and_slices():
     # A vocabulary-parallel head gathers its shards in a forward hook: the hook must run.
     head = nn.Linear(IN_FEATURES, 40, bias=False)
+    assert reads_leading_rows(head, 2)
     head.register_forward_hook(lambda module, inputs, output: output * 2)
+    assert not reads_leading_rows(head, 2)
     x = _x(2, torch.float32)
     with torch.inference_mode():
         assert torch.equal(leading_rows(head, x, 8), head(x)[:, :8])
+        for bad in (0, -5, 41):
+            with pytest.raises(ValueError, match=rf"num_rows: must be in \[1, 40\], got {bad}"):
+                leading_rows(head, x, bad)
 
 
 @pytest.mark.parametrize("rows", [1, 4])
@@ -93,6 +125,8 @@ def test_prepacked_bf16_head_rows(rows):
     linear = nn.Linear(IN_FEATURES, 64, bias=False).bfloat16()
     packed = prepack.PackedLinear(linear, shared_weight=True)
     x = _x(rows)
+    assert reads_leading_rows(packed, rows) and not reads_leading_rows(packed, None)
+    assert not reads_leading_rows(packed, prepack.SMALL_GEMM_MAX_ROWS + 1)
     with torch.inference_mode():
         full = packed(x)
         assert torch.equal(packed.leading_rows_forward(x, 32), full[:, :32])

@@ -53,7 +53,7 @@ def _loaded():
     return scoped[0] if scoped is not None else build.load_extension()
 
 
-def resolved_setting() -> tuple:
+def resolved_setting() -> tuple[object | None, str]:
     """``(extension or None, SPARSEKV_KERNEL_ISA setting)``: the enclosing
     :class:`native_scope`'s, else read now (tests change the environment between calls)."""
     scoped = _scope.get()

@@ -21,6 +21,10 @@ from torch import nn
 from sparsekv.models.quant import ops
 from sparsekv.models.quant.formats import FORMATS, PackedTensor
 
+# Widths of leading-row views a layer keeps (``QuantizedLinear.leading_rows``): requests choose
+# their draft vocabulary, so the count is bounded.
+LEADING_ROWS_CACHED = 4
+
 
 class QuantizedLinear(nn.Module):
     """``y = x W^T + b`` with ``W`` kept packed (inference only).
@@ -92,34 +96,50 @@ class QuantizedLinear(nn.Module):
         return self._calls
 
     def leading_rows(self, num_rows: int) -> QuantizedLinear:
-        """The layer restricted to its first ``num_rows`` outputs (``W[:num_rows]``, the bias's
-        first ``num_rows``), over views of this layer's packed bytes: no copy. Built once per
-        ``num_rows`` and kept until the buffers change; it is not a submodule (its bytes are
-        this layer's).
+        """The layer restricted to its first ``num_rows`` outputs (``W[:num_rows]`` and the
+        bias's first ``num_rows``) over views of this layer's packed bytes and bias: nothing is
+        copied, and in-place updates of this layer reach it. Built once per ``num_rows`` (the
+        last :data:`LEADING_ROWS_CACHED` widths are kept) and dropped when the buffers change;
+        it is not a submodule (its bytes are this layer's).
 
         Raises:
             ValueError: ``num_rows`` is not in ``[1, out_features]``, or cuts an x16 group of
                 16 rows.
         """
         cache = self.__dict__.setdefault("_leading", {})
-        if num_rows not in cache:
-            if not 1 <= num_rows <= self.out_features:
-                raise ValueError(f"num_rows: must be in [1, {self.out_features}], got {num_rows}")
-            parts, left = [], num_rows
-            for part in self.parts:
-                group = FORMATS[part.format].group_rows
-                if left % group and left < part.shape[0]:
-                    raise ValueError(
-                        f"num_rows: {num_rows} cuts a group of {group} rows of {part.format}"
-                    )
-                take = min(left, part.shape[0])
-                parts.append(part.with_rows(part.data[: take // group]))
-                left -= take
-                if left == 0:
-                    break
-            bias = None if self.bias is None else self.bias[:num_rows]
-            cache[num_rows] = QuantizedLinear(parts, bias)
-        return cache[num_rows]
+        if num_rows in cache:
+            return cache[num_rows]
+        if not 1 <= num_rows <= self.out_features:
+            raise ValueError(f"num_rows: must be in [1, {self.out_features}], got {num_rows}")
+        parts: list[PackedTensor] = []
+        left = num_rows
+        for part in self.parts:
+            group = FORMATS[part.format].group_rows
+            if left % group and left < part.shape[0]:
+                raise ValueError(
+                    f"num_rows: {num_rows} cuts a group of {group} rows of {part.format}"
+                )
+            take = min(left, part.shape[0])
+            data = part.data[: take // group]
+            previous = parts[-1] if parts else None
+            if previous is not None and previous.format == part.format:
+                # adjacent parts of one format share a tensor here: one view spans both
+                first = previous.data
+                rows = first.shape[0] + data.shape[0]
+                data = first.as_strided((rows, first.shape[1]), first.stride())
+                parts[-1] = previous.with_rows(data)
+            else:
+                parts.append(part.with_rows(data))
+            left -= take
+            if left == 0:
+                break
+        sub = QuantizedLinear(parts)
+        if self.bias is not None:
+            sub.bias = self.bias[:num_rows]  # fp32 already: a view
+        if len(cache) >= LEADING_ROWS_CACHED:
+            del cache[next(iter(cache))]
+        cache[num_rows] = sub
+        return sub
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.dim() == 2  # the decoder's [num_tokens, features]: no reshapes (~1 us each)
