@@ -409,7 +409,7 @@ class SpeculativeConfig:
             model itself drafts, reading only the sink and most recent pages of its own
             cache); unset is off.
         num_speculative_tokens: draft tokens proposed per request and step (K), at most
-            ``MAX_SPECULATIVE_TOKENS``.
+            32 (``MAX_SPECULATIVE_TOKENS``).
         ngram_prompt_lookup_min: shortest suffix n-gram the ``ngram`` drafter matches.
         ngram_prompt_lookup_max: longest suffix n-gram the ``ngram`` drafter matches (tried
             first).
@@ -418,8 +418,8 @@ class SpeculativeConfig:
         draft_recent_tokens: ``sparse_self``: most recent slots of each layer the draft
             reads (extended back to a page start); sliding-window layers read their window.
         draft_vocab_size: ``sparse_self``: the draft proposes only token ids below this
-            (rounded up to a multiple of 16), reading that part of the output head
-            (``models.head_rows``); 0, or at least the vocabulary, proposes from all of it.
+            (rounded up to a multiple of 16) and reads only those rows of the output head;
+            0, or at least the vocabulary, proposes from all of it.
             Verification always scores the whole vocabulary.
     """
 
@@ -482,6 +482,11 @@ class SpeculativeConfig:
                 raise ValueError(
                     f"speculative.{name} applies only to method {owner!r}; the request's "
                     f"method is {self.method!r}"
+                )
+            if owner is not None and not self.enabled:  # the method, but no drafts
+                raise ValueError(
+                    f"speculative.{name} applies only with speculation on; the request's "
+                    f"num_speculative_tokens is 0"
                 )
 
     def merged(self, overrides: dict) -> SpeculativeConfig:

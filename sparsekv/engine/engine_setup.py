@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from sparsekv.attention.backends import create_backend
-from sparsekv.config import EngineConfig
+from sparsekv.config import EngineConfig, SpeculativeConfig
 from sparsekv.engine.device_memory import kv_cache_gib, profile_forward
 from sparsekv.engine.scheduler import Scheduler
 from sparsekv.host_allocator import tune_host_allocator
@@ -241,6 +241,7 @@ def build_engine_parts(config: EngineConfig, checkpoint=None) -> EngineParts:
     # Chosen once; the kernels compile (or load) now, never on a request.
     backend = create_backend(config.model.attention_backend, device)
     logger.info("attention backend: %s", backend.name)
+    _log_speculation(config.speculative)
     if device == "cpu":
         tune_host_allocator()
     if checkpoint is None:
@@ -303,3 +304,25 @@ def eos_ids_of(hf_config, tokenizer, generation_eos=()) -> tuple[int, ...]:
         elif isinstance(source, (list, tuple)):
             ids.update(int(x) for x in source)
     return tuple(sorted(ids))
+
+
+def _log_speculation(spec: SpeculativeConfig) -> None:
+    """One line saying which speculative decoding the engine runs by default (requests may
+    switch it), and which of its drafter-specific settings nothing reads."""
+    if not spec.enabled:
+        logger.info("speculative decoding: off unless a request opts in")
+        return
+    if spec.method == "sparse_self":
+        vocab = spec.draft_vocab_size or "whole"
+        detail = (
+            f"view {spec.draft_sink_tokens} sink + {spec.draft_recent_tokens} recent tokens, "
+            f"draft vocabulary {vocab}"
+        )
+    else:
+        detail = f"n-grams {spec.ngram_prompt_lookup_min}-{spec.ngram_prompt_lookup_max}"
+    logger.info(
+        "speculative decoding: %s, %d draft tokens per step, %s",
+        spec.method,
+        spec.num_speculative_tokens,
+        detail,
+    )

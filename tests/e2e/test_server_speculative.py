@@ -92,6 +92,7 @@ def test_greedy_text_is_the_same_with_and_without_drafts(server, compression):
         ({"draft_model": "x"}, None),
         ({"method": "sparse_self", "draft_vocab_size": -1}, "speculative.draft_vocab_size"),
         ({"method": "sparse_self", "draft_vocab_size": "8192"}, "speculative.draft_vocab_size"),
+        ({"num_speculative_tokens": 0, "draft_vocab_size": 64}, "speculative.draft_vocab_size"),
     ],
 )
 def test_bad_speculative_settings_are_400(server, speculative, param):

@@ -128,6 +128,10 @@ def test_speculative_config_merges_and_validates():
         (SpeculativeConfig(method="sparse_self"), {"ngram_prompt_lookup_max": 2},
          "speculative.ngram_prompt_lookup_max applies only to method 'ngram'; the request's "
          "method is 'sparse_self'"),
+        (SpeculativeConfig(method="sparse_self"),
+         {"num_speculative_tokens": 0, "draft_vocab_size": 64},
+         "speculative.draft_vocab_size applies only with speculation on; the request's "
+         "num_speculative_tokens is 0"),
     ],
 )  # fmt: skip
 def test_a_request_field_its_method_never_reads_is_rejected(base, overrides, message):
@@ -181,3 +185,16 @@ def test_draft_vocabulary_rounds_up_to_groups_of_16():
     with pytest.raises(ValueError, match="applies only to method 'sparse_self'"):
         overrides = {"method": "ngram", "draft_vocab_size": 64}
         SpeculativeConfig().merged(overrides).check_request_fields(overrides)
+
+
+def test_the_engine_logs_its_speculation_settings(caplog):
+    from sparsekv.engine.engine_setup import _log_speculation
+
+    with caplog.at_level("INFO", logger="sparsekv.engine.engine_setup"):
+        _log_speculation(SpeculativeConfig(method="sparse_self", draft_vocab_size=8192))
+        _log_speculation(SpeculativeConfig(method="ngram", num_speculative_tokens=0))
+    assert caplog.messages == [
+        "speculative decoding: sparse_self, 4 draft tokens per step, view 64 sink + 448 recent "
+        "tokens, draft vocabulary 8192",
+        "speculative decoding: off unless a request opts in",
+    ]
