@@ -307,8 +307,8 @@ def eos_ids_of(hf_config, tokenizer, generation_eos=()) -> tuple[int, ...]:
 
 
 def _log_speculation(spec: SpeculativeConfig) -> None:
-    """One line saying which speculative decoding the engine runs by default (requests may
-    switch it), and which of its drafter-specific settings nothing reads."""
+    """One line saying which speculative decoding the engine runs by default and with which
+    drafter settings (requests may change them)."""
     if not spec.enabled:
         logger.info("speculative decoding: off unless a request opts in")
         return

@@ -35,11 +35,12 @@ def leading_rows(linear: nn.Module, x: torch.Tensor, num_rows: int) -> torch.Ten
     Raises:
         ValueError: ``num_rows`` out of range (or cutting an x16 group of rows).
     """
-    out_features = getattr(linear, "out_features", None)
-    if num_rows < 1 or (out_features is not None and num_rows > out_features):
-        raise ValueError(f"num_rows: must be in [1, {out_features}], got {num_rows}")
     if not reads_leading_rows(linear, x.shape[0] if x.dim() == 2 else None):
-        return linear(x)[..., :num_rows]
+        # every output (a hook may gather shards: the width is the output's, not the layer's)
+        out = linear(x)
+        _check_rows(num_rows, out.shape[-1])
+        return out[..., :num_rows]
+    _check_rows(num_rows, linear.out_features)
     if isinstance(linear, QuantizedLinear):
         return linear.leading_rows(num_rows)(x)
     if isinstance(linear, PackedLinear):
@@ -62,3 +63,8 @@ def reads_leading_rows(linear: nn.Module, rows: int | None) -> bool:
     if isinstance(linear, PackedLinear):
         return linear.reads_plain_rows(rows)
     return False
+
+
+def _check_rows(num_rows: int, width: int) -> None:
+    if not 1 <= num_rows <= width:
+        raise ValueError(f"num_rows: must be in [1, {width}], got {num_rows}")

@@ -10,9 +10,10 @@ each request's last token (``j = 0``) or its draft ``j - 1`` at position
 (``sparse_view.DraftAttention``, one per step: each layer's tables are built once). The
 draft token is the argmax of the draft's logits, over the request's first
 ``draft_vocab_size`` token ids when it sets one (``models.head_rows``: one head product per
-forward, as wide as its widest request). The verification then runs unchanged: greedy requests keep the drafts that match the target's
-argmax, sampled ones accept draft ``d`` with probability ``p(d)`` (a deterministic draft is a
-one-hot draft distribution, so rejection sampling stays exact whatever drafted ``d``).
+forward, as wide as its widest request). The verification then runs unchanged: greedy
+requests keep the drafts that match the target's argmax, sampled ones accept draft ``d`` with
+probability ``p(d)`` (a deterministic draft is a one-hot draft distribution, so rejection
+sampling stays exact whatever drafted ``d``).
 """
 
 from __future__ import annotations
