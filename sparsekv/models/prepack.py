@@ -106,22 +106,27 @@ class PackedLinear(nn.Module):
         """
         if not 1 <= num_rows <= self.out_features:
             raise ValueError(f"num_rows: must be in [1, {self.out_features}], got {num_rows}")
-        if x.dim() == 2 and self.reads_plain_rows(x.shape[0]):
-            weight = self._plain_weight[:num_rows]
-            if x.shape[0] == 1 and self._gemv is not None and x.is_contiguous():
-                return self._gemv(x, weight)
-            if self._small_gemm is not None:
-                return self._small_gemm(x, weight)
+        kernel = self._plain_kernel(x.shape[0], x.is_contiguous()) if x.dim() == 2 else None
+        if kernel is not None:
+            return kernel(x, self._plain_weight[:num_rows])
         return self.forward(x)[..., :num_rows]
 
     def reads_plain_rows(self, rows: int | None) -> bool:
-        """Whether an input of ``rows`` rows (``None``: not 2-D) runs the native kernels on the
-        kept plain weight, whose leading rows :meth:`leading_rows_forward` can then read alone."""
-        if self._plain_weight is None or rows is None:
-            return False
-        if rows == 1 and self._gemv is not None:
-            return True
-        return 1 <= rows <= SMALL_GEMM_MAX_ROWS and self._small_gemm is not None
+        """Whether a contiguous input of ``rows`` rows (``None``: not 2-D) runs the native
+        kernels on the kept plain weight, whose leading rows :meth:`leading_rows_forward` can
+        then read alone."""
+        return rows is not None and self._plain_kernel(rows, True) is not None
+
+    def _plain_kernel(self, rows: int, contiguous: bool):
+        """The native kernel ``forward`` runs on the plain weight for ``rows`` rows, or ``None``
+        (oneDNN). ``forward`` makes the same choice inline: it runs ~120 times a step."""
+        if self._plain_weight is None:
+            return None
+        if rows == 1 and self._gemv is not None and contiguous:
+            return self._gemv
+        if 1 <= rows <= SMALL_GEMM_MAX_ROWS and self._small_gemm is not None:
+            return self._small_gemm
+        return None
 
     def onednn(self, x: torch.Tensor) -> torch.Tensor:
         """``linear(x)`` through oneDNN's packed weight, for any row count."""

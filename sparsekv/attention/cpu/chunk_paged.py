@@ -204,8 +204,9 @@ def chunk_attention_paged_batch(
         RuntimeError: no variant for these tensors, or the kernel rejects them (page ids out
             of range, inconsistent shapes, an ``isa`` this CPU does not run).
     """
-    ext = ops.resolved_setting()[0]
-    isa = isa or chunk_isa(query.shape[-1])
+    ext, forced = ops.resolved_setting()
+    if ext is not None and isa is None:
+        isa = _pick_chunk_isa(ext, query.shape[-1], forced)
     if ext is None or isa is None:
         raise RuntimeError("no native chunk attention kernel for these tensors")
     query = query if query.stride(-1) == 1 else query.contiguous()
