@@ -27,6 +27,7 @@ from typing import ClassVar
 
 import torch
 
+from sparsekv.attention.cpu.memory import advise_huge_pages
 from sparsekv.attention.paging import gather_kv
 
 # (out, lse, mass) of a paged decode: see ``AttentionBackend.paged_decode``.
@@ -97,6 +98,22 @@ class AttentionBackend(abc.ABC):
             fallbacks only (it still works).
         """
         return True
+
+    def allocate_pages(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """A zeroed tensor for KV pages (codes, scales) of ``shape`` and ``dtype``.
+
+        On CPU (Linux) the memory is advised for transparent 2 MiB pages before its first
+        touch (``attention.cpu.memory``): decode reads pages in block-table order, scattered
+        over the pool, and with 4 KiB pages most of those reads also miss the TLB. Elsewhere,
+        and where the advice is refused, it is a plain ``torch.zeros``.
+        """
+        if device.type != "cpu":
+            return torch.zeros(shape, dtype=dtype, device=device)
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+        advise_huge_pages(tensor)
+        return tensor.zero_()
 
     def step_scope(self) -> contextlib.AbstractContextManager:
         """A context manager around one step's forward within which the backend may resolve

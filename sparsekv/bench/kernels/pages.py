@@ -27,7 +27,7 @@ def make_pages(args: argparse.Namespace, kv_name: str) -> tuple[torch.Tensor, to
     shape = (num_pages, 2, args.num_kv_heads, args.block_size, args.head_dim)
     if kv_name in DTYPES:
         pool = torch.empty(shape, dtype=DTYPES[kv_name])
-        advise_huge_pages(pool)  # as the engine's pool should be (see attention/cpu/memory.py)
+        advise_huge_pages(pool)  # as AttentionBackend.allocate_pages does for the engine
         return pool.normal_(), None
     data = torch.empty(shape, dtype=torch.int8 if kv_name == "int8" else quant.FP8_DTYPE)
     scales = torch.empty(shape[:4])

@@ -57,7 +57,7 @@ class KVStorage:
 
     def _allocate(self) -> list[torch.Tensor]:
         shape = (self.num_pages, 2, self.num_kv_heads, self.block_size, self.head_dim)
-        return [torch.zeros(shape, dtype=self.dtype, device=self.device)]
+        return [self.backend.allocate_pages(shape, self.dtype, self.device)]
 
     @property
     def page_bytes(self) -> int:

@@ -24,12 +24,13 @@ class Int4Storage(KVStorage):
         n, h, bs, d = self.num_pages, self.num_kv_heads, self.block_size, self.head_dim
         if d % 2:
             raise ValueError(f"kv_cache_dtype int4 needs an even head_dim, got {d}")
+        pages = self.backend.allocate_pages
         return [
-            torch.zeros((n, 2, h, bs, d // 2), dtype=torch.uint8, device=self.device),
-            torch.zeros((n, h, d), dtype=torch.float16, device=self.device),  # key scale
-            torch.zeros((n, h, d), dtype=torch.float16, device=self.device),  # key zero
-            torch.zeros((n, h, bs), dtype=torch.float16, device=self.device),  # value scale
-            torch.zeros((n, h, bs), dtype=torch.float16, device=self.device),  # value zero
+            pages((n, 2, h, bs, d // 2), torch.uint8, self.device),
+            pages((n, h, d), torch.float16, self.device),  # key scale
+            pages((n, h, d), torch.float16, self.device),  # key zero
+            pages((n, h, bs), torch.float16, self.device),  # value scale
+            pages((n, h, bs), torch.float16, self.device),  # value zero
         ]
 
     def _store_pages(self, index: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:

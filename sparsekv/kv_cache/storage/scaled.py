@@ -31,8 +31,8 @@ class ScaledStorage(KVStorage):
 
     def _allocate(self) -> list[torch.Tensor]:
         shape = (self.num_pages, 2, self.num_kv_heads, self.block_size, self.head_dim)
-        codes = torch.zeros(shape, dtype=self._code_dtype, device=self.device)
-        scales = torch.zeros(shape[:-1], dtype=torch.float32, device=self.device)
+        codes = self.backend.allocate_pages(shape, self._code_dtype, self.device)
+        scales = self.backend.allocate_pages(shape[:-1], torch.float32, self.device)
         return [codes, scales]
 
     @property

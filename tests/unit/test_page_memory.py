@@ -1,0 +1,56 @@
+"""KV page pools: allocated zeroed, and on Linux CPUs advised for transparent huge pages before
+their first touch (every storage format, every CPU backend)."""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+import torch
+
+from sparsekv.attention.backends.cpu_native import CpuNativeBackend
+from sparsekv.attention.backends.torch_backend import TorchBackend
+from sparsekv.kv_cache.storage import make_storage
+
+THP_SETTING = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds ``address`` (/proc/self/smaps)."""
+    inside = False
+    for line in pathlib.Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(maxsplit=1)[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.parametrize("backend", [CpuNativeBackend, TorchBackend])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8", "int4"])
+def test_pool_is_zeroed_and_advised_for_huge_pages(kv_cache_dtype, backend):
+    # 1024 pages x 2 x 4 heads x 16 slots x 64 dims: 16 MiB of bf16, 4 MiB of int4 codes
+    storage = make_storage(kv_cache_dtype, 1024, 0, 4, 16, 64, torch.bfloat16, backend=backend())
+    for tensor in storage.tensors:
+        assert tensor.device.type == "cpu"
+        assert not tensor.view(torch.uint8).any()
+    if not sys.platform.startswith("linux") or not THP_SETTING.exists():
+        pytest.skip("no transparent huge pages on this kernel")
+    codes = storage.tensors[0]
+    middle = codes.data_ptr() + codes.numel() * codes.element_size() // 2
+    assert "hg" in vm_flags(middle)  # MADV_HUGEPAGE took
+
+
+def test_accelerator_pools_are_plain_zeros(monkeypatch):
+    calls = []
+    monkeypatch.setattr(
+        "sparsekv.attention.backends.base.advise_huge_pages", lambda t: calls.append(t)
+    )
+    pool = TorchBackend().allocate_pages((4, 2, 1, 16, 8), torch.float32, torch.device("meta"))
+    assert pool.device.type == "meta" and tuple(pool.shape) == (4, 2, 1, 16, 8)
+    assert calls == []
+    TorchBackend().allocate_pages((4, 2, 1, 16, 8), torch.float32, torch.device("cpu"))
+    assert len(calls) == 1
