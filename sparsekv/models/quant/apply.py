@@ -18,6 +18,7 @@ from collections import Counter
 import torch
 from torch import nn
 
+from sparsekv.models.prepack import PackedLinear
 from sparsekv.models.quant import ops
 from sparsekv.models.quant.formats import X16_FORMATS, PackedTensor, pack_bf16, quantize_int8
 from sparsekv.models.quant.linear import QuantizedLinear
@@ -136,16 +137,20 @@ def _count(model: nn.Module) -> int:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the model's weights in memory: parameters and the packed layers' buffers, each
-    storage counted once (a tied head shares the embedding's); rotary tables excluded."""
+    """Bytes of the model's weights in memory: parameters, the packed layers' buffers and the
+    prepacked bf16 layers' weights (``PackedLinear.held_bytes``), each storage counted once (a
+    tied head shares the embedding's); rotary tables excluded."""
     tensors = list(model.parameters())
+    prepacked = []
     for module in model.modules():
         if isinstance(module, QuantizedLinear):
             tensors += list(module.buffers())
+        elif isinstance(module, PackedLinear):
+            prepacked.append(module)
     seen, total = set(), 0
     for tensor in tensors:
         key = tensor.untyped_storage().data_ptr()
         if key not in seen:
             seen.add(key)
             total += tensor.untyped_storage().nbytes()
-    return total
+    return total + sum(module.held_bytes(seen) for module in prepacked)
