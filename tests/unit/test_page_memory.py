@@ -31,17 +31,32 @@ def vm_flags(address: int) -> list[str]:
 
 @pytest.mark.parametrize("backend", [CpuNativeBackend, TorchBackend])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8", "int4"])
-def test_pool_is_zeroed_and_advised_for_huge_pages(kv_cache_dtype, backend):
-    # 1024 pages x 2 x 4 heads x 16 slots x 64 dims: 16 MiB of bf16, 4 MiB of int4 codes
-    storage = make_storage(kv_cache_dtype, 1024, 0, 4, 16, 64, torch.bfloat16, backend=backend())
+def test_every_pool_tensor_is_advised_before_it_is_zeroed(kv_cache_dtype, backend, monkeypatch):
+    advised = []
+
+    def advise(tensor: torch.Tensor) -> bool:  # dirty the memory: the zeroing must come after
+        tensor.view(torch.uint8).fill_(1)
+        advised.append(tensor.data_ptr())
+        return True
+
+    monkeypatch.setattr("sparsekv.attention.backends.base.advise_huge_pages", advise)
+    storage = make_storage(kv_cache_dtype, 64, 0, 4, 16, 64, torch.bfloat16, backend=backend())
+    assert [t.data_ptr() for t in storage.tensors] == advised
     for tensor in storage.tensors:
-        assert tensor.device.type == "cpu"
+        assert tensor.device.type == "cpu" and tensor.is_contiguous()
         assert not tensor.view(torch.uint8).any()
+
+
+@pytest.mark.parametrize("backend", [CpuNativeBackend, TorchBackend])
+def test_a_pool_sized_tensor_gets_huge_pages(backend):
     if not sys.platform.startswith("linux") or not THP_SETTING.exists():
         pytest.skip("no transparent huge pages on this kernel")
-    codes = storage.tensors[0]
-    middle = codes.data_ptr() + codes.numel() * codes.element_size() // 2
+    # 64 MiB: past glibc's mmap threshold even once the engine tunes it (32 MiB), so a fresh
+    # mapping that only the advice can have flagged
+    pool = backend().allocate_pages((2048, 2, 4, 16, 64), torch.bfloat16, "cpu")
+    middle = pool.data_ptr() + pool.numel() * pool.element_size() // 2
     assert "hg" in vm_flags(middle)  # MADV_HUGEPAGE took
+    assert not pool.any()
 
 
 def test_accelerator_pools_are_plain_zeros(monkeypatch):

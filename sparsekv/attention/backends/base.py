@@ -100,15 +100,28 @@ class AttentionBackend(abc.ABC):
         return True
 
     def allocate_pages(
-        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     ) -> torch.Tensor:
-        """A zeroed tensor for KV pages (codes, scales) of ``shape`` and ``dtype``.
+        """A zeroed tensor for KV pages (codes, scales).
 
-        On CPU (Linux) the memory is advised for transparent 2 MiB pages before its first
-        touch (``attention.cpu.memory``): decode reads pages in block-table order, scattered
-        over the pool, and with 4 KiB pages most of those reads also miss the TLB. Elsewhere,
-        and where the advice is refused, it is a plain ``torch.zeros``.
+        On CPU (Linux) the memory is advised for transparent 2 MiB pages
+        (``attention.cpu.memory``) before it is zeroed: decode reads pages in block-table
+        order, scattered over the pool, and with 4 KiB pages most of those reads also miss the
+        TLB. The advice takes on memory not yet touched: a pool-sized tensor gets a fresh
+        mapping; a small one (below glibc's mmap threshold, 32 MiB once the engine tunes the
+        allocator) may reuse heap pages, which stay 4 KiB until the kernel collapses them.
+        Elsewhere it is a plain ``torch.zeros``.
+
+        Args:
+            shape: the tensor's shape (e.g. ``[num_pages, 2, num_kv_heads, block_size,
+                head_dim]`` for plain pages).
+            dtype: its element type (compute dtype, codes or scales).
+            device: where the pages live.
+
+        Returns:
+            A contiguous zero tensor of ``shape`` and ``dtype`` on ``device``.
         """
+        device = torch.device(device)
         if device.type != "cpu":
             return torch.zeros(shape, dtype=dtype, device=device)
         tensor = torch.empty(shape, dtype=dtype, device=device)
