@@ -11,6 +11,8 @@ import torch
 
 from sparsekv.attention.backends.cpu_native import CpuNativeBackend
 from sparsekv.attention.backends.torch_backend import TorchBackend
+from sparsekv.attention.cpu.memory import huge_page_setting
+from sparsekv.bench.kernels import variants
 from sparsekv.kv_cache.storage import make_storage
 
 THP_SETTING = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -69,3 +71,42 @@ def test_accelerator_pools_are_plain_zeros(monkeypatch):
     assert calls == []
     TorchBackend().allocate_pages((4, 2, 1, 16, 8), torch.float32, torch.device("cpu"))
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize(
+    ("text", "mode"),
+    [
+        ("always [madvise] never\n", "madvise"),
+        ("[always] madvise never\n", "always"),
+        ("always madvise [never]\n", "never"),
+        ("garbage\n", None),
+    ],
+)
+def test_huge_page_setting_reads_the_bracketed_mode(tmp_path, text, mode):
+    path = tmp_path / "enabled"
+    path.write_text(text)
+    assert huge_page_setting(str(path)) == mode
+    assert huge_page_setting(str(tmp_path / "missing")) is None
+
+
+@pytest.mark.parametrize(
+    ("mode", "line"),
+    [
+        ("madvise", "kv pages     2 MiB pages (transparent huge pages: madvise)"),
+        ("always", "kv pages     2 MiB pages (transparent huge pages: always)"),
+        (None, "kv pages     4 KiB pages (no transparent huge pages on this system)"),
+    ],
+)
+def test_kernel_list_says_whether_pools_get_huge_pages(monkeypatch, mode, line):
+    monkeypatch.setattr(variants, "huge_page_setting", lambda: mode)
+    assert variants.variant_lines()[-1] == line
+
+
+def test_kernel_list_tells_how_to_enable_huge_pages(monkeypatch):
+    monkeypatch.setattr(variants, "huge_page_setting", lambda: "never")
+    last = variants.variant_lines()[-1]
+    assert last.startswith("kv pages     4 KiB pages (transparent huge pages: never;")
+    assert "/sys/kernel/mm/transparent_hugepage/enabled" in last
+    assert huge_page_setting() == (
+        THP_SETTING.read_text().split("[")[1].split("]")[0] if THP_SETTING.exists() else None
+    )

@@ -19,6 +19,21 @@ import torch
 
 MADV_HUGEPAGE = 14
 HUGE_PAGE_BYTES = 2 << 20
+THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def huge_page_setting(path: str = THP_SETTING) -> str | None:
+    """The kernel's transparent huge page mode: ``"always"``, ``"madvise"`` or ``"never"`` (the
+    bracketed word of ``path``), or ``None`` where the file is missing or unreadable (not
+    Linux, or a kernel without THP). The advice of :func:`advise_huge_pages` takes under
+    ``always`` and ``madvise``."""
+    try:
+        with open(path, encoding="ascii") as handle:
+            text = handle.read()
+    except (OSError, UnicodeDecodeError):
+        return None
+    start, end = text.find("["), text.find("]")
+    return text[start + 1 : end] if 0 <= start < end else None
 
 
 def advise_huge_pages(tensor: torch.Tensor) -> bool:

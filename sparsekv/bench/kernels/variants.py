@@ -1,10 +1,12 @@
 """``sparsekv bench kernels --list``: the CPU's kernel-relevant features and, for every native
 kernel family (attention, the fused model ops, the packed-weight linears), the variant it runs
-and why, and why each other variant does not run here."""
+and why, and why each other variant does not run here; and whether KV page pools get huge
+pages."""
 
 from __future__ import annotations
 
 from sparsekv.attention.cpu import variants
+from sparsekv.attention.cpu.memory import huge_page_setting
 from sparsekv.models.fused import build as fused_build
 from sparsekv.models.quant import build as quant_build
 from sparsekv.models.quant import ops as quant_ops
@@ -46,6 +48,19 @@ def _packed_lines() -> list[str]:
     return lines
 
 
+def _page_line() -> str:
+    # Whether the KV page pools get 2 MiB pages (AttentionBackend.allocate_pages advises them).
+    mode = huge_page_setting()
+    if mode in ("always", "madvise"):
+        return f"kv pages     2 MiB pages (transparent huge pages: {mode})"
+    if mode is None:
+        return "kv pages     4 KiB pages (no transparent huge pages on this system)"
+    return (
+        f"kv pages     4 KiB pages (transparent huge pages: {mode}; decode's page reads miss the "
+        "TLB: set madvise or always in /sys/kernel/mm/transparent_hugepage/enabled)"
+    )
+
+
 def variant_lines() -> list[str]:
     """The lines :func:`print_variants` prints."""
     lines = [
@@ -60,7 +75,7 @@ def variant_lines() -> list[str]:
         lines.append(line)
         for variant, why in info.unavailable.items():
             lines.append(f"{'':<12}   not {variant}: {why}")
-    return lines + _fused_lines() + _packed_lines()
+    return lines + _fused_lines() + _packed_lines() + [_page_line()]
 
 
 def print_variants() -> None:
