@@ -100,8 +100,7 @@ def decode_weight_bytes(model: nn.Module) -> int:
         if isinstance(module, QuantizedLinear):
             total += module.weight_bytes
         elif isinstance(module, PackedLinear):
-            element = next(module.buffers()).element_size()
-            total += module.in_features * module.out_features * element
+            total += module.packed_bytes
         elif isinstance(module, nn.Linear):
             key = module.weight.untyped_storage().data_ptr()
             if key not in seen:

@@ -128,17 +128,15 @@ class PackedLinear(nn.Module):
             return self._small_gemm
         return None
 
-    def held_bytes(self, seen: set[int]) -> int:
-        """Bytes of memory this layer holds: oneDNN's packed weight (an opaque tensor, counted
-        at its logical size), the bias and the kept plain weight. Plain storages whose
-        ``data_ptr`` is in ``seen`` (a tied head's weight, the embedding's) are skipped, and
-        the ones counted are added to it."""
-        total = self.in_features * self.out_features * self.packed_weight.element_size()
-        for tensor in (self.bias, self._plain_weight):
-            if tensor is not None and tensor.untyped_storage().data_ptr() not in seen:
-                seen.add(tensor.untyped_storage().data_ptr())
-                total += tensor.untyped_storage().nbytes()
-        return total
+    @property
+    def packed_bytes(self) -> int:
+        """Bytes of oneDNN's packed weight (an opaque tensor: counted at its logical size)."""
+        return self.in_features * self.out_features * self.packed_weight.element_size()
+
+    def plain_tensors(self) -> list[torch.Tensor]:
+        """The ordinary tensors this layer holds beside the packed weight: the bias and the
+        plain weight kept for the native kernels (a tied head's is the embedding's)."""
+        return [t for t in (self.bias, self._plain_weight) if t is not None]
 
     def onednn(self, x: torch.Tensor) -> torch.Tensor:
         """``linear(x)`` through oneDNN's packed weight, for any row count."""

@@ -11,11 +11,12 @@ import torch
 
 from sparsekv.attention.backends.cpu_native import CpuNativeBackend
 from sparsekv.attention.backends.torch_backend import TorchBackend
+from sparsekv.attention.cpu import memory
 from sparsekv.attention.cpu.memory import huge_page_setting
 from sparsekv.bench.kernels import variants
 from sparsekv.kv_cache.storage import make_storage
 
-THP_SETTING = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
+THP_SETTING = pathlib.Path(memory.THP_SETTING)
 
 
 def vm_flags(address: int) -> list[str]:

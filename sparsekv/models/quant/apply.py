@@ -138,19 +138,19 @@ def _count(model: nn.Module) -> int:
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of the model's weights in memory: parameters, the packed layers' buffers and the
-    prepacked bf16 layers' weights (``PackedLinear.held_bytes``), each storage counted once (a
-    tied head shares the embedding's); rotary tables excluded."""
-    tensors = list(model.parameters())
-    prepacked = []
+    prepacked bf16 layers' weights (``PackedLinear.packed_bytes`` and ``plain_tensors``), each
+    storage counted once (a tied head shares the embedding's); rotary tables excluded."""
+    tensors, total = list(model.parameters()), 0
     for module in model.modules():
         if isinstance(module, QuantizedLinear):
             tensors += list(module.buffers())
         elif isinstance(module, PackedLinear):
-            prepacked.append(module)
-    seen, total = set(), 0
+            tensors += module.plain_tensors()
+            total += module.packed_bytes
+    seen = set()
     for tensor in tensors:
         key = tensor.untyped_storage().data_ptr()
         if key not in seen:
             seen.add(key)
             total += tensor.untyped_storage().nbytes()
-    return total + sum(module.held_bytes(seen) for module in prepacked)
+    return total
