@@ -22,7 +22,7 @@ ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 CPU_KV_CACHE_MEMORY = 2.0
 
 # ``--weight-dtype`` values (``ModelConfig.weight_dtype``).
-WEIGHT_DTYPES = ("auto", "bf16", "int8", "gguf")
+WEIGHT_DTYPES = ("auto", "bf16", "int8", "w8a8", "gguf")
 
 COMPRESSION_METHODS = (
     "none",
@@ -63,9 +63,11 @@ class ModelConfig:
         tokenizer: a tokenizer folder or file (``tokenizer.json``, a GGUF) to use instead of
             the model's own, e.g. for random-weight benchmark models.
         weight_dtype: how linear weights are stored: ``auto`` (the model dtype), ``bf16``
-            (bf16 rows), ``int8`` (per output channel, quantized at load) or ``gguf`` (the GGUF
-            file's Q4_0 / Q4_1 / Q8_0 blocks kept packed). Packed weights run native kernels
-            that dequantize in registers for up to 64 rows; embeddings and norms stay dense.
+            (bf16 rows), ``int8`` (per output channel, quantized at load), ``w8a8`` (``int8``
+            weights, and prefill-sized matmuls quantize activations per token to int8 where
+            the CPU has int8 dot products) or ``gguf`` (the GGUF file's Q4_0 / Q4_1 / Q8_0
+            blocks kept packed). Packed weights run native kernels that dequantize in
+            registers for up to 64 rows; embeddings and norms stay dense.
     """
 
     model: str = "smollm2-135m-instruct"

@@ -117,7 +117,11 @@ def test_a_hooked_head_computes_everything_and_slices():
                 leading_rows(head, x, bad)
 
 
-@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize(
+    "rows",
+    # one row: the AVX512-BF16 GEMV; four: the AMX small-M GEMM, which only AMX CPUs run
+    [1, pytest.param(4, marks=pytest.mark.kernel_variant("fused_small_gemm", "avx512_amx"))],
+)
 def test_prepacked_bf16_head_rows(rows):
     if not prepack.can_prepack(torch.bfloat16, "cpu", True):
         pytest.skip("no oneDNN bf16 packing in this PyTorch build")
@@ -146,3 +150,17 @@ def test_model_logits_over_leading_ids(family):
         torch.testing.assert_close(model.compute_logits(hidden, 64), full[:, :64], rtol=0, atol=0)
         assert torch.equal(model.compute_logits(hidden, VOCAB), full)
         assert torch.equal(model.compute_logits(hidden, 10 * VOCAB), full)
+
+
+def test_prepacked_bf16_head_without_its_kernels_computes_every_row():
+    # Without the native kernels (native=False; or a CPU without them for that row count)
+    # the head keeps no plain weight: every output is computed by oneDNN, then sliced.
+    if not prepack.can_prepack(torch.bfloat16, "cpu", True):
+        pytest.skip("no oneDNN bf16 packing in this PyTorch build")
+    torch.manual_seed(0)
+    linear = nn.Linear(IN_FEATURES, 64, bias=False).bfloat16()
+    packed = prepack.PackedLinear(linear, shared_weight=True, native=False)
+    x = _x(4)
+    assert not reads_leading_rows(packed, 1) and not reads_leading_rows(packed, 4)
+    with torch.inference_mode():
+        assert torch.equal(packed.leading_rows_forward(x, 32), packed(x)[:, :32])

@@ -2,8 +2,9 @@
 
 ``gguf`` takes each linear's weight from the checkpoint's raw GGUF blocks (through the same
 name table the dense loader walks, so fused QKV / gate-up projections collect their split
-parts); ``int8`` quantizes every linear weight per output channel; ``bf16`` stores them as bf16
-rows. Embeddings and norms stay dense; so does a linear whose weight the file keeps in a
+parts); ``int8`` quantizes every linear weight per output channel (``w8a8`` too, and its
+prefill-sized matmuls quantize activations per row: ``QuantizedLinear``); ``bf16`` stores them
+as bf16 rows. Embeddings and norms stay dense; so does a linear whose weight the file keeps in a
 format the kernels do not read (logged). In a bf16 model on a CPU whose packed-weight kernels
 run a variant of ``ops.X16_VARIANTS`` (``avx512_amx``, ``avx512_vnni``, ``avx2``), Q4_0 / Q4_1
 / Q8_0 weights with a multiple of 16 output features are repacked to their x16 group layouts
@@ -34,7 +35,7 @@ def apply_weight_dtype(model: nn.Module, weight_dtype: str, checkpoint=None) -> 
 
     Args:
         model: a built ``DecoderForCausalLM`` with its dense weights loaded.
-        weight_dtype: ``auto`` (nothing to do), ``bf16``, ``int8`` or ``gguf``.
+        weight_dtype: ``auto`` (nothing to do), ``bf16``, ``int8``, ``w8a8`` or ``gguf``.
         checkpoint: the ``sparsekv.loader.Checkpoint`` it was loaded from (``gguf``: its
             ``packed_weights``).
 
@@ -61,9 +62,12 @@ def apply_weight_dtype(model: nn.Module, weight_dtype: str, checkpoint=None) -> 
         return _pack_gguf(model, packed, file_dense, x16)
     if weight_dtype == "bf16" and model.embed_tokens.weight.dtype == torch.bfloat16:
         return 0  # already bf16: the dense bf16 path (oneDNN / AMX where present) is faster
-    if weight_dtype in ("int8", "bf16"):
-        return _pack_dense(model, quantize_int8 if weight_dtype == "int8" else pack_bf16)
-    raise ValueError(f"weight_dtype must be one of auto, bf16, int8, gguf, got {weight_dtype!r}")
+    if weight_dtype in ("int8", "w8a8", "bf16"):
+        pack = pack_bf16 if weight_dtype == "bf16" else quantize_int8
+        return _pack_dense(model, pack, int8_rows=weight_dtype == "w8a8")
+    raise ValueError(
+        f"weight_dtype must be one of auto, bf16, int8, w8a8, gguf, got {weight_dtype!r}"
+    )
 
 
 def _linears(model: nn.Module) -> list[tuple[nn.Module, str, str, nn.Linear]]:
@@ -123,10 +127,14 @@ def _gguf_parts(param: str, packed: dict[str, PackedTensor], tied: bool):
     return None
 
 
-def _pack_dense(model: nn.Module, pack) -> int:
+def _pack_dense(model: nn.Module, pack, int8_rows: bool = False) -> int:
+    # The output head keeps unquantized activations (as in vLLM's and SmoothQuant's W8A8): its
+    # many-row calls (prompt logprobs, verification) produce the logits.
     with torch.no_grad():
-        for parent, attribute, _, linear in _linears(model):
-            setattr(parent, attribute, QuantizedLinear([pack(linear.weight)], linear.bias))
+        for parent, attribute, name, linear in _linears(model):
+            rows = int8_rows and name != "lm_head"
+            layer = QuantizedLinear([pack(linear.weight)], linear.bias, int8_rows=rows)
+            setattr(parent, attribute, layer)
     count = _count(model)
     logger.info("weight_dtype: %d linear layers packed; embeddings and norms stay dense", count)
     return count

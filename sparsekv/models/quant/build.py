@@ -25,6 +25,7 @@ EXTENSION_NAME = "sparsekv_quant_ops"
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
 SOURCES = (
     "binding.cpp",
+    "int8_rows_binding.cpp",
     "isa_avx512_amx.cpp",
     "isa_avx512_vnni.cpp",
     "isa_avx512_bf16.cpp",

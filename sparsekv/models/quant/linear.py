@@ -4,7 +4,8 @@
 concatenation of several packed parts (the fused QKV and gate/up projections of a GGUF file
 whose q, k, v tensors were stored separately, possibly in different formats). Decode-sized
 inputs run the native kernels on the packed bytes; prefill-sized ones dequantize tiles for a
-dense matmul (``ops``).
+dense matmul (``ops``), or with ``int8_rows`` (``--weight-dtype w8a8``) quantize the rows of
+``x`` to int8 for an int8 GEMM.
 
 Adjacent parts of one format are stored as row slices of one tensor and multiplied by one
 kernel call (a fused QKV of three Q4_1 tensors is one call, not three): every output row is
@@ -34,9 +35,12 @@ class QuantizedLinear(nn.Module):
             ``in_features``.
         bias: ``[out_features]`` or ``None``; kept in fp32 (exact for a bf16 bias), the dtype
             the kernel op adds it in.
+        int8_rows: multiply more rows than the kernels take with int8 activations
+            (``--weight-dtype w8a8``); needs a single ``int8`` part.
 
     Raises:
-        ValueError: no parts, or parts of different ``in_features``.
+        ValueError: no parts, parts of different ``in_features``, or ``int8_rows`` on parts
+            that are not one ``int8`` weight.
 
     ``forward``: ``x`` ``[..., in_features]`` fp32 or bf16 -> ``[..., out_features]`` in ``x``'s
     dtype. Up to ``ops.kernel_max_rows`` rows accumulate in fp32 on the packed weight, add the
@@ -44,13 +48,20 @@ class QuantizedLinear(nn.Module):
     int8 per block of 32 by the ``avx512_amx`` and ``avx512_vnni`` kernels of Q4_0 / Q4_1 /
     Q8_0 and the x16 layouts' kernels of ``avx512_amx``, ``avx512_vnni`` and ``avx2``, read as
     it is by the ``avx512_bf16`` ones; other formats and variants convert it to fp32 inside the
-    op); more rows multiply densely in ``x``'s dtype.
+    op); more rows multiply densely in ``x``'s dtype, or with ``int8_rows`` on an ``int8``
+    weight where the variant has int8 dot products (``ops.int8_rows_runs``), with ``x``'s rows
+    quantized to int8 as well (``ops.int8_rows_matmul``: W8A8 with a scale per row).
     """
 
-    def __init__(self, parts: list[PackedTensor], bias: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, parts: list[PackedTensor], bias: torch.Tensor | None = None, int8_rows: bool = False
+    ) -> None:
         super().__init__()
         if not parts or any(p.in_features != parts[0].in_features for p in parts):
             raise ValueError("weight: packed parts must share in_features")
+        if int8_rows and [p.format for p in parts] != ["int8"]:
+            raise ValueError("int8_rows: needs one int8 part")
+        self.int8_rows = int8_rows
         self.in_features = parts[0].in_features
         self.out_features = sum(p.shape[0] for p in parts)
         self.max_kernel_rows = ops.kernel_max_rows(
@@ -133,7 +144,7 @@ class QuantizedLinear(nn.Module):
             left -= take
             if left == 0:
                 break
-        sub = QuantizedLinear(parts)
+        sub = QuantizedLinear(parts, int8_rows=self.int8_rows)
         if self.bias is not None:
             sub.bias = self.bias[:num_rows]  # fp32 already: a view
         if len(cache) >= LEADING_ROWS_CACHED:
@@ -147,6 +158,9 @@ class QuantizedLinear(nn.Module):
         if rows.shape[0] <= self.max_kernel_rows:
             calls, bias32 = self._calls or self.kernel_calls()
             y = ops.matmul_kernel_parts(rows, calls, self.out_features, bias32)
+        elif self.int8_rows and ops.int8_rows_runs(rows):
+            _, bias32 = self._calls or self.kernel_calls()
+            y = ops.int8_rows_matmul(rows, self.parts[0], bias32)
         else:
             y = ops.dense_matmul(rows, self.parts)
             if self.bias is not None:
@@ -169,6 +183,7 @@ class QuantizedLinear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"formats={'+'.join(self.formats)}, bias={self.bias is not None}"
+            + (", int8_rows=True" if self.int8_rows else "")
         )
 
 

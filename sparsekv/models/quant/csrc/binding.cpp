@@ -258,6 +258,11 @@ at::Tensor dequantize(const at::Tensor& w, int64_t format, int64_t k, c10::strin
 
 }  // namespace
 
+namespace sparsekv_quant {
+// The kernel table of `isa` ("" the fastest) for the other binding files.
+const QuantTable& table_named(c10::string_view isa) { return table_for(isa); }
+}  // namespace sparsekv_quant
+
 TORCH_LIBRARY(sparsekv_quant, m) {
   m.def("available_isas", &available_isas);
   m.def(

@@ -1,5 +1,5 @@
-// Argument checks and row bookkeeping of the packed-weight torch operators (binding.cpp only;
-// baseline ISA): packed row sizes per format, weight / x / y / bias checks, the thread split's
+// Argument checks and row bookkeeping of the packed-weight torch operators (binding.cpp and
+// int8_rows_binding.cpp; baseline ISA): packed row sizes per format, weight / x / y / bias checks, the thread split's
 // grain and x's block sums.
 #pragma once
 

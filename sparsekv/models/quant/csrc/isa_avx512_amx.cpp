@@ -19,6 +19,7 @@ namespace isa_avx512_amx {
 #include "small_m_impl.h"
 #include "quant_q8_impl.h"
 #include "quant_x16_impl.h"
+#include "int8_rows_impl.h"
 #include "quant_x16_amx_impl.h"
 #undef QK_AVX2
 }  // namespace isa_avx512_amx
@@ -34,7 +35,9 @@ const QuantTable kQuantAvx512Amx = {"avx512_amx",
                                     isa_avx512_amx::kQ8Formats,
                                     &isa_avx512_amx::quantize_x,
                                     &isa_avx512_amx::gemm_q8,
-                                    &isa_avx512_amx::gemm_x16_amx};
+                                    &isa_avx512_amx::gemm_x16_amx,
+                                    &isa_avx512_amx::quantize_rows,
+                                    &isa_avx512_amx::scale_rows};
 }  // namespace sparsekv_quant
 #else
 namespace sparsekv_quant {

@@ -19,6 +19,7 @@ namespace isa_avx512_vnni {
 #include "small_m_impl.h"
 #include "quant_q8_impl.h"
 #include "quant_x16_impl.h"
+#include "int8_rows_impl.h"
 #undef QK_AVX2
 }  // namespace isa_avx512_vnni
 
@@ -33,7 +34,9 @@ const QuantTable kQuantAvx512Vnni = {"avx512_vnni",
                                      isa_avx512_vnni::kQ8Formats,
                                      &isa_avx512_vnni::quantize_x,
                                      &isa_avx512_vnni::gemm_q8,
-                                     &isa_avx512_vnni::gemm_x16};
+                                     &isa_avx512_vnni::gemm_x16,
+                                     &isa_avx512_vnni::quantize_rows,
+                                     &isa_avx512_vnni::scale_rows};
 }  // namespace sparsekv_quant
 #else
 namespace sparsekv_quant {

@@ -101,6 +101,16 @@ struct QuantTable {
   // (zero codes: the AMX kernel's tile products read whole groups of 8 rows); nullptr where the
   // variant has none.
   void (*gemm_x16)(const MatmulArgs&, int64_t begin, int64_t end) = nullptr;
+  // The passes around an int8 x int8 -> int32 matmul of many rows on per-channel int8 weights
+  // (int8_rows_impl.h); nullptr where the variant has no int8 dot products. `quantize_rows`:
+  // rows [r_begin, r_end) of x [m, k] (bf16 bit patterns or fp32, row stride `stride`) into
+  // int8 codes [m, k] and one scale per row. `scale_rows`: rows [r_begin, r_end) of y (bf16 or
+  // fp32, row stride y_stride) = int32 products [m, n] * row scale * column scale (+ bias).
+  void (*quantize_rows)(const void* x, bool bf16, int64_t stride, int64_t k, int64_t r_begin,
+                        int64_t r_end, int8_t* q, float* scales) = nullptr;
+  void (*scale_rows)(const int32_t* acc, int64_t n, int64_t r_begin, int64_t r_end,
+                     const float* row_scale, const float* col_scale, const float* bias, void* y,
+                     bool bf16, int64_t y_stride) = nullptr;
 };
 
 extern const QuantTable kQuantAvx512Amx;

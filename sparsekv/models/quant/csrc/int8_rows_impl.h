@@ -1,0 +1,87 @@
+// The two element-wise passes around the int8 x int8 -> int32 matmul of prefill-sized inputs
+// on per-channel int8 weights (W8A8 with one dynamic scale per row of x, as vLLM's CPU int8
+// path and SmoothQuant's per-token variant do): quantize the rows of x before it, scale the
+// int32 products back after it. Included inside an ISA namespace compiled for AVX-512 (F, BW,
+// VL).
+
+// Sixteen elements of row data starting at element j: bf16 bit patterns or fp32; `n` < 16 loads
+// the first n and zeros the rest.
+static inline __m512 load_row16(const void* x, bool bf16, int64_t j, int n = 16) {
+  const __mmask16 mask = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
+  if (bf16) {
+    const __m256i h = _mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(x) + j);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(x) + j);
+}
+
+// Rows [r_begin, r_end) of x [m, k] (row stride `stride` elements, bf16 or fp32) as int8 codes
+// q [m, k] (row stride k) and scales [m]: s = max|x_r| / 127 and q = x * (127 / max|x_r|)
+// rounded to nearest even, so x_r ~= s * q. A row of zeros, or so small that 127 / max|x_r|
+// overflows (max below ~3.7e-37), gets s = 0 and zero codes; a row holding NaN or infinity a
+// NaN scale (its outputs come out NaN).
+static void quantize_rows(const void* x, bool bf16, int64_t stride, int64_t k, int64_t r_begin,
+                          int64_t r_end, int8_t* q, float* scales) {
+  const size_t elem = bf16 ? 2 : 4;
+  for (int64_t r = r_begin; r < r_end; ++r) {
+    const void* row = static_cast<const char*>(x) + r * stride * elem;
+    __m512 amax = _mm512_setzero_ps();
+    __mmask16 nan = 0;  // max_ps drops NaN operands: track them apart
+    for (int64_t j = 0; j < k; j += 16) {
+      const __m512 v = load_row16(row, bf16, j, (int)(k - j));
+      amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
+      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    }
+    const float top = _mm512_reduce_max_ps(amax);
+    int8_t* out = q + r * k;
+    const bool finite = nan == 0 && top <= 3.4028235e38f;
+    const float inv_top = 127.0f / top;
+    if (!(finite && inv_top <= 3.4028235e38f)) {
+      for (int64_t j = 0; j < k; ++j) out[j] = 0;
+      scales[r] = finite ? 0.0f : __builtin_nanf("");
+      continue;
+    }
+    scales[r] = top / 127.0f;
+    const __m512 inv = _mm512_set1_ps(inv_top);
+    for (int64_t j = 0; j < k; j += 16) {
+      const int n = (int)(k - j < 16 ? k - j : 16);
+      const __m512i codes = _mm512_cvt_roundps_epi32(
+          _mm512_mul_ps(load_row16(row, bf16, j, n), inv),
+          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      _mm512_mask_cvtsepi32_storeu_epi8(out + j, (__mmask16)((1u << n) - 1u), codes);
+    }
+  }
+}
+
+// Rows [r_begin, r_end) of y [m, n] (row stride y_stride, bf16 or fp32) = acc [m, n] int32
+// (row stride n) * row_scale[r] * col_scale[c] (+ bias[c]), rounded once to y's dtype.
+static void scale_rows(const int32_t* acc, int64_t n, int64_t r_begin, int64_t r_end,
+                       const float* row_scale, const float* col_scale, const float* bias,
+                       void* y, bool bf16, int64_t y_stride) {
+  for (int64_t r = r_begin; r < r_end; ++r) {
+    const __m512 rs = _mm512_set1_ps(row_scale[r]);
+    const int32_t* a = acc + r * n;
+    for (int64_t c = 0; c < n; c += 16) {
+      const int left = (int)(n - c < 16 ? n - c : 16);
+      const __mmask16 mask = (__mmask16)((1u << left) - 1u);
+      __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(mask, a + c)), rs);
+      const __m512 cs = _mm512_maskz_loadu_ps(mask, col_scale + c);
+      v = bias ? _mm512_fmadd_ps(v, cs, _mm512_maskz_loadu_ps(mask, bias + c))
+               : _mm512_mul_ps(v, cs);
+      if (!bf16) {
+        _mm512_mask_storeu_ps(static_cast<float*>(y) + r * y_stride + c, mask, v);
+        continue;
+      }
+      // nearest even, NaN (a row of x holding one) as the quiet NaN (as round_bf16 in
+      // kernel_common_impl.h)
+      const __m512i bits = _mm512_castps_si512(v);
+      const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+      __m512i rounded = _mm512_srli_epi32(
+          _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+      rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                                      _mm512_set1_epi32(0x7fc0));
+      _mm512_mask_cvtepi32_storeu_epi16(static_cast<uint16_t*>(y) + r * y_stride + c, mask,
+                                        rounded);
+    }
+  }
+}

@@ -1,0 +1,168 @@
+"""W8A8 prefill matmuls on ``int8`` weights (``ops.int8_rows_matmul``): x's rows quantized to
+int8 with one scale each, the products exact in int32, the scaling in fp32.
+
+Checked against a PyTorch reference of the same arithmetic on every variant with int8 dot
+products this CPU runs (``avx512_amx``, ``avx512_vnni``; the others are named untested), for
+ragged row counts around the chunking (:data:`ops.INT8_CHUNK_ROWS`); a ``QuantizedLinear`` built
+with ``int8_rows`` (``--weight-dtype w8a8``) takes the path for more than its kernel rows, one
+without it and any on variants without int8 dot products keep the dense path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparsekv.models.quant import build, ops
+from sparsekv.models.quant.formats import dequantize_reference, pack_bf16, quantize_int8
+from sparsekv.models.quant.linear import QuantizedLinear
+
+INT8_ISAS = [
+    pytest.param(v, marks=pytest.mark.kernel_variant("packed_weights", v))
+    for v in ops.INT8_ROWS_VARIANTS
+]
+# Rows of x: past the kernels' 64, one chunk, just over one chunk (two near-equal ones), and
+# several; in_features with and without a vector tail.
+ROWS = (65, 100, 512, 513, 1100)
+
+
+def _reference(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """The int8 path's arithmetic in PyTorch, fp32 result."""
+    xf = x.float()
+    top = xf.abs().amax(dim=1)
+    safe = torch.where(top > 0, top, torch.ones_like(top))
+    codes = torch.round(xf * (torch.tensor(127.0) / safe)[:, None])
+    codes = torch.where(top[:, None] > 0, codes, torch.zeros_like(codes))
+    scale = torch.where(top > 0, top / 127.0, torch.zeros_like(top))
+    data = weight.data
+    wcodes = data[:, 4:].contiguous().view(torch.int8).double()
+    wscale = data[:, :4].contiguous().view(torch.float32).reshape(-1)
+    acc = (codes.double() @ wcodes.T).float()  # exact: |acc| < 2^24 at these widths
+    y = acc * scale[:, None] * wscale[None, :]
+    return y if bias is None else y + bias
+
+
+@pytest.fixture(params=INT8_ISAS)
+def int8_isa(request, monkeypatch) -> str:
+    assert build.load_extension() is not None, "the packed-weight extension failed to build"
+    monkeypatch.setenv(ops.ISA_ENV, request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("in_features", [96, 579])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fp32_rows_match_the_reference(int8_isa, rows, in_features, with_bias):
+    g = torch.Generator().manual_seed(rows + in_features)
+    weight = quantize_int8(torch.randn(200, in_features, generator=g))
+    x = torch.randn(rows, in_features, generator=g) * torch.rand(rows, 1, generator=g) * 4
+    bias = torch.randn(200, generator=g) if with_bias else None
+    assert ops.int8_rows_runs(x)
+    y = ops.int8_rows_matmul(x, weight, bias)
+    expected = _reference(x, weight, bias)
+    assert y.dtype == torch.float32 and y.shape == (rows, 200)
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize(("rows", "in_features", "out_features"), [(70, 256, 48), (600, 579, 200)])
+def test_bf16_rows_round_once(int8_isa, rows, in_features, out_features):
+    # 579 inputs and 200 outputs: the masked bf16 loads and stores of the vector tails; x is a
+    # column slice of a wider tensor (row stride past in_features)
+    g = torch.Generator().manual_seed(rows)
+    weight = quantize_int8(torch.randn(out_features, in_features, generator=g))
+    wide = torch.randn(rows, in_features + 37, generator=g).bfloat16()
+    x = wide[:, :in_features]
+    bias = torch.randn(out_features, generator=g)
+    y = ops.int8_rows_matmul(x, weight, bias)
+    expected = _reference(x, weight, bias)
+    assert y.dtype == torch.bfloat16
+    # one rounding of a value within 1e-5 of the reference: at most one bf16 step apart
+    step = expected.abs() * 2**-7
+    assert ((y.float() - expected).abs() <= step + 1e-6).all()
+
+
+def test_codes_are_exact(int8_isa):
+    # An identity weight with unit scales returns each row's codes times its scale, so every
+    # code is compared exactly (rounding to nearest even included).
+    k = 64
+    weight = quantize_int8(torch.eye(k) * 127.0)  # scale 1, codes 127 on the diagonal
+    weight.data[:, 4:].view(torch.int8).copy_(torch.eye(k, dtype=torch.int8))
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(80, k, generator=g)
+    x[0, :3] = torch.tensor([127.0, 0.5, -1.5])  # ties: 0.5 -> 0, -1.5 -> -2
+    x[0, 3:] = 0.0
+    y = ops.int8_rows_matmul(x, weight)
+    assert torch.equal(y, _reference(x, weight, None))
+    assert y[0, :4].tolist() == [127.0, 0.0, -2.0, 0.0]
+
+
+def test_zero_and_non_finite_rows_stay_in_their_row(int8_isa):
+    g = torch.Generator().manual_seed(5)
+    weight = quantize_int8(torch.randn(32, 128, generator=g))
+    bias = torch.randn(32, generator=g)
+    x = torch.randn(90, 128, generator=g)
+    x[4] = 0.0
+    x[7, 9] = float("nan")
+    x[8, 2] = float("inf")
+    y = ops.int8_rows_matmul(x, weight, bias)
+    assert torch.equal(y[4], bias)
+    assert torch.isnan(y[7]).all() and torch.isnan(y[8]).all()  # non-finite: a NaN row
+    rest = [r for r in range(90) if r not in (4, 7, 8)]
+    torch.testing.assert_close(y[rest], _reference(x, weight, bias)[rest], rtol=1e-5, atol=1e-4)
+    yb = ops.int8_rows_matmul(x.bfloat16(), weight, bias)
+    assert torch.isnan(yb[7:9]).all() and not torch.isnan(yb[rest]).any()
+
+
+def test_linear_takes_the_path_past_its_kernel_rows(int8_isa):
+    g = torch.Generator().manual_seed(7)
+    dense = torch.randn(96, 160, generator=g)
+    layer = QuantizedLinear([quantize_int8(dense)], torch.randn(96, generator=g), int8_rows=True)
+    x = torch.randn(2, 100, 160, generator=g)  # 200 rows: past the kernels' 64
+    y = layer(x)
+    expected = _reference(x.reshape(-1, 160), layer.parts[0], layer.bias).reshape(2, 100, 96)
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-4)
+    head = layer.leading_rows(32)
+    assert head.int8_rows
+    torch.testing.assert_close(head(x), expected[..., :32], rtol=1e-5, atol=1e-4)
+    # without int8_rows (--weight-dtype int8) the same layer multiplies the dequantized weight
+    plain = QuantizedLinear(layer.parts, layer.bias)
+    dense_y = x @ dequantize_reference(layer.parts[0]).T + layer.bias
+    torch.testing.assert_close(plain(x), dense_y, rtol=1e-5, atol=1e-5)
+
+
+def test_int8_rows_needs_one_int8_part():
+    with pytest.raises(ValueError, match="int8_rows: needs one int8 part"):
+        QuantizedLinear([pack_bf16(torch.randn(16, 32))], int8_rows=True)
+
+
+@pytest.mark.parametrize("isa", ["avx512_bf16", "avx2", "generic"])
+def test_variants_without_int8_dots_stay_dense(isa, monkeypatch):
+    if isa not in ops.available_isas():
+        isa = "generic"  # always runs: the case still checks the dense path
+    monkeypatch.setenv(ops.ISA_ENV, isa)
+    g = torch.Generator().manual_seed(9)
+    weight = quantize_int8(torch.randn(40, 128, generator=g))
+    layer = QuantizedLinear([weight], int8_rows=True)
+    x = torch.randn(100, 128, generator=g)
+    assert not ops.int8_rows_runs(x)
+    expected = x @ dequantize_reference(weight).T
+    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+    # (with the native kernels disabled there is no op at all)
+    with pytest.raises(RuntimeError, match="int8 dot products|needs the native packed-weight"):
+        ops.int8_rows_matmul(x, weight)
+
+
+def test_bad_arguments_raise(int8_isa):
+    weight = quantize_int8(torch.randn(8, 64))
+    with pytest.raises(RuntimeError, match="x must be a CPU float32 or bfloat16"):
+        ops.int8_rows_matmul(torch.randn(70, 32), weight)
+    with pytest.raises(RuntimeError, match="x must be a CPU float32 or bfloat16"):
+        ops.int8_rows_matmul(torch.randn(70, 64).half(), weight)
+    with pytest.raises(RuntimeError, match=r"in_features must be in \[1, 133143\]"):
+        ops.int8_rows_matmul(torch.randn(70, 133144), quantize_int8(torch.randn(2, 133144)))
+    # a column-strided x is made contiguous first
+    x = torch.randn(64, 70).T
+    torch.testing.assert_close(
+        ops.int8_rows_matmul(x, weight), ops.int8_rows_matmul(x.contiguous(), weight)
+    )
+    assert not ops.int8_rows_runs(torch.randn(70, 64).half())
