@@ -10,6 +10,7 @@ from torch import nn
 
 from sparsekv.models.fused import ops as fused
 from sparsekv.models.fused.reference import apply_rotary
+from sparsekv.models.quant.linear import QuantizedLinear
 from sparsekv.models.rotary import RotaryEmbedding
 
 __all__ = ["GatedMLP", "RMSNorm", "RotaryEmbedding", "apply_rotary"]
@@ -81,5 +82,10 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[num_tokens, hidden_size]`` -> same shape."""
-        act_mul = GATED_ACTIVATIONS[self.activation]
-        return self.down_proj(act_mul(self.gate_up_proj(x)))  # act(gate) * up: [T, I]
+        # act(gate) * up: [T, I]; a w8a8 projection applies it inside its int8 path
+        gate_up = self.gate_up_proj
+        quantized = isinstance(gate_up, QuantizedLinear)
+        hidden = gate_up.gated_forward(x, self.activation) if quantized else None
+        if hidden is None:
+            hidden = GATED_ACTIVATIONS[self.activation](self.gate_up_proj(x))
+        return self.down_proj(hidden)

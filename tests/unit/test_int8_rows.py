@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+from sparsekv.models.layers import GatedMLP
 from sparsekv.models.quant import build, ops
 from sparsekv.models.quant.formats import dequantize_reference, pack_bf16, quantize_int8
 from sparsekv.models.quant.linear import QuantizedLinear
@@ -166,3 +168,65 @@ def test_bad_arguments_raise(int8_isa):
         ops.int8_rows_matmul(x, weight), ops.int8_rows_matmul(x.contiguous(), weight)
     )
     assert not ops.int8_rows_runs(torch.randn(70, 64).half())
+
+
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh")}
+
+
+def _gated_reference(x, weight, bias, activation):
+    y = _reference(x, weight, bias)
+    half = y.shape[1] // 2
+    return ACTIVATIONS[activation](y[:, :half]) * y[:, half:]
+
+
+@pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gated_rows_match_the_reference(int8_isa, activation, with_bias):
+    # 600 rows (two chunks), 579 inputs, 2 x 200 outputs (vector tails); activations spanning
+    # the exponential's clamps (|gate| up to ~100)
+    g = torch.Generator().manual_seed(11)
+    weight = quantize_int8(torch.randn(400, 579, generator=g))
+    x = torch.randn(600, 579, generator=g) * torch.rand(600, 1, generator=g) * 0.3
+    bias = torch.randn(400, generator=g) if with_bias else None
+    y = ops.int8_rows_matmul(x, weight, bias, activation)
+    expected = _gated_reference(x, weight, bias, activation)
+    assert y.shape == (600, 200) and y.dtype == torch.float32
+    assert expected[:, :].abs().max() > 50
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    yb = ops.int8_rows_matmul(x.bfloat16(), weight, bias, activation)
+    expected_b = _gated_reference(x.bfloat16(), weight, bias, activation)
+    assert yb.dtype == torch.bfloat16
+    assert ((yb.float() - expected_b).abs() <= expected_b.abs() * 2**-7 + 1e-5).all()
+
+
+def test_gated_mlp_applies_the_activation_in_the_int8_path(int8_isa, monkeypatch):
+    g = torch.Generator().manual_seed(13)
+    mlp = GatedMLP(128, 96, "silu")
+    with torch.no_grad():
+        mlp.gate_up_proj = QuantizedLinear(
+            [quantize_int8(torch.randn(192, 128, generator=g))], int8_rows=True
+        )
+        mlp.down_proj = QuantizedLinear(
+            [quantize_int8(torch.randn(128, 96, generator=g))], int8_rows=True
+        )
+    x = torch.randn(150, 128, generator=g)
+    fused = mlp(x)
+    hidden = ops.int8_rows_matmul(x, mlp.gate_up_proj.parts[0], None, "silu")
+    assert torch.equal(fused, mlp.down_proj(hidden))
+    unfused = mlp.down_proj(F.silu(mlp.gate_up_proj(x)[:, :96]) * mlp.gate_up_proj(x)[:, 96:])
+    torch.testing.assert_close(fused, unfused, rtol=1e-4, atol=1e-3 * unfused.abs().max().item())
+    # few rows (decode), no int8_rows, an activation it does not fuse: the caller's path
+    assert mlp.gate_up_proj.gated_forward(x[:8], "silu") is None
+    assert mlp.gate_up_proj.gated_forward(x, "relu") is None
+    plain = QuantizedLinear(mlp.gate_up_proj.parts)
+    assert plain.gated_forward(x, "silu") is None
+
+
+def test_gated_arguments_raise(int8_isa):
+    x = torch.randn(70, 64)
+    with pytest.raises(RuntimeError, match="activation must be '', 'silu' or 'gelu_tanh'"):
+        ops.int8_rows_matmul(x, quantize_int8(torch.randn(8, 64)), None, "relu")
+    with pytest.raises(RuntimeError, match="needs an even number of output features"):
+        ops.int8_rows_matmul(x, quantize_int8(torch.randn(7, 64)), None, "silu")
+    with pytest.raises(RuntimeError, match=r"bias must be a contiguous CPU float32 \[8\]"):
+        ops.int8_rows_matmul(x, quantize_int8(torch.randn(8, 64)), torch.zeros(4), "silu")

@@ -167,6 +167,32 @@ class QuantizedLinear(nn.Module):
                 y += self.bias.to(y.dtype)
         return y if flat else y.reshape(*x.shape[:-1], self.out_features)
 
+    def gated_forward(self, x: torch.Tensor, activation: str) -> torch.Tensor | None:
+        """``act(gate) * up`` of this fused gate / up projection's output, computed inside the
+        int8 path's scaling pass (``ops.int8_rows_matmul``), or ``None`` where ``forward``
+        would not take that path (not ``int8_rows``, few rows, another variant or dtype, an
+        activation it does not fuse): the caller then applies the activation itself.
+
+        Args:
+            x: ``[num_tokens, in_features]``.
+            activation: ``silu`` or ``gelu_tanh`` (``ops.INT8_ROWS_ACTIVATIONS``).
+
+        Returns:
+            ``[num_tokens, out_features / 2]`` in ``x``'s dtype, or ``None``.
+        """
+        if (
+            not self.int8_rows
+            or self._forward_hooks
+            or self._forward_pre_hooks
+            or x.dim() != 2
+            or x.shape[0] <= self.max_kernel_rows
+            or activation not in ops.INT8_ROWS_ACTIVATIONS
+            or not ops.int8_rows_runs(x)
+        ):
+            return None
+        _, bias32 = self._calls or self.kernel_calls()
+        return ops.int8_rows_matmul(x, self.parts[0], bias32, activation)
+
     def _apply(self, fn, recurse=True):
         # Buffers may be replaced (moved, converted): the prepared calls would hold the old ones.
         self._calls = None

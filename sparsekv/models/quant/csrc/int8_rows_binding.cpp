@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "binding_checks.h"
@@ -22,20 +23,34 @@ const QuantTable& table_named(c10::string_view isa);  // binding.cpp
 namespace {
 
 // y [m, n] = x [m, k] W^T (+ bias) in x's dtype (bf16 or fp32) for W [n, k] in the int8 row
-// format (code 3: an fp32 scale, then k int8 codes per row); bias fp32 [n]. Rows of x go in
+// format (code 3: an fp32 scale, then k int8 codes per row); bias fp32 [n]. With an
+// `activation` ("silu", "gelu_tanh") W is a fused gate / up projection (gate rows, then up
+// rows) and y [m, n / 2] = act(gate) * up, computed from the fp32 results. Rows of x go in
 // near-equal chunks of at most `chunk_rows` (fewer for a wide W: ~8 MiB of int32 products):
 // quantized on the threads, multiplied in int32, scaled back while the chunk's products are
 // still in cache.
 at::Tensor int8_rows_matmul(const at::Tensor& x, const at::Tensor& w, int64_t k,
                             const c10::optional<at::Tensor>& bias, int64_t chunk_rows,
-                            c10::string_view isa) {
+                            c10::string_view isa, c10::string_view activation) {
   check_weight(w, qk::kInt8Row, k);
   // 127 * 127 * k must fit the int32 products
   TORCH_CHECK(k > 0 && k <= 133143, "int8_rows_matmul: in_features must be in [1, 133143], got ", k);
   TORCH_CHECK(chunk_rows >= 1, "int8_rows_matmul: chunk_rows must be positive, got ", chunk_rows);
   const int64_t m = x.size(0), n = w.size(0);
-  at::Tensor y = at::empty({m, n}, x.options());
-  check_matmul_args(x, k, n, y, 0, bias);
+  const int act = activation.empty() ? -1 : activation == "silu" ? 0
+                  : activation == "gelu_tanh" ? 1 : -2;
+  TORCH_CHECK(act != -2, "int8_rows_matmul: activation must be '', 'silu' or 'gelu_tanh', got '",
+              std::string(activation), "'");
+  TORCH_CHECK(act < 0 || n % 2 == 0, "int8_rows_matmul: a gated activation needs an even ",
+              "number of output features (gate, then up), got ", n);
+  const int64_t out = act < 0 ? n : n / 2;
+  at::Tensor y = at::empty({m, out}, x.options());
+  check_matmul_args(x, k, out, y, 0, c10::nullopt);
+  if (bias.has_value())
+    TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == at::kFloat &&
+                    bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous(),
+                "bias must be a contiguous CPU float32 [", n, "], got ", bias->scalar_type(),
+                " ", bias->sizes());
   const auto& table = qk::table_named(isa);
   TORCH_CHECK(table.quantize_rows != nullptr, "int8_rows_matmul needs a kernel variant with int8 ",
               "dot products (avx512_amx, avx512_vnni), got '", table.name, "'");
@@ -68,9 +83,13 @@ at::Tensor int8_rows_matmul(const at::Tensor& x, const at::Tensor& w, int64_t k,
     at::Tensor acc = products.narrow(0, 0, count);
     at::_int_mm_out(acc, qc, codes_t);
     const int32_t* ap = acc.const_data_ptr<int32_t>();
-    void* yc = yp + r0 * n * elem;
+    void* yc = yp + r0 * out * elem;
     at::parallel_for(0, count, 8, [&](int64_t b, int64_t e) {
-      table.scale_rows(ap, n, b, e, row_scale.data(), col_scale.data(), bp, yc, bf16, n);
+      if (act < 0)
+        table.scale_rows(ap, n, b, e, row_scale.data(), col_scale.data(), bp, yc, bf16, out);
+      else
+        table.scale_rows_gated(ap, out, b, e, row_scale.data(), col_scale.data(), bp, yc, bf16,
+                               out, act);
     });
   }
   return y;
@@ -81,6 +100,6 @@ at::Tensor int8_rows_matmul(const at::Tensor& x, const at::Tensor& w, int64_t k,
 TORCH_LIBRARY_FRAGMENT(sparsekv_quant, m) {
   m.def(
       "int8_rows_matmul(Tensor x, Tensor weight, int in_features, Tensor? bias=None, "
-      "int chunk_rows=512, str isa=\"\") -> Tensor",
+      "int chunk_rows=512, str isa=\"\", str activation=\"\") -> Tensor",
       &int8_rows_matmul);
 }

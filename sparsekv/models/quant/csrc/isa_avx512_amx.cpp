@@ -37,7 +37,8 @@ const QuantTable kQuantAvx512Amx = {"avx512_amx",
                                     &isa_avx512_amx::gemm_q8,
                                     &isa_avx512_amx::gemm_x16_amx,
                                     &isa_avx512_amx::quantize_rows,
-                                    &isa_avx512_amx::scale_rows};
+                                    &isa_avx512_amx::scale_rows,
+                                    &isa_avx512_amx::scale_rows_gated};
 }  // namespace sparsekv_quant
 #else
 namespace sparsekv_quant {

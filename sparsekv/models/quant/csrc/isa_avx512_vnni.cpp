@@ -36,7 +36,8 @@ const QuantTable kQuantAvx512Vnni = {"avx512_vnni",
                                      &isa_avx512_vnni::gemm_q8,
                                      &isa_avx512_vnni::gemm_x16,
                                      &isa_avx512_vnni::quantize_rows,
-                                     &isa_avx512_vnni::scale_rows};
+                                     &isa_avx512_vnni::scale_rows,
+                                     &isa_avx512_vnni::scale_rows_gated};
 }  // namespace sparsekv_quant
 #else
 namespace sparsekv_quant {

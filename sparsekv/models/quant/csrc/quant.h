@@ -111,6 +111,11 @@ struct QuantTable {
   void (*scale_rows)(const int32_t* acc, int64_t n, int64_t r_begin, int64_t r_end,
                      const float* row_scale, const float* col_scale, const float* bias, void* y,
                      bool bf16, int64_t y_stride) = nullptr;
+  // `scale_rows` of a fused gate / up projection: products [m, 2n] (gate, then up) to
+  // y [m, n] = act(gate) * up (act 0: SiLU, 1: tanh GELU).
+  void (*scale_rows_gated)(const int32_t* acc, int64_t n, int64_t r_begin, int64_t r_end,
+                           const float* row_scale, const float* col_scale, const float* bias,
+                           void* y, bool bf16, int64_t y_stride, int act) = nullptr;
 };
 
 extern const QuantTable kQuantAvx512Amx;
