@@ -36,6 +36,7 @@ at::Tensor int8_rows_matmul(const at::Tensor& x, const at::Tensor& w, int64_t k,
   // 127 * 127 * k must fit the int32 products
   TORCH_CHECK(k > 0 && k <= 133143, "int8_rows_matmul: in_features must be in [1, 133143], got ", k);
   TORCH_CHECK(chunk_rows >= 1, "int8_rows_matmul: chunk_rows must be positive, got ", chunk_rows);
+  TORCH_CHECK(x.dim() == 2, "x must be a CPU float32 or bfloat16 [m, ", k, "], got ", x.sizes());
   const int64_t m = x.size(0), n = w.size(0);
   const int act = activation.empty() ? -1 : activation == "silu" ? 0
                   : activation == "gelu_tanh" ? 1 : -2;

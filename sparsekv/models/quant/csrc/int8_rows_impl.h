@@ -94,11 +94,12 @@ static void scale_rows(const int32_t* acc, int64_t n, int64_t r_begin, int64_t r
   }
 }
 
-// e^x in fp32 lanes, x clamped to [-87.3, 88.7]: 2^k * p(t) with k = round(x / ln 2),
+// e^x in fp32 lanes, x clamped to [-87.3, 89] (inf past ~88.72 as in fp32, never 0; NaN lanes
+// come out as inf, callers carry NaN through their other operand): 2^k * p(t), k = round(x / ln 2),
 // t = x - k ln 2 (ln 2 split in two for exactness), |t| <= ln 2 / 2, and p the degree-6 Taylor
 // polynomial (relative error below 2e-7).
 static inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.7f)), _mm512_set1_ps(-87.3f));
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(89.0f)), _mm512_set1_ps(-87.3f));
   const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 t = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), x);
@@ -113,17 +114,19 @@ static inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, k);
 }
 
-// act(g): SiLU g / (1 + e^-g) (act 0), or tanh GELU 0.5 g (1 + tanh(z)) with
-// z = sqrt(2 / pi) (g + 0.044715 g^3) and tanh(z) = 1 - 2 / (e^2z + 1) (act 1).
+// act(g) = g / (1 + e^-u): SiLU with u = g (act 0); tanh GELU with u = 2z,
+// z = sqrt(2 / pi) (g + 0.044715 g^3) (act 1), since 0.5 g (1 + tanh z) = g / (1 + e^-2z),
+// which avoids the cancellation of 1 + tanh z for negative z.
 static inline __m512 gate16(__m512 g, int act) {
-  const __m512 one = _mm512_set1_ps(1.0f);
-  if (act == 0) return _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-  const __m512 g3 = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
-  const __m512 z = _mm512_mul_ps(_mm512_set1_ps(0.7978845608f),
-                                 _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), g3, g));
-  const __m512 e2z = exp16(_mm512_add_ps(z, z));
-  const __m512 tanh = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e2z, one)));
-  return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), g), _mm512_add_ps(one, tanh));
+  __m512 u = g;
+  if (act == 1) {
+    const __m512 g3 = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
+    u = _mm512_mul_ps(_mm512_set1_ps(2.0f * 0.7978845608f),
+                      _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), g3, g));
+  }
+  const __m512 denominator =
+      _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), u)));
+  return _mm512_div_ps(g, denominator);
 }
 
 // The gated variant of scale_rows for a fused gate / up projection: acc [m, 2n] holds the gate
