@@ -39,7 +39,7 @@ from sparsekv.config import CompressionConfig, ModelConfig
 from sparsekv.evaluation.fidelity import fidelity, long_texts
 from sparsekv.loader import load_checkpoint
 from sparsekv.loader.gguf_packed import load_packed_weights
-from sparsekv.models.quant import ops
+from sparsekv.models.quant import int8_rows, ops
 from sparsekv.models.quant.apply import weight_bytes
 from sparsekv.models.quant.formats import dequantize_reference
 from sparsekv.models.quant.linear import QuantizedLinear
@@ -184,7 +184,7 @@ def test_teacher_forced_agreement(smollm2_gguf, references, weight_dtype):
     "isa",
     [
         pytest.param(v, marks=pytest.mark.kernel_variant("packed_weights", v))
-        for v in ops.INT8_ROWS_VARIANTS
+        for v in int8_rows.INT8_ROWS_VARIANTS
     ],
 )
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -193,13 +193,13 @@ def test_w8a8_teacher_forced_agreement(smollm2_gguf, references, isa, dtype, mon
     # forced tokens decode through the int8 weights' kernels.
     monkeypatch.setenv(ops.ISA_ENV, isa)
     calls = []
-    original = ops.int8_rows_matmul
+    original = int8_rows.int8_rows_matmul
 
     def counted(x, weight, bias32=None, activation=""):
         calls.append((x.shape[0], weight.shape[0], activation))
         return original(x, weight, bias32, activation)
 
-    monkeypatch.setattr(ops, "int8_rows_matmul", counted)
+    monkeypatch.setattr(int8_rows, "int8_rows_matmul", counted)
     agreement, per_text = _agreement(smollm2_gguf, references, "w8a8", dtype)
     # every prompt token went through the int8 path in the 30 layers x 4 linears, gate / up
     # (3072 outputs) always with its activation applied inside

@@ -1,9 +1,9 @@
-"""W8A8 prefill matmuls on ``int8`` weights (``ops.int8_rows_matmul``): x's rows quantized to
+"""W8A8 prefill matmuls on ``int8`` weights (``int8_rows.int8_rows_matmul``): x's rows quantized to
 int8 with one scale each, the products exact in int32, the scaling in fp32.
 
 Checked against a PyTorch reference of the same arithmetic on every variant with int8 dot
 products this CPU runs (``avx512_amx``, ``avx512_vnni``; the others are named untested), for
-ragged row counts around the chunking (:data:`ops.INT8_CHUNK_ROWS`); a ``QuantizedLinear`` built
+ragged row counts around the chunking (:data:`int8_rows.INT8_CHUNK_ROWS`); a ``QuantizedLinear`` built
 with ``int8_rows`` (``--weight-dtype w8a8``) takes the path for more than its kernel rows, one
 without it and any on variants without int8 dot products keep the dense path.
 """
@@ -15,13 +15,13 @@ import torch
 import torch.nn.functional as F
 
 from sparsekv.models.layers import GatedMLP
-from sparsekv.models.quant import build, ops
+from sparsekv.models.quant import build, int8_rows, ops
 from sparsekv.models.quant.formats import dequantize_reference, pack_bf16, quantize_int8
 from sparsekv.models.quant.linear import QuantizedLinear
 
 INT8_ISAS = [
     pytest.param(v, marks=pytest.mark.kernel_variant("packed_weights", v))
-    for v in ops.INT8_ROWS_VARIANTS
+    for v in int8_rows.INT8_ROWS_VARIANTS
 ]
 # Rows of x: past the kernels' 64, one chunk, just over one chunk (two near-equal ones), and
 # several; in_features with and without a vector tail.
@@ -59,8 +59,8 @@ def test_fp32_rows_match_the_reference(int8_isa, rows, in_features, with_bias):
     weight = quantize_int8(torch.randn(200, in_features, generator=g))
     x = torch.randn(rows, in_features, generator=g) * torch.rand(rows, 1, generator=g) * 4
     bias = torch.randn(200, generator=g) if with_bias else None
-    assert ops.int8_rows_runs(x)
-    y = ops.int8_rows_matmul(x, weight, bias)
+    assert int8_rows.int8_rows_runs(x)
+    y = int8_rows.int8_rows_matmul(x, weight, bias)
     expected = _reference(x, weight, bias)
     assert y.dtype == torch.float32 and y.shape == (rows, 200)
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
@@ -75,7 +75,7 @@ def test_bf16_rows_round_once(int8_isa, rows, in_features, out_features):
     wide = torch.randn(rows, in_features + 37, generator=g).bfloat16()
     x = wide[:, :in_features]
     bias = torch.randn(out_features, generator=g)
-    y = ops.int8_rows_matmul(x, weight, bias)
+    y = int8_rows.int8_rows_matmul(x, weight, bias)
     expected = _reference(x, weight, bias)
     assert y.dtype == torch.bfloat16
     # one rounding of a value within 1e-5 of the reference: at most one bf16 step apart
@@ -93,7 +93,7 @@ def test_codes_are_exact(int8_isa):
     x = torch.randn(80, k, generator=g)
     x[0, :3] = torch.tensor([127.0, 0.5, -1.5])  # ties: 0.5 -> 0, -1.5 -> -2
     x[0, 3:] = 0.0
-    y = ops.int8_rows_matmul(x, weight)
+    y = int8_rows.int8_rows_matmul(x, weight)
     assert torch.equal(y, _reference(x, weight, None))
     assert y[0, :4].tolist() == [127.0, 0.0, -2.0, 0.0]
 
@@ -106,12 +106,12 @@ def test_zero_and_non_finite_rows_stay_in_their_row(int8_isa):
     x[4] = 0.0
     x[7, 9] = float("nan")
     x[8, 2] = float("inf")
-    y = ops.int8_rows_matmul(x, weight, bias)
+    y = int8_rows.int8_rows_matmul(x, weight, bias)
     assert torch.equal(y[4], bias)
     assert torch.isnan(y[7]).all() and torch.isnan(y[8]).all()  # non-finite: a NaN row
     rest = [r for r in range(90) if r not in (4, 7, 8)]
     torch.testing.assert_close(y[rest], _reference(x, weight, bias)[rest], rtol=1e-5, atol=1e-4)
-    yb = ops.int8_rows_matmul(x.bfloat16(), weight, bias)
+    yb = int8_rows.int8_rows_matmul(x.bfloat16(), weight, bias)
     assert torch.isnan(yb[7:9]).all() and not torch.isnan(yb[rest]).any()
 
 
@@ -146,28 +146,28 @@ def test_variants_without_int8_dots_stay_dense(isa, monkeypatch):
     weight = quantize_int8(torch.randn(40, 128, generator=g))
     layer = QuantizedLinear([weight], int8_rows=True)
     x = torch.randn(100, 128, generator=g)
-    assert not ops.int8_rows_runs(x)
+    assert not int8_rows.int8_rows_runs(x)
     expected = x @ dequantize_reference(weight).T
     torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
     # (with the native kernels disabled there is no op at all)
     with pytest.raises(RuntimeError, match="int8 dot products|needs the native packed-weight"):
-        ops.int8_rows_matmul(x, weight)
+        int8_rows.int8_rows_matmul(x, weight)
 
 
 def test_bad_arguments_raise(int8_isa):
     weight = quantize_int8(torch.randn(8, 64))
     with pytest.raises(RuntimeError, match="x must be a CPU float32 or bfloat16"):
-        ops.int8_rows_matmul(torch.randn(70, 32), weight)
+        int8_rows.int8_rows_matmul(torch.randn(70, 32), weight)
     with pytest.raises(RuntimeError, match="x must be a CPU float32 or bfloat16"):
-        ops.int8_rows_matmul(torch.randn(70, 64).half(), weight)
+        int8_rows.int8_rows_matmul(torch.randn(70, 64).half(), weight)
     with pytest.raises(RuntimeError, match=r"in_features must be in \[1, 133143\]"):
-        ops.int8_rows_matmul(torch.randn(70, 133144), quantize_int8(torch.randn(2, 133144)))
+        int8_rows.int8_rows_matmul(torch.randn(70, 133144), quantize_int8(torch.randn(2, 133144)))
     # a column-strided x is made contiguous first
     x = torch.randn(64, 70).T
     torch.testing.assert_close(
-        ops.int8_rows_matmul(x, weight), ops.int8_rows_matmul(x.contiguous(), weight)
+        int8_rows.int8_rows_matmul(x, weight), int8_rows.int8_rows_matmul(x.contiguous(), weight)
     )
-    assert not ops.int8_rows_runs(torch.randn(70, 64).half())
+    assert not int8_rows.int8_rows_runs(torch.randn(70, 64).half())
 
 
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh")}
@@ -187,11 +187,11 @@ def test_gated_rows_match_the_reference(int8_isa, activation, with_bias):
     weight = quantize_int8(torch.randn(400, 579, generator=g))
     x = torch.randn(600, 579, generator=g) * torch.rand(600, 1, generator=g) * 0.3
     bias = torch.randn(400, generator=g) if with_bias else None
-    y = ops.int8_rows_matmul(x, weight, bias, activation)
+    y = int8_rows.int8_rows_matmul(x, weight, bias, activation)
     expected = _gated_reference(x, weight, bias, activation)
     assert y.shape == (600, 200) and y.dtype == torch.float32
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
-    yb = ops.int8_rows_matmul(x.bfloat16(), weight, bias, activation)
+    yb = int8_rows.int8_rows_matmul(x.bfloat16(), weight, bias, activation)
     expected_b = _gated_reference(x.bfloat16(), weight, bias, activation)
     assert yb.dtype == torch.bfloat16
     assert ((yb.float() - expected_b).abs() <= expected_b.abs() * 2**-7 + 1e-5).all()
@@ -209,7 +209,7 @@ def test_gated_mlp_applies_the_activation_in_the_int8_path(int8_isa, monkeypatch
         )
     x = torch.randn(150, 128, generator=g)
     fused = mlp(x)
-    hidden = ops.int8_rows_matmul(x, mlp.gate_up_proj.parts[0], None, "silu")
+    hidden = int8_rows.int8_rows_matmul(x, mlp.gate_up_proj.parts[0], None, "silu")
     assert torch.equal(fused, mlp.down_proj(hidden))
     unfused = mlp.down_proj(F.silu(mlp.gate_up_proj(x)[:, :96]) * mlp.gate_up_proj(x)[:, 96:])
     torch.testing.assert_close(fused, unfused, rtol=1e-4, atol=1e-3 * unfused.abs().max().item())
@@ -223,11 +223,11 @@ def test_gated_mlp_applies_the_activation_in_the_int8_path(int8_isa, monkeypatch
 def test_gated_arguments_raise(int8_isa):
     x = torch.randn(70, 64)
     with pytest.raises(RuntimeError, match="activation must be '', 'silu' or 'gelu_tanh'"):
-        ops.int8_rows_matmul(x, quantize_int8(torch.randn(8, 64)), None, "relu")
+        int8_rows.int8_rows_matmul(x, quantize_int8(torch.randn(8, 64)), None, "relu")
     with pytest.raises(RuntimeError, match="needs an even number of output features"):
-        ops.int8_rows_matmul(x, quantize_int8(torch.randn(7, 64)), None, "silu")
+        int8_rows.int8_rows_matmul(x, quantize_int8(torch.randn(7, 64)), None, "silu")
     with pytest.raises(RuntimeError, match=r"bias must be a contiguous CPU float32 \[8\]"):
-        ops.int8_rows_matmul(x, quantize_int8(torch.randn(8, 64)), torch.zeros(4), "silu")
+        int8_rows.int8_rows_matmul(x, quantize_int8(torch.randn(8, 64)), torch.zeros(4), "silu")
 
 
 @pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
@@ -242,7 +242,7 @@ def test_gated_extremes(int8_isa, activation):
     x[:, 0] = torch.logspace(-3, 30, 70)
     x[:, 1] = -x[:, 0]
     x[:, 2] = torch.linspace(-120, 120, 70)
-    y = ops.int8_rows_matmul(x, weight, None, activation)
+    y = int8_rows.int8_rows_matmul(x, weight, None, activation)
     expected = _gated_reference(x, weight, None, activation)
     assert torch.isinf(expected).any() and not torch.isnan(y).any()
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-6)
@@ -256,7 +256,7 @@ def test_gated_mlp_gelu_bf16_and_hooks_fall_back(int8_isa):
     )
     mlp.down_proj = QuantizedLinear([quantize_int8(torch.randn(64, 48, generator=g))])
     x = torch.randn(100, 64, generator=g).bfloat16()
-    hidden = ops.int8_rows_matmul(x, mlp.gate_up_proj.parts[0], None, "gelu_tanh")
+    hidden = int8_rows.int8_rows_matmul(x, mlp.gate_up_proj.parts[0], None, "gelu_tanh")
     assert torch.equal(mlp(x), mlp.down_proj(hidden))
     # a forward hook on gate / up must run: the MLP then takes the unfused path
     mlp.gate_up_proj.register_forward_hook(lambda module, inputs, output: output * 0)

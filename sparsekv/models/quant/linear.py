@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sparsekv.models.quant import ops
+from sparsekv.models.quant import int8_rows, ops
 from sparsekv.models.quant.formats import FORMATS, PackedTensor
 
 # Widths of leading-row views a layer keeps (``QuantizedLinear.leading_rows``): requests choose
@@ -49,8 +49,8 @@ class QuantizedLinear(nn.Module):
     Q8_0 and the x16 layouts' kernels of ``avx512_amx``, ``avx512_vnni`` and ``avx2``, read as
     it is by the ``avx512_bf16`` ones; other formats and variants convert it to fp32 inside the
     op); more rows multiply densely in ``x``'s dtype, or with ``int8_rows`` on an ``int8``
-    weight where the variant has int8 dot products (``ops.int8_rows_runs``), with ``x``'s rows
-    quantized to int8 as well (``ops.int8_rows_matmul``: W8A8 with a scale per row).
+    weight where the variant has int8 dot products (``int8_rows.int8_rows_runs``), with ``x``'s rows
+    quantized to int8 as well (``int8_rows.int8_rows_matmul``: W8A8 with a scale per row).
     """
 
     def __init__(
@@ -158,9 +158,9 @@ class QuantizedLinear(nn.Module):
         if rows.shape[0] <= self.max_kernel_rows:
             calls, bias32 = self._calls or self.kernel_calls()
             y = ops.matmul_kernel_parts(rows, calls, self.out_features, bias32)
-        elif self.int8_rows and ops.int8_rows_runs(rows):
+        elif self.int8_rows and int8_rows.int8_rows_runs(rows):
             _, bias32 = self._calls or self.kernel_calls()
-            y = ops.int8_rows_matmul(rows, self.parts[0], bias32)
+            y = int8_rows.int8_rows_matmul(rows, self.parts[0], bias32)
         else:
             y = ops.dense_matmul(rows, self.parts)
             if self.bias is not None:
@@ -169,13 +169,13 @@ class QuantizedLinear(nn.Module):
 
     def gated_forward(self, x: torch.Tensor, activation: str) -> torch.Tensor | None:
         """``act(gate) * up`` of this fused gate / up projection's output, computed inside the
-        int8 path's scaling pass (``ops.int8_rows_matmul``), or ``None`` where ``forward``
+        int8 path's scaling pass (``int8_rows.int8_rows_matmul``), or ``None`` where ``forward``
         would not take that path (not ``int8_rows``, few rows, another variant or dtype, an
         activation it does not fuse): the caller then applies the activation itself.
 
         Args:
             x: ``[num_tokens, in_features]``.
-            activation: ``silu`` or ``gelu_tanh`` (``ops.INT8_ROWS_ACTIVATIONS``).
+            activation: ``silu`` or ``gelu_tanh`` (``int8_rows.INT8_ROWS_ACTIVATIONS``).
 
         Returns:
             ``[num_tokens, out_features / 2]`` in ``x``'s dtype, or ``None``.
@@ -186,12 +186,12 @@ class QuantizedLinear(nn.Module):
             or self._forward_pre_hooks
             or x.dim() != 2
             or x.shape[0] <= self.max_kernel_rows
-            or activation not in ops.INT8_ROWS_ACTIVATIONS
-            or not ops.int8_rows_runs(x)
+            or activation not in int8_rows.INT8_ROWS_ACTIVATIONS
+            or not int8_rows.int8_rows_runs(x)
         ):
             return None
         _, bias32 = self._calls or self.kernel_calls()
-        return ops.int8_rows_matmul(x, self.parts[0], bias32, activation)
+        return int8_rows.int8_rows_matmul(x, self.parts[0], bias32, activation)
 
     def _apply(self, fn, recurse=True):
         # Buffers may be replaced (moved, converted): the prepared calls would hold the old ones.

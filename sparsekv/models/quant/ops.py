@@ -14,7 +14,7 @@ AMX-INT8 the ``avx512_amx`` variant runs it on tiles (``tdpbsud``) from 4 rows o
 equal bit for bit). Larger inputs (prefill) dequantize the weight in slices of
 :data:`DEQUANT_SLICE_ROWS` output features and multiply densely in ``x``'s dtype, so they keep
 the dense path's speed; ``w8a8`` layers instead quantize ``x``'s rows to int8 for oneDNN's int8
-GEMM on the variants with int8 dot products (:func:`int8_rows_matmul`).
+GEMM on the variants with int8 dot products (``int8_rows``).
 
 ``SPARSEKV_KERNEL_ISA`` forces a variant as for the other native kernels (``avx512_amx``,
 ``avx512_vnni``, ``avx512_bf16``, ``avx2`` or ``generic``); naming one this CPU does not run, or
@@ -55,13 +55,6 @@ LARGE_M_MAX_ROWS = 96
 # Zen 5, kernel against dense: gate + up 3072 x 576 825 against 909 us at 128 rows, 1052
 # against 1036 at 160; the 49152 x 576 Q8_0 head 13.6 against 17.5 ms at 128).
 X16_MAX_ROWS = 128
-# The variants with int8 dot products: on them, prefill-sized matmuls on int8 weights quantize
-# x's rows to int8 and multiply in int32 (:func:`int8_rows_matmul`).
-INT8_ROWS_VARIANTS = ("avx512_amx", "avx512_vnni")
-# Rows of x per int8 product of that path: a chunk's int32 products stay in cache for the
-# scaling pass (SmolLM2's 3072 x 576 gate / up at 4000 rows, 2 threads, Zen 4: 22.9 ms in
-# chunks of 512 against 31.0 ms at once, the int8 product alone).
-INT8_CHUNK_ROWS = 512
 # Output features dequantized at once on the dense path (bounds the temporary: 4096 x 1536 fp32
 # is 24 MiB).
 DEQUANT_SLICE_ROWS = 4096
@@ -167,6 +160,14 @@ def _scope_value() -> tuple | None:
 _scope: contextvars.ContextVar[tuple | None] = contextvars.ContextVar(
     "sparsekv_quant_scope", default=None
 )
+
+
+def resolved_kernels() -> tuple:
+    """``(extension or None, variant)`` in effect now: the enclosing :func:`native_scope`'s,
+    else read now; the variant is the forced one or the fastest (``""`` without the
+    extension)."""
+    ext, isa = _resolved()
+    return ext, (isa or _fastest()) if ext is not None else ""
 
 
 def _resolved() -> tuple:
@@ -277,71 +278,6 @@ def _fastest() -> str:
 
 
 _FORMAT_NAMES = {f.code: name for name, f in FORMATS.items()}
-
-
-def int8_rows_runs(x: torch.Tensor) -> bool:
-    """Whether :func:`int8_rows_matmul` runs ``x`` now.
-
-    Args:
-        x: the activations, ``[rows, in_features]``.
-
-    Returns:
-        True for a CPU fp32 or bf16 ``x`` with the extension loaded and the variant in use
-        (forced or the fastest) one of :data:`INT8_ROWS_VARIANTS`.
-    """
-    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
-        return False
-    ext, isa = _resolved()
-    return ext is not None and (isa or _fastest()) in INT8_ROWS_VARIANTS
-
-
-# Gated activations the int8 path applies in its scaling pass (``activation``).
-INT8_ROWS_ACTIVATIONS = ("silu", "gelu_tanh")
-
-
-def int8_rows_matmul(
-    x: torch.Tensor,
-    weight: PackedTensor,
-    bias32: torch.Tensor | None = None,
-    activation: str = "",
-) -> torch.Tensor:
-    """``x W^T + bias`` for an ``int8`` weight (per output channel) with ``x``'s rows quantized
-    to int8 too: W8A8 with one dynamic scale per row, as vLLM's CPU int8 linears and the
-    per-token variant of SmoothQuant (Xiao et al., 2023) do.
-
-    Per row ``r``: ``s_r = max|x_r| / 127``, codes ``round(x_r * 127 / max|x_r|)`` (nearest
-    even); ``y[r, c] = (codes_r . q_c) * s_r * w_c + bias[c]``, the dot product exact in int32
-    (oneDNN's int8 GEMM through ``torch._int_mm``), the scaling in fp32, rounded once to
-    ``x``'s dtype. Rows go in chunks of at most :data:`INT8_CHUNK_ROWS` (fewer for a wide
-    weight: ~8 MiB of int32 products per chunk).
-
-    With an ``activation`` (``silu``, ``gelu_tanh``) the weight is a fused gate / up projection
-    (gate rows, then up rows) and the result is ``act(gate) * up``, applied in the scaling
-    pass to the fp32 values (one rounding instead of two, and no ``[rows, 2n]`` intermediate).
-
-    Args:
-        x: ``[rows, in_features]`` fp32 or bf16 on the CPU, last dimension contiguous.
-        weight: an ``int8`` packed weight ``[out_features, in_features]``.
-        bias32: fp32 ``[out_features]`` or ``None``.
-        activation: ``""`` (none) or one of :data:`INT8_ROWS_ACTIVATIONS`.
-
-    Returns:
-        ``[rows, out_features]`` in ``x``'s dtype (``[rows, out_features / 2]`` with an
-        activation).
-
-    Raises:
-        RuntimeError: the variant in use has no int8 dot products (check
-            :func:`int8_rows_runs`), an unknown activation, an odd ``out_features`` with one,
-            or shapes / dtypes that do not match.
-    """
-    ext, isa = _resolved()
-    if ext is None:
-        raise RuntimeError("int8_rows_matmul needs the native packed-weight kernels")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    return ext.int8_rows_matmul(
-        x, weight.data, weight.in_features, bias32, INT8_CHUNK_ROWS, isa, activation
-    )
 
 
 def dense_matmul(x: torch.Tensor, parts: list[PackedTensor]) -> torch.Tensor:

@@ -1,0 +1,85 @@
+"""Prefill-sized matmuls of ``--weight-dtype w8a8`` layers: ``x``'s rows quantized to int8
+(one dynamic scale each) and multiplied with per-channel int8 weights in oneDNN's int8 GEMM,
+between two native AVX-512 passes (``csrc/int8_rows_*``), on the packed-weight variants with
+int8 dot products.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparsekv.models.quant import ops
+from sparsekv.models.quant.formats import PackedTensor
+
+# The variants with int8 dot products: on them, prefill-sized matmuls on int8 weights quantize
+# x's rows to int8 and multiply in int32 (:func:`int8_rows_matmul`).
+INT8_ROWS_VARIANTS = ("avx512_amx", "avx512_vnni")
+# Rows of x per int8 product of that path: a chunk's int32 products stay in cache for the
+# scaling pass (SmolLM2's 3072 x 576 gate / up at 4000 rows, 2 threads, Zen 4: 22.9 ms in
+# chunks of 512 against 31.0 ms at once, the int8 product alone).
+INT8_CHUNK_ROWS = 512
+
+
+def int8_rows_runs(x: torch.Tensor) -> bool:
+    """Whether :func:`int8_rows_matmul` runs ``x`` now.
+
+    Args:
+        x: the activations, ``[rows, in_features]``.
+
+    Returns:
+        True for a CPU fp32 or bf16 ``x`` with the extension loaded and the variant in use
+        (forced or the fastest) one of :data:`INT8_ROWS_VARIANTS`.
+    """
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    ext, variant = ops.resolved_kernels()
+    return ext is not None and variant in INT8_ROWS_VARIANTS
+
+
+# Gated activations the int8 path applies in its scaling pass (``activation``).
+INT8_ROWS_ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+def int8_rows_matmul(
+    x: torch.Tensor,
+    weight: PackedTensor,
+    bias32: torch.Tensor | None = None,
+    activation: str = "",
+) -> torch.Tensor:
+    """``x W^T + bias`` for an ``int8`` weight (per output channel) with ``x``'s rows quantized
+    to int8 too: W8A8 with one dynamic scale per row, as vLLM's CPU int8 linears and the
+    per-token variant of SmoothQuant (Xiao et al., 2023) do.
+
+    Per row ``r``: ``s_r = max|x_r| / 127``, codes ``round(x_r * 127 / max|x_r|)`` (nearest
+    even); ``y[r, c] = (codes_r . q_c) * s_r * w_c + bias[c]``, the dot product exact in int32
+    (oneDNN's int8 GEMM through ``torch._int_mm``), the scaling in fp32, rounded once to
+    ``x``'s dtype. Rows go in chunks of at most :data:`INT8_CHUNK_ROWS` (fewer for a wide
+    weight: ~8 MiB of int32 products per chunk).
+
+    With an ``activation`` (``silu``, ``gelu_tanh``) the weight is a fused gate / up projection
+    (gate rows, then up rows) and the result is ``act(gate) * up``, applied in the scaling
+    pass to the fp32 values (one rounding instead of two, and no ``[rows, 2n]`` intermediate).
+
+    Args:
+        x: ``[rows, in_features]`` fp32 or bf16 on the CPU, last dimension contiguous.
+        weight: an ``int8`` packed weight ``[out_features, in_features]``.
+        bias32: fp32 ``[out_features]`` or ``None``.
+        activation: ``""`` (none) or one of :data:`INT8_ROWS_ACTIVATIONS`.
+
+    Returns:
+        ``[rows, out_features]`` in ``x``'s dtype (``[rows, out_features / 2]`` with an
+        activation).
+
+    Raises:
+        RuntimeError: the variant in use has no int8 dot products (check
+            :func:`int8_rows_runs`), an unknown activation, an odd ``out_features`` with one,
+            or shapes / dtypes that do not match.
+    """
+    ext, variant = ops.resolved_kernels()
+    if ext is None:
+        raise RuntimeError("int8_rows_matmul needs the native packed-weight kernels")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return ext.int8_rows_matmul(
+        x, weight.data, weight.in_features, bias32, INT8_CHUNK_ROWS, variant, activation
+    )
