@@ -158,7 +158,7 @@ class QuantizedLinear(nn.Module):
         if rows.shape[0] <= self.max_kernel_rows:
             calls, bias32 = self._calls or self.kernel_calls()
             y = ops.matmul_kernel_parts(rows, calls, self.out_features, bias32)
-        elif self.int8_rows and int8_rows.int8_rows_runs(rows):
+        elif self._takes_int8_rows(rows):
             _, bias32 = self._calls or self.kernel_calls()
             y = int8_rows.int8_rows_matmul(rows, self.parts[0], bias32)
         else:
@@ -166,6 +166,15 @@ class QuantizedLinear(nn.Module):
             if self.bias is not None:
                 y += self.bias.to(y.dtype)
         return y if flat else y.reshape(*x.shape[:-1], self.out_features)
+
+    def _takes_int8_rows(self, rows: torch.Tensor) -> bool:
+        """Whether ``rows`` (2-D) go through the int8 path: ``int8_rows``, more rows than the
+        kernels take, and a variant and dtype it runs on (``forward`` and ``gated_forward``)."""
+        return (
+            self.int8_rows
+            and rows.shape[0] > self.max_kernel_rows
+            and int8_rows.int8_rows_runs(rows)
+        )
 
     def gated_forward(self, x: torch.Tensor, activation: str) -> torch.Tensor | None:
         """``act(gate) * up`` of this fused gate / up projection's output, computed inside the
@@ -185,9 +194,8 @@ class QuantizedLinear(nn.Module):
             or self._forward_hooks
             or self._forward_pre_hooks
             or x.dim() != 2
-            or x.shape[0] <= self.max_kernel_rows
             or activation not in int8_rows.INT8_ROWS_ACTIVATIONS
-            or not int8_rows.int8_rows_runs(x)
+            or not self._takes_int8_rows(x)
         ):
             return None
         _, bias32 = self._calls or self.kernel_calls()

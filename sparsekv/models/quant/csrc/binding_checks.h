@@ -88,6 +88,15 @@ std::vector<float> block_sums(const at::Tensor& x, int64_t m, int64_t k) {
   return sums;
 }
 
+// bias, when given, is a contiguous CPU float32 [n].
+void check_bias(const c10::optional<at::Tensor>& bias, int64_t n) {
+  if (bias.has_value())
+    TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == at::kFloat &&
+                    bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous(),
+                "bias must be a contiguous CPU float32 [", n, "], got ", bias->scalar_type(),
+                " ", bias->sizes());
+}
+
 void check_matmul_args(const at::Tensor& x, int64_t k, int64_t n, const at::Tensor& y,
                        int64_t col, const c10::optional<at::Tensor>& bias) {
   const auto xt = x.scalar_type(), yt = y.scalar_type();
@@ -102,11 +111,7 @@ void check_matmul_args(const at::Tensor& x, int64_t k, int64_t n, const at::Tens
               ", cols] with a contiguous last dimension, got ", yt, " ", y.sizes());
   TORCH_CHECK(col >= 0 && n <= y.size(1) && col <= y.size(1) - n, "columns ", col, " + ", n,
               " do not fit in y's ", y.size(1));  // no col + n: it may overflow
-  if (bias.has_value())
-    TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == at::kFloat &&
-                    bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous(),
-                "bias must be a contiguous CPU float32 [", n, "], got ", bias->scalar_type(),
-                " ", bias->sizes());
+  check_bias(bias, n);
 }
 
 }  // namespace

@@ -47,11 +47,7 @@ at::Tensor int8_rows_matmul(const at::Tensor& x, const at::Tensor& w, int64_t k,
   const int64_t out = act < 0 ? n : n / 2;
   at::Tensor y = at::empty({m, out}, x.options());
   check_matmul_args(x, k, out, y, 0, c10::nullopt);
-  if (bias.has_value())
-    TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == at::kFloat &&
-                    bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous(),
-                "bias must be a contiguous CPU float32 [", n, "], got ", bias->scalar_type(),
-                " ", bias->sizes());
+  check_bias(bias, n);  // gate and up: n, not y's out columns
   const auto& table = qk::table_named(isa);
   TORCH_CHECK(table.quantize_rows != nullptr, "int8_rows_matmul needs a kernel variant with int8 ",
               "dot products (avx512_amx, avx512_vnni), got '", table.name, "'");
