@@ -23,6 +23,8 @@ CPU_KV_CACHE_MEMORY = 2.0
 
 # ``--weight-dtype`` values (``ModelConfig.weight_dtype``).
 WEIGHT_DTYPES = ("auto", "bf16", "int8", "w8a8", "gguf")
+# ``--prefill-qk-dtype`` values (``ModelConfig.prefill_qk_dtype``).
+PREFILL_QK_DTYPES = ("auto", "int8")
 
 COMPRESSION_METHODS = (
     "none",
@@ -68,6 +70,11 @@ class ModelConfig:
             the CPU has int8 dot products) or ``gguf`` (the GGUF file's Q4_0 / Q4_1 / Q8_0
             blocks kept packed). Packed weights run native kernels that dequantize in
             registers for up to 64 rows; embeddings and norms stay dense.
+        prefill_qk_dtype: the logits (Q·K^T) of prefill attention: ``auto`` (the model
+            dtype) or ``int8`` (keys smoothed by their channel means and quantized per key,
+            queries per row, as SageAttention does; the value product stays bf16), which runs
+            on the ``cpu`` backend's AVX512-BF16 prefill kernel with AVX512-VNNI (AMD Zen 4)
+            for bf16 models and is ignored elsewhere (AMX, fp32, other backends).
     """
 
     model: str = "smollm2-135m-instruct"
@@ -80,6 +87,7 @@ class ModelConfig:
     seed: int = 0
     tokenizer: str | None = None
     weight_dtype: str = "auto"
+    prefill_qk_dtype: str = "auto"
 
     def validate(self) -> None:
         if self.dtype not in ("auto", "bfloat16", "float32", "bf16", "fp32"):
@@ -94,6 +102,11 @@ class ModelConfig:
         if self.weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(
                 f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {self.weight_dtype!r}"
+            )
+        if self.prefill_qk_dtype not in PREFILL_QK_DTYPES:
+            raise ValueError(
+                f"prefill_qk_dtype must be one of {', '.join(PREFILL_QK_DTYPES)}, "
+                f"got {self.prefill_qk_dtype!r}"
             )
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be > 0 tokens, got {self.max_model_len}")

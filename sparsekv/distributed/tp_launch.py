@@ -182,7 +182,7 @@ def build_rank(config: EngineConfig, rank: int, hf_config, checkpoint, device: s
     """``(sharded model, backend, dtype, RankContext)`` of ``rank`` (after the group formed:
     the replica groups are created here, by every rank in the same order)."""
     dtype = resolve_dtype(config.model.dtype, device)
-    backend = create_backend(config.model.attention_backend, device)
+    backend = create_backend(config.model.attention_backend, device, config.model.prefill_qk_dtype)
     state_dict = checkpoint.state_dict if hasattr(checkpoint, "state_dict") else checkpoint[1]
     model = build_model(hf_config, state_dict, dtype, device, model_len_of(config, hf_config))
     variant = model.variant

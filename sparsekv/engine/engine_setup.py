@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from sparsekv.attention.backends import create_backend
+from sparsekv.attention.backends import AttentionBackend, create_backend
 from sparsekv.config import EngineConfig, SpeculativeConfig
 from sparsekv.engine.device_memory import kv_cache_gib, profile_forward
 from sparsekv.engine.scheduler import Scheduler
@@ -239,8 +239,9 @@ def build_engine_parts(config: EngineConfig, checkpoint=None) -> EngineParts:
     device = resolve_device(config.model.device)
     dtype = resolve_dtype(config.model.dtype, device)
     # Chosen once; the kernels compile (or load) now, never on a request.
-    backend = create_backend(config.model.attention_backend, device)
+    backend = create_backend(config.model.attention_backend, device, config.model.prefill_qk_dtype)
     logger.info("attention backend: %s", backend.name)
+    _log_prefill_qk(backend, dtype)
     _log_speculation(config.speculative)
     if device == "cpu":
         tune_host_allocator()
@@ -304,6 +305,22 @@ def eos_ids_of(hf_config, tokenizer, generation_eos=()) -> tuple[int, ...]:
         elif isinstance(source, (list, tuple)):
             ids.update(int(x) for x in source)
     return tuple(sorted(ids))
+
+
+def _log_prefill_qk(backend: AttentionBackend, dtype: torch.dtype) -> None:
+    """Under ``--prefill-qk-dtype int8``, one line saying whether prefill logits run in int8
+    here or the flag is ignored (another backend, fp32, an AMX or non-VNNI CPU)."""
+    if not backend.prefill_qk_int8:
+        return
+    if backend.prefill_qk_int8_runs(dtype):
+        logger.info("prefill attention: Q·K^T in int8 (AVX512-VNNI)")
+    else:
+        logger.warning(
+            "prefill_qk_dtype int8 is ignored here: the %s backend has no int8 prefill "
+            "kernel for %s on this CPU; logits stay in the model dtype",
+            backend.name,
+            dtype,
+        )
 
 
 def _log_speculation(spec: SpeculativeConfig) -> None:

@@ -52,8 +52,11 @@ def backend_class(name: str) -> type[AttentionBackend]:
     return getattr(module, class_name)
 
 
-def create_backend(name: str, device: str | torch.device = "cpu") -> AttentionBackend:
-    """Build and prepare the backend for ``--attention-backend name`` on ``device``.
+def create_backend(
+    name: str, device: str | torch.device = "cpu", prefill_qk_dtype: str = "auto"
+) -> AttentionBackend:
+    """Build and prepare the backend for ``--attention-backend name`` on ``device``, with
+    ``--prefill-qk-dtype`` (``int8`` sets ``prefill_qk_int8``).
 
     ``auto`` picks the native CPU kernels on a CPU device when they build (else the PyTorch
     reference, as ``SPARSEKV_DISABLE_NATIVE=1`` forces), and on an accelerator Triton when it
@@ -63,13 +66,17 @@ def create_backend(name: str, device: str | torch.device = "cpu") -> AttentionBa
         ValueError: an unknown name, a backend that cannot run on ``device`` (``cpu`` off the
             CPU), or one that cannot be imported.
     """
+    if prefill_qk_dtype not in ("auto", "int8"):
+        raise ValueError(f"prefill_qk_dtype must be auto or int8, got {prefill_qk_dtype!r}")
     device = torch.device(device)
     if name == "auto":
-        return _auto(device)
-    backend = backend_class(name)()
-    if name == "cpu" and device.type != "cpu":
-        raise ValueError(f"attention_backend 'cpu' runs on CPU tensors only, not on {device}")
-    backend.prepare()
+        backend = _auto(device)
+    else:
+        backend = backend_class(name)()
+        if name == "cpu" and device.type != "cpu":
+            raise ValueError(f"attention_backend 'cpu' runs on CPU tensors only, not on {device}")
+        backend.prepare()
+    backend.prefill_qk_int8 = prefill_qk_dtype == "int8"
     return backend
 
 

@@ -89,6 +89,14 @@ class AttentionBackend(abc.ABC):
     # True when :meth:`prefill_attention_paged_batch` has a batched route (callers skip
     # building its arguments otherwise).
     batches_paged_chunks: ClassVar[bool] = False
+    # ``--prefill-qk-dtype int8``: prefill logits from int8 codes where the backend has such a
+    # kernel (the native CPU one on AVX512-VNNI); every other backend ignores it.
+    prefill_qk_int8: bool = False
+
+    def prefill_qk_int8_runs(self, dtype: torch.dtype) -> bool:
+        """True when :attr:`prefill_qk_int8` would compute this backend's prefill logits of
+        ``dtype`` in int8 here; False (the default) where the backend has no such kernel."""
+        return False
 
     def prepare(self) -> bool:
         """Build or load this backend's kernels now (engine start, never on a request).

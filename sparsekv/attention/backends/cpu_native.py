@@ -31,6 +31,11 @@ class CpuNativeBackend(TorchBackend):
     def prepare(self) -> bool:
         return build.load_extension() is not None
 
+    def prefill_qk_int8_runs(self, dtype: torch.dtype) -> bool:
+        """bf16 on the AVX512-BF16 prefill kernel with AVX512-VNNI
+        (``prefill_ops.prefill_qk_int8_runs``)."""
+        return prefill_ops.prefill_qk_int8_runs(dtype)
+
     def step_scope(self) -> ExtensionScope:
         """The extension and ``SPARSEKV_KERNEL_ISA`` resolved once for the step (a decode step
         picks a variant for each of its layers)."""
@@ -75,10 +80,13 @@ class CpuNativeBackend(TorchBackend):
         (``prefill_ops.prefill_attention``: AMX tiles, AVX512-BF16 dot products or fp32 FMAs for
         bf16, fp32 FMAs for fp32, whichever this CPU runs fastest; GQA without expanding K/V,
         causal blocks and blocks outside a sliding window skipped, any number of queries up to
-        the keys) where ``prefill_ops.supports_prefill`` says it runs; else the reference
+        the keys) where ``prefill_ops.supports_prefill`` says it runs, with int8 logits under
+        ``prefill_qk_int8`` where ``prefill_ops.prefill_qk_int8_runs``; else the reference
         backend's route."""
         if logit_softcap is None and prefill_ops.supports_prefill(query, key, value):
-            return prefill_ops.prefill_attention(query, key, value, scale, sliding_window)
+            return prefill_ops.prefill_attention(
+                query, key, value, scale, sliding_window, qk_int8=self.prefill_qk_int8
+            )
         return super().prefill_attention(query, key, value, scale, sliding_window, logit_softcap)
 
     def prefill_attention_paged(

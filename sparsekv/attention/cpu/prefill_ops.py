@@ -10,6 +10,10 @@ with the log-sum-exp of every row, against ``torch_ref.attention_with_lse``. Its
 fp32 variant, as the decode kernels run fp32 pools on their vector kernels under
 ``avx512_amx``. ``avx512_bf16`` names no decode variant of its own: forced, the decode kernels
 run ``avx512``.
+
+``qk_int8=True`` computes the logits in int8 on ``avx512_bf16`` (AVX512-VNNI), SageAttention-style:
+keys smoothed by their channel means and quantized per key, queries per row, the value product
+in bf16 as before (``prefill_qk_int8_runs`` says where it applies).
 """
 
 from __future__ import annotations
@@ -40,6 +44,23 @@ def prefill_isas(dtype: torch.dtype = torch.bfloat16) -> tuple[str, ...]:
 def _prefill_isas(ext) -> tuple[str, ...]:
     names = str(ext.prefill_isas())
     return tuple(names.split(",")) if names else ()
+
+
+def prefill_qk_int8_status() -> str:
+    """``"ok"`` when this CPU runs the int8 Q·K^T prefill kernel (AVX512-BF16 and AVX512-VNNI),
+    else why not."""
+    ext = build.load_extension()
+    return "native kernels unavailable" if ext is None else str(ext.prefill_qk_int8_status())
+
+
+def prefill_qk_int8_runs(dtype: torch.dtype = torch.bfloat16, isa: str | None = None) -> bool:
+    """True when :func:`prefill_attention` with ``qk_int8=True`` computes int8 logits for
+    inputs of ``dtype`` on variant ``isa`` (default :func:`prefill_isa`): bf16 on
+    ``avx512_bf16`` where :func:`prefill_qk_int8_status` is ok. Elsewhere the flag is ignored:
+    the AMX tiles' bf16 products outrun AVX512-VNNI's int8 ones, and the fp32 variants keep
+    fp32 models exact."""
+    variant = isa or prefill_isa(dtype)
+    return dtype == torch.bfloat16 and variant == BF16_ISA and prefill_qk_int8_status() == "ok"
 
 
 def prefill_isa_status(isa: str) -> str:
@@ -115,6 +136,7 @@ def prefill_attention(
     scale: float,
     sliding_window: int | None = None,
     isa: str | None = None,
+    qk_int8: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of the last ``num_queries`` of ``num_keys`` positions, with the
     log-sum-exp of every query row; the semantics of ``torch_ref.attention_with_lse`` without
@@ -132,6 +154,11 @@ def prefill_attention(
             all earlier keys.
         isa: prefill variant (default :func:`prefill_isa` for the dtype; see
             :func:`prefill_isas`); fp32 runs on :data:`FP32_VARIANTS` only.
+        qk_int8: logits from int8 codes where :func:`prefill_qk_int8_runs` (ignored
+            elsewhere): the keys minus their channel means over the ``num_keys`` keys, and the
+            queries, quantized per row to ``round(x * 127 / max|x|)``; the products summed
+            exactly in int32, scaled by both rows' ``max|x| / 127``. A key or query row with a
+            NaN or inf makes its logits NaN; a channel whose mean is not finite is not smoothed.
 
     Returns:
         out ``[num_heads, num_queries, head_dim]`` (the query's dtype), lse ``[num_heads,
@@ -150,4 +177,5 @@ def prefill_attention(
     window = 0 if sliding_window is None else int(sliding_window)
     ext = _extension()
     variant = isa or prefill_isa(query.dtype) or PREFILL_ISA
-    return ext.prefill_attention(query, key, value, float(scale), window, variant)
+    int8 = qk_int8 and prefill_qk_int8_runs(query.dtype, variant) and query.shape[2] <= 256
+    return ext.prefill_attention(query, key, value, float(scale), window, variant, int8)

@@ -2,8 +2,9 @@
 ``CpuNativeBackend.prefill_attention``, ``TorchBackend.prefill_attention`` (PyTorch's flash
 kernel for a whole prompt) and each native prefill variant this CPU runs for the dtype
 (``prefill_ops.prefill_isas``: ``avx512_amx``, ``avx512_bf16``, ``avx512``, ``avx2``,
-``generic``; fp32 on the last three) over one layer, against the FLOP bound of causal
-attention."""
+``generic``; fp32 on the last three), plus ``avx512_bf16`` with int8 Q·K^T where it runs
+(``prefill_ops.prefill_qk_int8_runs``), over one layer, against the FLOP bound of causal
+attention (bf16 rate: the int8 row's fraction above 1 is what its int8 half saved)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,20 @@ def bench_prefill(args: argparse.Namespace, dtype_name: str, machine: dict) -> l
         )
         for isa in prefill_ops.prefill_isas(dtype)
     ]
+    if prefill_ops.prefill_qk_int8_runs(dtype, "avx512_bf16"):
+        variants.append(
+            row(
+                f"prefill native avx512_bf16 qk int8 {n} {dtype_name}",
+                timed(
+                    lambda: prefill_ops.prefill_attention(
+                        query, key, value, scale, isa="avx512_bf16", qk_int8=True
+                    ),
+                    repeats,
+                ),
+                bound,
+                note,
+            )
+        )
     return variants + [
         row(
             f"prefill attention_with_lse (mask) {n} {dtype_name}",

@@ -135,6 +135,16 @@ std::string avx512_bf16_status() {
   return status;
 }
 
+// The AVX512-BF16 prefill with int8 Q·K^T needs AVX512-VNNI as well (leaf 7 ECX bit 11).
+std::string avx512_vnni_status() {
+  static const std::string status = []() -> std::string {
+    const std::string bf16 = avx512_bf16_status();
+    if (bf16 != "ok") return bf16;
+    return bit(leaf7().ecx, 11) ? "ok" : "no AVX512-VNNI";
+  }();
+  return status;
+}
+
 std::vector<std::string> cpu_features() {
   const Leaf7 f = leaf7();
   const struct {

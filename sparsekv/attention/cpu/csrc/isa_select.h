@@ -20,6 +20,8 @@ std::string amx_status();
 // Why the AVX512-BF16 kernels (prefill_bf16.h) can or cannot run here: "ok", or what is missing
 // (AVX512-F, BW, DQ, VL and BF16 in CPUID).
 std::string avx512_bf16_status();
+// As avx512_bf16_status, also requiring AVX512-VNNI (the int8 Q·K^T prefill kernel).
+std::string avx512_vnni_status();
 
 // The x86 features the kernel variants depend on that this CPU has (CPUID), in a fixed order:
 // avx2 fma avx512f avx512bw avx512dq avx512vl avx512_bf16 avx512_vnni amx_tile amx_bf16

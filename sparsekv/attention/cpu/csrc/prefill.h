@@ -15,6 +15,9 @@
 //   AVX512-BF16, bf16:
 //     key     [kvh][nkp][head_dim]                                     (rows as they are)
 //     value_t [kvh][nkp / 2][head_dim][2 keys]     (the rows of keys 2p and 2p + 1 interleaved)
+//   AVX512-BF16 with int8 Q·K^T (prefill_qk8.h): value_t as above, and instead of key
+//     key_codes  [kvh][nkp][head_dim] bytes, int8 codes of the smoothed keys + 128
+//     key_scales [kvh][nkp]            fp32, one per key (0 past nk)
 //   AVX-512F, AVX2, generic (key_f32, value_f32 instead, fp32):
 //     key_f32, value_f32 [kvh][nkp][head_dim]
 // The fp32 kernels also take fp32 queries and write fp32 outputs (query_f32, out_f32 set; the
@@ -42,6 +45,9 @@ struct PrefillArgs {
   const float* value_f32;  // fp32, as above (AVX-512F, AVX2)
   const float* query_f32;  // fp32 queries instead of `query` (same strides), or nullptr
   float* out_f32;          // fp32 output instead of `out`, or nullptr (set with query_f32)
+  const uint8_t* key_codes;  // int8 Q·K^T only, as above
+  const float* key_scales;   // int8 Q·K^T only, as above
+  const float* key_means;    // int8 Q·K^T only: [kvh][head_dim], subtracted from the keys
 };
 
 struct PrefillKernel {
@@ -51,10 +57,23 @@ struct PrefillKernel {
   void (*item)(const PrefillArgs&, int64_t kvh, int64_t qb, float* scratch);
 };
 
+// The AVX512-BF16 kernel with int8 Q·K^T (prefill_qk8.h): `item` reads key_codes /
+// key_scales, which the binding fills per KV head with `key_means` (the channel means of its
+// nk key rows of d bf16, row stride s1) and `quantize_keys` (rows [j0, j1) of nkp, smoothed by
+// those means). d <= 256.
+struct PrefillQk8Kernel {
+  int64_t (*scratch)(const PrefillArgs&);
+  void (*item)(const PrefillArgs&, int64_t kvh, int64_t qb, float* scratch);
+  void (*key_means)(const uint16_t* key, int64_t s1, int64_t nk, int64_t d, float* mean);
+  void (*quantize_keys)(const uint16_t* key, int64_t s1, int64_t j0, int64_t j1, int64_t nk,
+                        int64_t d, const float* mean, uint8_t* codes, float* scales);
+};
+
 // The kernels (both pointers null where a unit is not compiled). The caller checks that the CPU
 // runs a kernel before calling it (isa_select.h: amx_status, cpu_runs).
 extern const PrefillKernel kPrefillAmx;
 extern const PrefillKernel kPrefillBf16;
+extern const PrefillQk8Kernel kPrefillBf16Qk8;
 extern const PrefillKernel kPrefillAvx512;
 extern const PrefillKernel kPrefillAvx2;
 extern const PrefillKernel kPrefillGeneric;

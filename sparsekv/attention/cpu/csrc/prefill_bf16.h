@@ -114,21 +114,30 @@ static int64_t prefill_scratch_bf16(const PrefillArgs& a) {
   return prefill_layout(a, nullptr, nullptr) + 16;  // + 16: room to align the base
 }
 
-// Attention of query block qb of KV head kvh's group (PrefillKernel::item); as
-// prefill_item_amx, with the products above.
-static void prefill_item_bf16(const PrefillArgs& a, int64_t kvh, int64_t qb, float* scratch) {
+// bf16 x 16 -> fp32 (the bf16 bits are the high half of an fp32).
+static inline __m512 load_bf16x16(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// Attention of query block qb of KV head kvh's group, with the queries packed by `pack` and
+// each key block's logits computed by `logits(k0, tiles, nt, w)` (the bf16 products here, the
+// int8 ones of prefill_qk8.h); the value product, softmax and write as prefill_item_amx.
+// shift_lse: the logits lack w.qshift (smoothed keys), which the lse gets back.
+template <typename Logits, typename Pack>
+static void prefill_item_bf16_with(const PrefillArgs& a, int64_t kvh, int64_t qb, float* scratch,
+                                   const Logits& logits, const Pack& pack, bool shift_lse) {
   PrefillScratch w;
   prefill_layout(a, scratch + (16 - (reinterpret_cast<uintptr_t>(scratch) / 4) % 16) % 16, &w);
   const int64_t cols = prefill_columns(a), ntiles = cols / 16, d = a.head_dim;
   const int64_t q0 = qb * a.query_block;
   const int64_t rows = a.nq - q0 < a.query_block ? a.nq - q0 : a.query_block;
-  pack_queries(a, kvh, q0, w);
+  pack(a, kvh, q0, w);
   for (int64_t c = 0; c < cols; ++c) {
     w.m[c] = kNoMax;
     w.l[c] = 0.0f;
   }
   __builtin_memset(w.o, 0, d * cols * sizeof(float));
-  const uint32_t* K = reinterpret_cast<const uint32_t*>(a.key + kvh * a.nkp * d);
   const uint32_t* Vp = reinterpret_cast<const uint32_t*>(a.value_t + kvh * a.nkp * d);
   const float scale2 = a.scale * kLog2e;
   const int64_t last_key = a.nk - a.nq + q0 + rows - 1;
@@ -145,12 +154,24 @@ static void prefill_item_bf16(const PrefillArgs& a, int64_t kvh, int64_t qb, flo
       masked[nt] = k0 + kPKeys - 1 > low || k0 < high - reach;
       tiles[nt++] = t;
     }
-    block_products_all(false, a, K, Vp, k0, tiles, nt, w);
+    logits(k0, tiles, nt, w);
     for (int i = 0; i < nt; ++i)
       rescale_output(masked[i] ? block_softmax<true>(k0, tiles[i], scale2, reach, w)
                                : block_softmax<false>(k0, tiles[i], scale2, reach, w),
                      tiles[i], d, w);
-    block_products_all(true, a, K, Vp, k0, tiles, nt, w);
+    block_products_all(true, a, nullptr, Vp, k0, tiles, nt, w);
   }
+  if (shift_lse)
+    for (int64_t c = 0; c < cols; ++c) w.m[c] += w.qshift[c] * scale2;
   write_rows(a, kvh, q0, rows, cols, w);
+}
+
+// Attention of query block qb of KV head kvh's group (PrefillKernel::item); as
+// prefill_item_amx, with the products above.
+static void prefill_item_bf16(const PrefillArgs& a, int64_t kvh, int64_t qb, float* scratch) {
+  const uint32_t* K = reinterpret_cast<const uint32_t*>(a.key + kvh * a.nkp * a.head_dim);
+  prefill_item_bf16_with(a, kvh, qb, scratch, [&](int64_t k0, const int* tiles, int nt,
+                                                  const PrefillScratch& w) {
+    block_products_all(false, a, K, nullptr, k0, tiles, nt, w);
+  }, pack_queries, false);
 }

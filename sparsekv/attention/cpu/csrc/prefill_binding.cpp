@@ -1,8 +1,11 @@
 // Torch operators of the causal prefill attention kernels (prefill.h):
 //   prefill_isas()                                   variants this CPU runs, fastest first
 //   prefill_isa_status(isa)                          "ok" or why the CPU does not run it
-//   prefill_attention(query, key, value, scale, window, isa) -> [out, lse]
-//                                                    bf16, or fp32 on the fp32 variants
+//   prefill_qk_int8_status()                         "ok" or why int8 Q·K^T cannot run here
+//   prefill_attention(query, key, value, scale, window, isa, qk_int8) -> [out, lse]
+//                                                    bf16, or fp32 on the fp32 variants;
+//                                                    qk_int8: Q·K^T in int8 (prefill_qk8.h,
+//                                                    avx512_bf16 only)
 // and the CPU feature list of `sparsekv bench kernels --list`. Registered as a fragment of the
 // sparsekv_cpu library (binding.cpp holds the rest).
 #include <ATen/core/Tensor.h>
@@ -55,19 +58,21 @@ void pack_prefill_block(const PrefillSource& s, int64_t h, int64_t k0, uint16_t*
   }
 }
 
-// The same block for the AVX512-BF16 kernel (prefill.h): key rows as they are, the value rows
-// of keys 2p and 2p + 1 interleaved; zero past nk.
+// The same block for the AVX512-BF16 kernel (prefill.h): key rows as they are (unless kp is
+// null: the int8 kernel quantizes them instead), the value rows of keys 2p and 2p + 1
+// interleaved; zero past nk.
 void pack_bf16_block(const PrefillSource& s, int64_t h, int64_t k0, uint16_t* kp, uint16_t* vp) {
   const int64_t d = s.d;
   for (int64_t j = k0; j < k0 + skv::kPrefillKeyBlock; ++j) {
-    uint16_t* kdst = kp + (h * s.nkp + j) * d;
+    uint16_t* kdst = kp == nullptr ? nullptr : kp + (h * s.nkp + j) * d;
     uint16_t* vdst = vp + (h * s.nkp + j / 2 * 2) * d + j % 2;
     if (j >= s.nk) {
-      std::memset(kdst, 0, d * sizeof(uint16_t));
+      if (kdst != nullptr) std::memset(kdst, 0, d * sizeof(uint16_t));
       for (int64_t e = 0; e < d; ++e) vdst[2 * e] = 0;
       continue;
     }
-    std::memcpy(kdst, s.key + h * s.key_s0 + j * s.key_s1, d * sizeof(uint16_t));
+    if (kdst != nullptr)
+      std::memcpy(kdst, s.key + h * s.key_s0 + j * s.key_s1, d * sizeof(uint16_t));
     const uint16_t* vrow = s.value + h * s.value_s0 + j * s.value_s1;
     for (int64_t e = 0; e < d; ++e) vdst[2 * e] = vrow[e];
   }
@@ -136,6 +141,11 @@ std::string prefill_isas() {  // comma-separated, fastest first
   return out;
 }
 
+std::string prefill_qk_int8_status() {
+  if (skv::kPrefillBf16Qk8.item == nullptr) return "not compiled (needs GCC 11 or newer)";
+  return skv::avx512_vnni_status();
+}
+
 bool prefill_available() { return variant_status(kPrefillVariants[0]) == "ok"; }
 
 std::string cpu_features() {
@@ -175,11 +185,41 @@ void check_inputs(const at::Tensor& query, const at::Tensor& key, const at::Tens
               "GQA group too large for the prefill kernel: ", group);
 }
 
+// The keys of the int8 Q·K^T kernel (prefill.h): per KV head, the channel means, then the
+// smoothed keys' codes and scales block by block, by the threads. Returns the buffers.
+std::vector<at::Tensor> pack_key_codes(const at::Tensor& key, int64_t nkp,
+                                       skv::PrefillArgs& args) {
+  const int64_t kvh = key.size(0), nk = key.size(1), d = key.size(2);
+  const skv::PrefillQk8Kernel& kernel = skv::kPrefillBf16Qk8;
+  auto means = at::empty({kvh, d}, key.options().dtype(at::kFloat));
+  auto codes = at::empty({kvh, nkp, d}, key.options().dtype(at::kByte));
+  auto scales = at::empty({kvh, nkp}, key.options().dtype(at::kFloat));
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(key.data_ptr());
+  const int64_t s0 = key.stride(0), s1 = key.stride(1);
+  float* mean = means.data_ptr<float>();
+  run_dynamic(kvh, 2 * kvh * nk * d, 0, [&](int64_t h, float*) {
+    kernel.key_means(src + h * s0, s1, nk, d, mean + h * d);
+  });
+  const int64_t blocks = nkp / skv::kPrefillKeyBlock;
+  run_dynamic(kvh * blocks, 16 * kvh * nkp * d, 0, [&](int64_t i, float*) {
+    const int64_t h = i / blocks, j0 = i % blocks * skv::kPrefillKeyBlock;
+    kernel.quantize_keys(src + h * s0, s1, j0, j0 + skv::kPrefillKeyBlock, nk, d, mean + h * d,
+                         codes.data_ptr<uint8_t>() + h * nkp * d,
+                         scales.data_ptr<float>() + h * nkp);
+  });
+  args.key_codes = codes.data_ptr<uint8_t>();
+  args.key_scales = scales.data_ptr<float>();
+  args.key_means = mean;
+  return {means, codes, scales};
+}
+
 // K and V rearranged as kernel `v` takes them (prefill.h) into args, zero past nk, by the
 // threads (one pass; PyTorch's pad + permute copies took ~1 ms on one thread at 4k tokens).
 // Returns the buffers (kept alive by the caller).
+// qk_int8: keys as int8 codes (pack_key_codes), values as for the AVX512-BF16 kernel.
 std::vector<at::Tensor> pack_keys(const PrefillVariant& v, const at::Tensor& key,
-                                  const at::Tensor& value, skv::PrefillArgs& args) {
+                                  const at::Tensor& value, bool qk_int8,
+                                  skv::PrefillArgs& args) {
   const int64_t kvh = key.size(0), nk = key.size(1), d = key.size(2);
   const int64_t nkp = (nk + skv::kPrefillKeyBlock - 1) / skv::kPrefillKeyBlock *
                       skv::kPrefillKeyBlock;
@@ -188,7 +228,7 @@ std::vector<at::Tensor> pack_keys(const PrefillVariant& v, const at::Tensor& key
   const bool f32 = v.packing == Packing::kFloat32;
   const bool f32_in = key.scalar_type() == at::kFloat;
   auto options = key.options().dtype(f32 ? at::kFloat : at::kBFloat16);
-  auto kp = at::empty({kvh, nkp, d}, options);
+  auto kp = at::empty({qk_int8 ? 0 : kvh, nkp, d}, options);
   auto vp = at::empty({kvh, nkp, d}, options);
   const PrefillSource src{
       f32_in ? nullptr : reinterpret_cast<const uint16_t*>(key_c.data_ptr()),
@@ -210,7 +250,7 @@ std::vector<at::Tensor> pack_keys(const PrefillVariant& v, const at::Tensor& key
       pack_prefill_block(src, h, k0, reinterpret_cast<uint16_t*>(kp.data_ptr()),
                          reinterpret_cast<uint16_t*>(vp.data_ptr()));
     else if (v.packing == Packing::kBf16Pairs)
-      pack_bf16_block(src, h, k0, reinterpret_cast<uint16_t*>(kp.data_ptr()),
+      pack_bf16_block(src, h, k0, qk_int8 ? nullptr : reinterpret_cast<uint16_t*>(kp.data_ptr()),
                       reinterpret_cast<uint16_t*>(vp.data_ptr()));
     else
       pack_f32_block(src, h, k0, kp.data_ptr<float>(), vp.data_ptr<float>());
@@ -223,16 +263,22 @@ std::vector<at::Tensor> pack_keys(const PrefillVariant& v, const at::Tensor& key
     args.key = reinterpret_cast<const uint16_t*>(kp.data_ptr());
     args.value_t = reinterpret_cast<const uint16_t*>(vp.data_ptr());
   }
+  if (qk_int8) {
+    auto held = pack_key_codes(key_c, nkp, args);
+    held.push_back(vp);
+    return held;
+  }
   return {kp, vp};
 }
 
 // Causal attention of the last nq of nk positions (prefill.h) on kernel variant `isa`; bf16
 // (any variant) or fp32 (the fp32 variants) query [num_heads, nq, head_dim], key / value
 // [num_kv_heads, nk, head_dim]; window > 0: each row sees only its `window` most recent keys
-// (itself included). Returns [out (the inputs' dtype), lse].
+// (itself included); qk_int8: the logits in int8 (avx512_bf16, head_dim <= 256). Returns
+// [out (the inputs' dtype), lse].
 std::vector<at::Tensor> prefill_attention(const at::Tensor& query_in, const at::Tensor& key,
                                           const at::Tensor& value, double scale, int64_t window,
-                                          c10::string_view isa) {
+                                          c10::string_view isa, bool qk_int8) {
   const PrefillVariant* variant = nullptr;
   for (const auto& v : kPrefillVariants)
     if (isa == v.name) variant = &v;
@@ -243,6 +289,14 @@ std::vector<at::Tensor> prefill_attention(const at::Tensor& query_in, const at::
   const bool f32_in = query_in.scalar_type() == at::kFloat;
   TORCH_CHECK(!f32_in || variant->packing == Packing::kFloat32, "the ", variant->name,
               " prefill kernel takes bfloat16 only; float32 runs on avx512, avx2 or generic");
+  if (qk_int8) {
+    TORCH_CHECK(variant->packing == Packing::kBf16Pairs,
+                "int8 Q·K^T runs on the avx512_bf16 prefill kernel only, not ", variant->name);
+    const std::string qk_status = prefill_qk_int8_status();
+    TORCH_CHECK(qk_status == "ok", "int8 Q·K^T is unavailable: ", qk_status);
+    TORCH_CHECK(query_in.size(2) <= 256, "int8 Q·K^T takes head_dim <= 256, got ",
+                query_in.size(2));
+  }
   const int64_t H = query_in.size(0), nq = query_in.size(1), d = query_in.size(2);
   const int64_t kvh = key.size(0), nk = key.size(1);
   // Rows are read with their strides: the model's queries are a transposed view.
@@ -252,7 +306,7 @@ std::vector<at::Tensor> prefill_attention(const at::Tensor& query_in, const at::
   if (nq == 0 || H == 0) return {out, lse};
 
   skv::PrefillArgs args{};
-  const auto packed = pack_keys(*variant, key, value, args);
+  const auto packed = pack_keys(*variant, key, value, qk_int8, args);
   if (f32_in) {
     args.query_f32 = query.data_ptr<float>();
     args.out_f32 = out.data_ptr<float>();
@@ -278,8 +332,9 @@ std::vector<at::Tensor> prefill_attention(const at::Tensor& query_in, const at::
   const int64_t span = args.window > 0 && args.window < nk - nq / 2 ? args.window : nk - nq / 2;
   const int64_t work = H * nq * span * d * 2;
   const skv::PrefillKernel& kernel = *variant->kernel;
+  const auto item = qk_int8 ? skv::kPrefillBf16Qk8.item : kernel.item;
   run_dynamic(num_blocks * kvh, work, kernel.scratch(args), [&](int64_t i, float* buf) {
-    kernel.item(args, i / num_blocks, num_blocks - 1 - i % num_blocks, buf);
+    item(args, i / num_blocks, num_blocks - 1 - i % num_blocks, buf);
   });
   return {out, lse};
 }
@@ -290,6 +345,7 @@ TORCH_LIBRARY_FRAGMENT(sparsekv_cpu, m) {
   m.def("prefill_available", &prefill_available);
   m.def("prefill_isas", &prefill_isas);
   m.def("prefill_isa_status", &prefill_isa_status);
+  m.def("prefill_qk_int8_status", &prefill_qk_int8_status);
   m.def("cpu_features", &cpu_features);
   m.def("prefill_attention", &prefill_attention);
 }

@@ -22,13 +22,17 @@ constexpr int64_t kPairChunk = 32;             // query elements per 16 packed p
 // Scratch of one item; columns are (head h of the group, query row r): col = h * BQ + r.
 struct PrefillScratch {
   TileConfig* cfg;
-  uint32_t* qpairs;  // [tiles][d / 32][16 pairs][16 columns] query element pairs
+  uint32_t* qpairs;  // [tiles][d / 32][16 pairs][16 columns] query element pairs (int8
+                     // Q·K^T: [tiles][d / 4][16 columns] words of four codes)
   float* s;          // [tiles][kPKeys][16 columns] logits of the current key block
   uint32_t* p;       // [tiles][kPKeys / 32][16 key pairs][16 columns] bf16 probabilities
   float* o;          // [tiles][d][16 columns] unnormalised output, transposed
   float* m;          // [cols] running max of the base-2 logits (kNoMax before any key)
   float* l;          // [cols] running sum of exp2(logit - m)
   int32_t* thr;      // [cols] last key index the column sees
+  float* qscale;     // [cols] int8 query scales (prefill_qk8.h only)
+  int32_t* qcorr;    // [cols] 128 x the column's int8 code sum (prefill_qk8.h only)
+  float* qshift;     // [cols] the query's dot product with the key means (prefill_qk8.h only)
 };
 
 
@@ -47,14 +51,14 @@ static int64_t prefill_columns(const PrefillArgs& a) {
 // relative to base.
 static int64_t prefill_layout(const PrefillArgs& a, float* base, PrefillScratch* out) {
   const int64_t cols = prefill_columns(a), d = a.head_dim;
-  const int64_t sizes[8] = {16, cols * d / 2, kPKeys * cols, cols * kPKeys / 2, d * cols,
-                            cols, cols, cols};
-  float* parts[8];
-  const int64_t used = carve_scratch(base, sizes, 8, parts);
+  const int64_t sizes[11] = {16,   cols * d / 2, kPKeys * cols, cols * kPKeys / 2, d * cols, cols,
+                             cols, cols,         cols,          cols,              cols};
+  float* parts[11];
+  const int64_t used = carve_scratch(base, sizes, 11, parts);
   if (out != nullptr)
     *out = {reinterpret_cast<TileConfig*>(parts[0]), reinterpret_cast<uint32_t*>(parts[1]),
             parts[2], reinterpret_cast<uint32_t*>(parts[3]), parts[4], parts[5], parts[6],
-            reinterpret_cast<int32_t*>(parts[7])};
+            reinterpret_cast<int32_t*>(parts[7]), parts[8], reinterpret_cast<int32_t*>(parts[9]), parts[10]};
   return used;
 }
 
