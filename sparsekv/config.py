@@ -74,7 +74,8 @@ class ModelConfig:
             dtype) or ``int8`` (keys smoothed by their channel means and quantized per key,
             queries per row, as SageAttention does; the value product stays bf16), which runs
             on the ``cpu`` backend's AVX512-BF16 prefill kernel with AVX512-VNNI (AMD Zen 4)
-            for bf16 models and is ignored elsewhere (AMX, fp32, other backends).
+            for bf16 models with head_dim up to 256 (prompts and long chunks), and is ignored
+            elsewhere (AMX, fp32, other backends, soft-capped models).
     """
 
     model: str = "smollm2-135m-instruct"

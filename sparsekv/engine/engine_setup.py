@@ -241,7 +241,6 @@ def build_engine_parts(config: EngineConfig, checkpoint=None) -> EngineParts:
     # Chosen once; the kernels compile (or load) now, never on a request.
     backend = create_backend(config.model.attention_backend, device, config.model.prefill_qk_dtype)
     logger.info("attention backend: %s", backend.name)
-    _log_prefill_qk(backend, dtype)
     _log_speculation(config.speculative)
     if device == "cpu":
         tune_host_allocator()
@@ -262,6 +261,7 @@ def build_engine_parts(config: EngineConfig, checkpoint=None) -> EngineParts:
     if can_prepack(dtype, device, has_native_bf16()):
         prepack_linears(model)
     specs = model.layer_specs()
+    _log_prefill_qk(backend, dtype, model.head_dim)
     memory_gib = kv_cache_gib(
         config,
         device,
@@ -307,19 +307,25 @@ def eos_ids_of(hf_config, tokenizer, generation_eos=()) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def _log_prefill_qk(backend: AttentionBackend, dtype: torch.dtype) -> None:
+def _log_prefill_qk(backend: AttentionBackend, dtype: torch.dtype, head_dim: int) -> None:
     """Under ``--prefill-qk-dtype int8``, one line saying whether prefill logits run in int8
-    here or the flag is ignored (another backend, fp32, an AMX or non-VNNI CPU)."""
+    here or the flag is ignored (another backend, fp32, an AMX or non-VNNI CPU, head_dim over
+    256)."""
     if not backend.prefill_qk_int8:
         return
-    if backend.prefill_qk_int8_runs(dtype):
-        logger.info("prefill attention: Q·K^T in int8 (AVX512-VNNI)")
+    if backend.prefill_qk_int8_runs(dtype, head_dim):
+        logger.info(
+            "prefill attention: Q·K^T in int8 (AVX512-VNNI) for prompts and long chunks; "
+            "short chunks over the pages and soft-capped models keep %s logits",
+            dtype,
+        )
     else:
         logger.warning(
             "prefill_qk_dtype int8 is ignored here: the %s backend has no int8 prefill "
-            "kernel for %s on this CPU; logits stay in the model dtype",
+            "kernel for %s with head_dim %d on this CPU; logits stay in the model dtype",
             backend.name,
             dtype,
+            head_dim,
         )
 
 

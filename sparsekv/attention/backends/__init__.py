@@ -64,10 +64,11 @@ def create_backend(
 
     Raises:
         ValueError: an unknown name, a backend that cannot run on ``device`` (``cpu`` off the
-            CPU), or one that cannot be imported.
+            CPU), one that cannot be imported, or a ``prefill_qk_dtype`` other than ``auto`` /
+            ``int8``.
     """
     if prefill_qk_dtype not in ("auto", "int8"):
-        raise ValueError(f"prefill_qk_dtype must be auto or int8, got {prefill_qk_dtype!r}")
+        raise ValueError(f"prefill_qk_dtype must be one of auto, int8, got {prefill_qk_dtype!r}")
     device = torch.device(device)
     if name == "auto":
         backend = _auto(device)

@@ -93,9 +93,10 @@ class AttentionBackend(abc.ABC):
     # kernel (the native CPU one on AVX512-VNNI); every other backend ignores it.
     prefill_qk_int8: bool = False
 
-    def prefill_qk_int8_runs(self, dtype: torch.dtype) -> bool:
+    def prefill_qk_int8_runs(self, dtype: torch.dtype, head_dim: int) -> bool:
         """True when :attr:`prefill_qk_int8` would compute this backend's prefill logits of
-        ``dtype`` in int8 here; False (the default) where the backend has no such kernel."""
+        ``dtype`` and ``head_dim`` in int8 here; False (the default) where the backend has no
+        such kernel."""
         return False
 
     def prepare(self) -> bool:

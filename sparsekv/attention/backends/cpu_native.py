@@ -31,10 +31,11 @@ class CpuNativeBackend(TorchBackend):
     def prepare(self) -> bool:
         return build.load_extension() is not None
 
-    def prefill_qk_int8_runs(self, dtype: torch.dtype) -> bool:
-        """bf16 on the AVX512-BF16 prefill kernel with AVX512-VNNI
-        (``prefill_ops.prefill_qk_int8_runs``)."""
-        return prefill_ops.prefill_qk_int8_runs(dtype)
+    def prefill_qk_int8_runs(self, dtype: torch.dtype, head_dim: int) -> bool:
+        """bf16 with ``head_dim`` up to 256 on the AVX512-BF16 prefill kernel with AVX512-VNNI
+        (``prefill_ops.prefill_qk_int8_runs``), for prompts and long chunks: short chunks
+        read from the pages (``chunk_paged``) and soft-capped models keep their logits."""
+        return prefill_ops.prefill_qk_int8_runs(dtype, head_dim=head_dim)
 
     def step_scope(self) -> ExtensionScope:
         """The extension and ``SPARSEKV_KERNEL_ISA`` resolved once for the step (a decode step

@@ -46,19 +46,31 @@ def _prefill_isas(ext) -> tuple[str, ...]:
     return tuple(names.split(",")) if names else ()
 
 
+QK_INT8_MAX_HEAD_DIM = 256  # the int8 kernel's per-row buffers
+
+
 def prefill_qk_int8_status() -> str:
     """``"ok"`` when this CPU runs the int8 Q·K^T prefill kernel (AVX512-BF16 and AVX512-VNNI),
     else why not."""
     ext = build.load_extension()
-    return "native kernels unavailable" if ext is None else str(ext.prefill_qk_int8_status())
+    return "native kernels unavailable" if ext is None else _qk_int8_status(ext)
 
 
-def prefill_qk_int8_runs(dtype: torch.dtype = torch.bfloat16, isa: str | None = None) -> bool:
+@functools.cache
+def _qk_int8_status(ext) -> str:
+    return str(ext.prefill_qk_int8_status())
+
+
+def prefill_qk_int8_runs(
+    dtype: torch.dtype = torch.bfloat16, isa: str | None = None, head_dim: int | None = None
+) -> bool:
     """True when :func:`prefill_attention` with ``qk_int8=True`` computes int8 logits for
-    inputs of ``dtype`` on variant ``isa`` (default :func:`prefill_isa`): bf16 on
-    ``avx512_bf16`` where :func:`prefill_qk_int8_status` is ok. Elsewhere the flag is ignored:
-    the AMX tiles' bf16 products outrun AVX512-VNNI's int8 ones, and the fp32 variants keep
-    fp32 models exact."""
+    inputs of ``dtype`` (and ``head_dim``, if given) on variant ``isa`` (default
+    :func:`prefill_isa`): bf16 with ``head_dim`` up to 256 on ``avx512_bf16`` where
+    :func:`prefill_qk_int8_status` is ok. Elsewhere the flag is ignored: the AMX tiles' bf16
+    products outrun AVX512-VNNI's int8 ones, and the fp32 variants keep fp32 models exact."""
+    if head_dim is not None and head_dim > QK_INT8_MAX_HEAD_DIM:
+        return False
     variant = isa or prefill_isa(dtype)
     return dtype == torch.bfloat16 and variant == BF16_ISA and prefill_qk_int8_status() == "ok"
 
@@ -154,15 +166,18 @@ def prefill_attention(
             all earlier keys.
         isa: prefill variant (default :func:`prefill_isa` for the dtype; see
             :func:`prefill_isas`); fp32 runs on :data:`FP32_VARIANTS` only.
-        qk_int8: logits from int8 codes where :func:`prefill_qk_int8_runs` (ignored
-            elsewhere): the keys minus their channel means over the ``num_keys`` keys, and the
-            queries, quantized per row to ``round(x * 127 / max|x|)``; the products summed
-            exactly in int32, scaled by both rows' ``max|x| / 127``. A key or query row with a
-            NaN or inf makes its logits NaN; a channel whose mean is not finite is not smoothed.
+        qk_int8: logits from int8 codes where :func:`prefill_qk_int8_runs` for the dtype,
+            variant and ``head_dim`` (ignored elsewhere, e.g. ``head_dim`` over 256): the keys
+            minus their channel means over the ``num_keys`` keys, and the queries, quantized
+            per row to ``round(x * 127 / max|x|)``; the products summed exactly in int32,
+            scaled by both rows' ``max|x| / 127``. The lse adds ``scale * q·mean`` back, so it
+            is the lse of these logits unsmoothed. A key or query row with a NaN or inf makes
+            its logits NaN; a channel whose mean is not finite is not smoothed.
 
     Returns:
         out ``[num_heads, num_queries, head_dim]`` (the query's dtype), lse ``[num_heads,
-        num_queries]`` fp32 (natural log). bf16: logits are exact bf16 products summed in fp32;
+        num_queries]`` fp32 (natural log). bf16: logits are exact bf16 products summed in fp32
+        (with ``qk_int8``, the int8 products above);
         on ``avx512_amx`` and ``avx512_bf16`` probabilities enter the value product rounded to
         bf16, on the fp32 variants in fp32, and the output is rounded to bf16. fp32: fp32
         throughout (within 1e-5 of the fp32 reference at unit-scale inputs).
@@ -177,5 +192,5 @@ def prefill_attention(
     window = 0 if sliding_window is None else int(sliding_window)
     ext = _extension()
     variant = isa or prefill_isa(query.dtype) or PREFILL_ISA
-    int8 = qk_int8 and prefill_qk_int8_runs(query.dtype, variant) and query.shape[2] <= 256
+    int8 = qk_int8 and prefill_qk_int8_runs(query.dtype, variant, query.shape[-1])
     return ext.prefill_attention(query, key, value, float(scale), window, variant, int8)

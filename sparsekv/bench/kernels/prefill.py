@@ -46,7 +46,7 @@ def bench_prefill(args: argparse.Namespace, dtype_name: str, machine: dict) -> l
         )
         for isa in prefill_ops.prefill_isas(dtype)
     ]
-    if prefill_ops.prefill_qk_int8_runs(dtype, "avx512_bf16"):
+    if prefill_ops.prefill_qk_int8_runs(dtype, "avx512_bf16", d):
         variants.append(
             row(
                 f"prefill native avx512_bf16 qk int8 {n} {dtype_name}",

@@ -1,10 +1,11 @@
 // AVX-512 + AVX512-BF16 kernels (16 fp32 lanes) for CPUs without AMX: causal prefill attention
-// and fused window scores with vdpbf16ps dot products (prefill_bf16.h, window_fused_bf16.h), and
-// the prefill with int8 Q·K^T by AVX512-VNNI (prefill_qk8.h). The decode kernels of these CPUs are the
-// AVX-512F ones (isa_avx512.cpp): their bf16 rows are unpacked to fp32 for the FMAs anyway.
+// and fused window scores with vdpbf16ps dot products (prefill_bf16.h, window_fused_bf16.h),
+// and the prefill with int8 Q·K^T by AVX512-VNNI (prefill_qk8.h). The decode kernels of these
+// CPUs are the AVX-512F ones (isa_avx512.cpp): their bf16 rows are unpacked to fp32 anyway.
 //
 // Used by the binding only where CPUID shows AVX512-F, BW, DQ, VL and BF16, and the int8 kernel
-// only with AVX512-VNNI too (isa_select.cpp).
+// only with AVX512-VNNI too (isa_select.cpp). Its one VNNI instruction is inline asm, so the
+// unit's target leaves VNNI out: nothing else here can use it.
 // <immintrin.h> is safe here, unlike standard-library headers (see kernels.h): its intrinsics
 // are gnu_inline, never emitted out of line, so nothing of this unit can be merged into others.
 #include <stdint.h>
@@ -13,7 +14,7 @@
 #include "window_fused.h"
 
 #if defined(__x86_64__) && !defined(__clang__) && __GNUC__ >= 10
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,avx2,fma,f16c")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
 #include <immintrin.h>
 
 namespace sparsekv_cpu {

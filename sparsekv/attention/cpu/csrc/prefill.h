@@ -69,7 +69,7 @@ struct PrefillQk8Kernel {
                         int64_t d, const float* mean, uint8_t* codes, float* scales);
 };
 
-// The kernels (both pointers null where a unit is not compiled). The caller checks that the CPU
+// The kernels (every pointer null where a unit is not compiled). The caller checks that the CPU
 // runs a kernel before calling it (isa_select.h: amx_status, cpu_runs).
 extern const PrefillKernel kPrefillAmx;
 extern const PrefillKernel kPrefillBf16;

@@ -333,7 +333,8 @@ std::vector<at::Tensor> prefill_attention(const at::Tensor& query_in, const at::
   const int64_t work = H * nq * span * d * 2;
   const skv::PrefillKernel& kernel = *variant->kernel;
   const auto item = qk_int8 ? skv::kPrefillBf16Qk8.item : kernel.item;
-  run_dynamic(num_blocks * kvh, work, kernel.scratch(args), [&](int64_t i, float* buf) {
+  const int64_t scratch = qk_int8 ? skv::kPrefillBf16Qk8.scratch(args) : kernel.scratch(args);
+  run_dynamic(num_blocks * kvh, work, scratch, [&](int64_t i, float* buf) {
     item(args, i / num_blocks, num_blocks - 1 - i % num_blocks, buf);
   });
   return {out, lse};

@@ -27,9 +27,10 @@ static void key_means_qk8(const uint16_t* key, int64_t s1, int64_t nk, int64_t d
 }
 
 // Symmetric int8 codes of x[d] (fp32 in 16-lane chunks v[0 .. d / 16)) into dst as bytes of
-// code + offset, rounded to nearest even; returns the scale max|x| / 127. A zero row (or one so
-// small that 127 / max overflows) gets codes 0 and scale 0; a row with a NaN or inf gets codes
-// 0 and a NaN scale, so its products come out NaN as the bf16 kernel's would.
+// code + offset, rounded to nearest even, and their sum into code_sum (if given); returns the
+// scale max|x| / 127. A zero row (or one so small that 127 / max overflows) gets codes 0 and
+// scale 0; a row with a NaN or inf gets codes 0 and a NaN scale, so its products come out NaN
+// as the bf16 kernel's would.
 static inline float quantize_row_qk8(const __m512* v, int64_t chunks, int offset, uint8_t* dst,
                                      int32_t* code_sum) {
   __m512 mx = _mm512_setzero_ps();
@@ -41,10 +42,12 @@ static inline float quantize_row_qk8(const __m512* v, int64_t chunks, int offset
   const float amax = _mm512_reduce_max_ps(mx);
   const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
   const bool usable = bad == 0 && inv <= 3.0e38f;  // inv inf: a subnormal max
-  const __m512 mul = _mm512_set1_ps(usable ? inv : 0.0f);
+  const __m512 mul = _mm512_set1_ps(inv);
   __m512i sum = _mm512_setzero_si512();
   for (int64_t c = 0; c < chunks; ++c) {
-    const __m512i code = _mm512_cvtps_epi32(_mm512_mul_ps(v[c], mul));  // nearest even
+    // nearest even; zero for an unusable row (NaN x 0 would convert to INT_MIN)
+    const __m512i code =
+        usable ? _mm512_cvtps_epi32(_mm512_mul_ps(v[c], mul)) : _mm512_setzero_si512();
     sum = _mm512_add_epi32(sum, code);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + c * 16),
                      _mm512_cvtepi32_epi8(_mm512_add_epi32(code, _mm512_set1_epi32(offset))));
@@ -94,7 +97,8 @@ static void pack_queries_qk8(const PrefillArgs& a, int64_t kvh, int64_t q0,
         w.qshift[col] = 0.0f;
         continue;
       }
-      const uint16_t* src = a.query + (kvh * G + h) * a.query_head_stride + row * a.query_row_stride;
+      const uint16_t* src =
+          a.query + (kvh * G + h) * a.query_head_stride + row * a.query_row_stride;
       const float* mean = a.key_means + kvh * d;
       __m512 shift = _mm512_setzero_ps();
       for (int64_t c = 0; c < chunks; ++c) {
@@ -153,7 +157,8 @@ static inline void logits_block_qk8(const PrefillArgs& a, const uint32_t* K, con
 template <int NC>
 static void logits_qk8(const PrefillArgs& a, const uint32_t* K, const float* ks, int64_t k0,
                        const int* t, const PrefillScratch& w) {
-  for (int64_t k = 0; k < kPKeys; k += DpBlock<NC>::kRows) logits_block_qk8<NC>(a, K, ks, k0 + k, t, w);
+  for (int64_t k = 0; k < kPKeys; k += DpBlock<NC>::kRows)
+    logits_block_qk8<NC>(a, K, ks, k0 + k, t, w);
 }
 
 // The logits of key block k0 for the listed column tiles, grouped as block_products_all does.

@@ -51,8 +51,9 @@ static int64_t prefill_columns(const PrefillArgs& a) {
 // relative to base.
 static int64_t prefill_layout(const PrefillArgs& a, float* base, PrefillScratch* out) {
   const int64_t cols = prefill_columns(a), d = a.head_dim;
-  const int64_t sizes[11] = {16,   cols * d / 2, kPKeys * cols, cols * kPKeys / 2, d * cols, cols,
-                             cols, cols,         cols,          cols,              cols};
+  const int64_t sizes[11] = {16,   cols * d / 2, kPKeys * cols, cols * kPKeys / 2,
+                             d * cols, cols,   cols,          cols,
+                             cols, cols,         cols};
   float* parts[11];
   const int64_t used = carve_scratch(base, sizes, 11, parts);
   if (out != nullptr)
