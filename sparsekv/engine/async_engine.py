@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from sparsekv.config import CompressionConfig
 from sparsekv.engine.llm_engine import LLMEngine
+from sparsekv.engine.openmp_pool import release_thread_pool
 from sparsekv.engine.stats import EngineStats
 from sparsekv.outputs import RequestOutput
 from sparsekv.sampling_params import SamplingParams
@@ -91,10 +92,13 @@ class AsyncEngine:
 
     # ----------------------------------------------------------------- lifecycle
     def start(self) -> None:
-        """Start the loop thread; call from inside the running event loop."""
+        """Start the loop thread; call from inside the running event loop. The calling thread
+        (which loaded the model, in ``serve``) gives up its OpenMP worker pool, so that the
+        loop thread's own pool keeps its full spin-wait (``openmp_pool``)."""
         if self._thread is not None:
             return
         self._loop = asyncio.get_running_loop()
+        release_thread_pool()
         self._publish_snapshot()
         self._thread = threading.Thread(target=self._run, name="sparsekv-engine", daemon=True)
         self._thread.start()
