@@ -6,8 +6,8 @@ counts every pool's threads. While that count exceeds the CPUs, every idle worke
 ~100 iterations before sleeping on a futex (its "throttled" spin count) instead of ~300000,
 so each of the thousands of parallel regions of a prefill pays a wake-up. A server loads the
 model in its main thread (one pool) and steps the engine in a loop thread (a second pool): on
-2 CPUs that is 3 counted threads, and a 4000-token prefill measured 5-15% slower than the same
-engine stepping in the main thread (2 cores of an AMD EPYC Zen 4). ``omp_pause_resource_all``
+2 CPUs that is 3 counted threads, and the loop thread's prefill is slower than the main
+thread's (docs/internals.md, Engine). ``omp_pause_resource_all``
 (OpenMP 5.0) ends the calling thread's pool and takes its threads off the count; a later
 parallel region in that thread would start a new pool.
 """
