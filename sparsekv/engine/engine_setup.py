@@ -322,7 +322,8 @@ def _log_prefill_qk(backend: AttentionBackend, dtype: torch.dtype, head_dim: int
     else:
         logger.warning(
             "prefill_qk_dtype int8 is ignored here: the %s backend has no int8 prefill "
-            "kernel for %s with head_dim %d on this CPU; logits stay in the model dtype",
+            "kernel for %s with head_dim %d on this CPU and SPARSEKV_KERNEL_ISA; logits stay "
+            "in the model dtype",
             backend.name,
             dtype,
             head_dim,

@@ -12,7 +12,7 @@ runtime's resources; the standard leaves its scope to the implementation, and li
 only the calling thread's pool and takes its threads off the count. A later parallel region
 in that thread starts a new pool (and the throttle comes back while it lives).
 
-``SPARSEKV_OMP_POOL_RELEASE=0`` turns the release off. It is also off in a forked child:
+``SPARSEKV_OMP_POOL_RELEASE=0`` (or ``false``, ``off``, ``no``) turns the release off. It is also off in a forked child:
 libgomp does not survive fork, and releasing a pool whose workers stayed in the parent would
 wait for them forever.
 """
@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: release threads, keep the runtime initialised
 RELEASE_ENV = "SPARSEKV_OMP_POOL_RELEASE"
+OFF_VALUES = ("0", "false", "off", "no")
 LIBGOMP = "libgomp.so.1"  # the soname; renamed copies are found in /proc/self/maps
 
 _forked_child = False
@@ -68,9 +69,9 @@ def release_thread_pool() -> bool:
     Returns:
         True when libgomp ended the pool (or the thread had none); False where no libgomp is
         loaded, it lacks ``omp_pause_resource_all`` (GCC < 9), it refused (inside a parallel
-        region), this is a forked child, or ``SPARSEKV_OMP_POOL_RELEASE=0``.
+        region), this is a forked child, or ``SPARSEKV_OMP_POOL_RELEASE`` is off.
     """
-    if _forked_child or os.environ.get(RELEASE_ENV, "1") == "0":
+    if _forked_child or os.environ.get(RELEASE_ENV, "1").strip().lower() in OFF_VALUES:
         return False
     try:
         libgomp = ctypes.CDLL(loaded_libgomp() or LIBGOMP, mode=os.RTLD_NOLOAD)

@@ -62,8 +62,9 @@ def test_the_calling_threads_workers_end_and_torch_still_works():
 
 
 def test_switched_off_by_the_environment_a_fork_or_a_missing_library(monkeypatch):
-    monkeypatch.setenv(openmp_pool.RELEASE_ENV, "0")
-    assert openmp_pool.release_thread_pool() is False
+    for off in ("0", "false", "OFF", " no "):
+        monkeypatch.setenv(openmp_pool.RELEASE_ENV, off)
+        assert openmp_pool.release_thread_pool() is False
     monkeypatch.delenv(openmp_pool.RELEASE_ENV)
     monkeypatch.setattr(openmp_pool, "_forked_child", True)
     assert openmp_pool.release_thread_pool() is False

@@ -14,7 +14,8 @@
 
 // Channel means of head h's keys into mean[d] (keys: rows of d bf16, row stride s1, nk of
 // them); a channel whose mean is not finite (a NaN or inf key, an overflowing sum) gets 0, so
-// one bad key cannot spread to the rows that do not see it.
+// one non-finite key cannot spread to the rows that do not see it. (A huge finite one still
+// sets the mean that every key loses: see docs/models.md on the limits.)
 static void key_means_qk8(const uint16_t* key, int64_t s1, int64_t nk, int64_t d, float* mean) {
   for (int64_t e0 = 0; e0 < d; e0 += 16) {
     __m512 sum = _mm512_setzero_ps();

@@ -59,7 +59,8 @@ static int64_t prefill_layout(const PrefillArgs& a, float* base, PrefillScratch*
   if (out != nullptr)
     *out = {reinterpret_cast<TileConfig*>(parts[0]), reinterpret_cast<uint32_t*>(parts[1]),
             parts[2], reinterpret_cast<uint32_t*>(parts[3]), parts[4], parts[5], parts[6],
-            reinterpret_cast<int32_t*>(parts[7]), parts[8], reinterpret_cast<int32_t*>(parts[9]), parts[10]};
+            reinterpret_cast<int32_t*>(parts[7]), parts[8], reinterpret_cast<int32_t*>(parts[9]),
+            parts[10]};
   return used;
 }
 
