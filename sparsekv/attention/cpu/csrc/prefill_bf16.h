@@ -86,28 +86,42 @@ static void block_products(bool values, const PrefillArgs& a, const uint32_t* K,
   }
 }
 
-// One product (logits, or values) of key block k0 for the listed column tiles, three at a
-// time (four where that leaves no single tile: one broadcast then serves more columns).
-static void block_products_all(bool values, const PrefillArgs& a, const uint32_t* K,
-                               const uint32_t* Vp, int64_t k0, const int* tiles, int nt,
-                               const PrefillScratch& w) {
+// Column tiles per register block, as a type: ColTiles<NC>::value.
+template <int NC>
+struct ColTiles {
+  static constexpr int value = NC;
+};
+
+// run(ColTiles<NC>{}, tiles + i) over the listed column tiles in register blocks of three
+// (four where that leaves no single tile: one broadcast then serves more columns).
+template <typename Run>
+static inline void for_tile_groups(const int* tiles, int nt, const Run& run) {
   int i = 0;
   while (i < nt) {
     const int left = nt - i;
     if (left == 4 || left >= 7) {
-      block_products<4>(values, a, K, Vp, k0, tiles + i, w);
+      run(ColTiles<4>{}, tiles + i);
       i += 4;
     } else if (left >= 3) {
-      block_products<3>(values, a, K, Vp, k0, tiles + i, w);
+      run(ColTiles<3>{}, tiles + i);
       i += 3;
     } else if (left == 2) {
-      block_products<2>(values, a, K, Vp, k0, tiles + i, w);
+      run(ColTiles<2>{}, tiles + i);
       i += 2;
     } else {
-      block_products<1>(values, a, K, Vp, k0, tiles + i, w);
+      run(ColTiles<1>{}, tiles + i);
       i += 1;
     }
   }
+}
+
+// One product (logits, or values) of key block k0 for the listed column tiles.
+static void block_products_all(bool values, const PrefillArgs& a, const uint32_t* K,
+                               const uint32_t* Vp, int64_t k0, const int* tiles, int nt,
+                               const PrefillScratch& w) {
+  for_tile_groups(tiles, nt, [&](auto cols, const int* t) {
+    block_products<decltype(cols)::value>(values, a, K, Vp, k0, t, w);
+  });
 }
 
 static int64_t prefill_scratch_bf16(const PrefillArgs& a) {

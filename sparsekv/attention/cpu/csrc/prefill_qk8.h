@@ -162,26 +162,12 @@ static void logits_qk8(const PrefillArgs& a, const uint32_t* K, const float* ks,
     logits_block_qk8<NC>(a, K, ks, k0 + k, t, w);
 }
 
-// The logits of key block k0 for the listed column tiles, grouped as block_products_all does.
+// The logits of key block k0 for the listed column tiles (for_tile_groups' register blocks).
 static void logits_all_qk8(const PrefillArgs& a, const uint32_t* K, const float* ks, int64_t k0,
                            const int* tiles, int nt, const PrefillScratch& w) {
-  int i = 0;
-  while (i < nt) {
-    const int left = nt - i;
-    if (left == 4 || left >= 7) {
-      logits_qk8<4>(a, K, ks, k0, tiles + i, w);
-      i += 4;
-    } else if (left >= 3) {
-      logits_qk8<3>(a, K, ks, k0, tiles + i, w);
-      i += 3;
-    } else if (left == 2) {
-      logits_qk8<2>(a, K, ks, k0, tiles + i, w);
-      i += 2;
-    } else {
-      logits_qk8<1>(a, K, ks, k0, tiles + i, w);
-      i += 1;
-    }
-  }
+  for_tile_groups(tiles, nt, [&](auto cols, const int* t) {
+    logits_qk8<decltype(cols)::value>(a, K, ks, k0, t, w);
+  });
 }
 
 // prefill_item_bf16 with the int8 logits: keys from a.key_codes / a.key_scales.
