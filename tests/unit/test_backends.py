@@ -85,6 +85,17 @@ def test_paged_decode_empty_batch(backend):
     assert out.shape == (0, 4, 64) and lse.shape == (0, 4) and mass.shape == (0, 2, 0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_attention_with_no_queries(dtype):
+    # PyTorch's CPU flash op dies with SIGFPE on zero query rows: the reference returns the
+    # empty out and lse itself.
+    query = torch.randn(9, 0, 64, dtype=dtype)
+    key, value = torch.randn(3, 10, 64, dtype=dtype), torch.randn(3, 10, 64, dtype=dtype)
+    out, lse = torch_ref.attention_with_lse(query, key, value, 0.125)
+    assert out.shape == (9, 0, 64) and out.dtype == dtype
+    assert lse.shape == (9, 0) and lse.dtype == torch.float32
+
+
 @each_backend
 def test_paged_decode_padding_rows_are_zero(backend):
     """Rows that see no slot (``seq_lens == first_slots``: batch padding) give a zero output,

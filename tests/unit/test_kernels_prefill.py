@@ -170,6 +170,49 @@ def test_prefill_lazy_max(kernel, rise, spike):
     torch.testing.assert_close(lse, ref_lse, atol=LSE_TIGHT * max(1.0, rise / 100), rtol=0)
 
 
+def exact_attention(query, key, value, scale):
+    """Causal attention of a whole prompt (queries = keys) in float64: out, lse, and each row's
+    largest ``scale * sum |q_i k_i|`` over the keys it sees (what fp32 sums of the logits'
+    products round against)."""
+    group = query.shape[0] // key.shape[0]
+    keys = key.double().repeat_interleave(group, 0).transpose(1, 2)
+    n = query.shape[1]
+    future = torch.ones(n, n, dtype=torch.bool).triu(1)
+    logits = (query.double() @ keys * scale).masked_fill(future, float("-inf"))
+    magnitude = (query.double().abs() @ keys.abs() * scale).masked_fill(future, 0).amax(-1)
+    values = value.double().repeat_interleave(group, 0)
+    return logits.softmax(-1) @ values, logits.logsumexp(-1), magnitude
+
+
+def huge_logit_cases():
+    cases = [(NATIVE, scale, spike) for scale in (1e5, 1e9) for spike in (False, True)]
+    cases += [(isa, 1e9, True) for isa in kernel_variants.lower("prefill")]
+    return [
+        pytest.param(isa, scale, spike, marks=pytest.mark.kernel_variant("prefill", isa))
+        for isa, scale, spike in cases
+    ]
+
+
+@pytest.mark.parametrize("isa,magnitude,spike", huge_logit_cases())
+def test_prefill_huge_logits_stay_exact(isa, magnitude, spike):
+    # Logits around `magnitude` (queries scaled up; with `spike`, one key 1e9 times the others
+    # instead): the row max and the logits it is subtracted from must round alike. A fused
+    # multiply-add against the rounded max moved the winning key's exponent by up to half a unit
+    # in the max's last place: 2^-9 at 1e5, and past 1e9 inf / 0 probabilities and NaN rows.
+    query, key, value = make_qkv(9, 3, 200, 200, 64, seed=3)
+    if spike:
+        key[:, 150] = (key[:, 150].float() * magnitude).bfloat16()
+    else:
+        query = (query.float() * magnitude).bfloat16()
+    out, lse = prefill_ops.prefill_attention(query, key, value, 0.125, isa=isa)
+    ref_out, ref_lse, magnitude = exact_attention(query, key, value, 0.125)
+    assert not out.isnan().any() and not lse.isnan().any()
+    torch.testing.assert_close(out.double(), ref_out, **OUT_TOL)
+    # fp32 sums of 64 products: within a few units of 6e-8 of the products' magnitude (a
+    # cancelling sum of 1e9-sized products loses its low digits in any fp32 order).
+    assert ((lse.double() - ref_lse).abs() <= 1e-6 * magnitude + LSE_TIGHT).all()
+
+
 @pytest.mark.parametrize("window", [1, 5, 16, 63, 64, 65, 100, 512])
 @pytest.mark.parametrize(
     "num_queries,num_keys", [(1, 1), (17, 17), (200, 200), (333, 333), (100, 700), (513, 1000)]

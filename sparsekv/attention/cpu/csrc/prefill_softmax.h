@@ -88,11 +88,39 @@ static void pack_queries(const PrefillArgs& a, int64_t kvh, int64_t q0,
 }
 
 
+// s * sc - m given neg_m = -m: fused (the product unrounded), or with the product rounded
+// first. The embedded-rounding multiply is a builtin, so -ffp-contract=fast cannot fuse it back.
+template <bool kRounded>
+static inline __m512 scaled_minus_max(__m512 s, __m512 sc, __m512 neg_m) {
+  if (kRounded)
+    return _mm512_add_ps(_mm512_mul_round_ps(s, sc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                         neg_m);
+  return _mm512_fmadd_ps(s, sc, neg_m);
+}
+
+// Base-2 logits from this magnitude up (2^14) have a unit in the last place of 2^-9 or more,
+// bf16's own rounding of the probabilities: there the fused product's rounding error would
+// move the exponent visibly, and near 2^31 (logit gaps of ~1e9) overflow exp2 into inf / 0 and
+// the row into NaN. No model's logits come near; finite inputs can.
+constexpr float kRoundedLogits = 16384.0f;
+
+// True if some column's reference max m (ignoring columns still at kNoMax) needs the rounded
+// products of block_probabilities.
+static inline bool needs_rounded_logits(__m512 m) {
+  const __mmask16 seen = _mm512_cmp_ps_mask(m, _mm512_set1_ps(kNoMax), _CMP_NEQ_OQ);
+  return _mm512_mask_cmp_ps_mask(seen, _mm512_abs_ps(m), _mm512_set1_ps(kRoundedLogits),
+                                 _CMP_GE_OQ) != 0;
+}
+
 // Probabilities of a block's logits against the reference max m of each column:
 // p = exp2(s * scale2 - m) for keys k0 + [0, kPKeys), 0 for keys a column does not see
 // (kMasked), written as the bf16 pairs of tile t (see below). Returns the columns' sums of
 // the unrounded p.
-template <bool kMasked>
+//
+// kRounded: s * scale2 rounded to fp32 before m is subtracted, as m itself was rounded (see
+// needs_rounded_logits); otherwise one fused multiply-add, whose unrounded product differs from
+// the rounded max by up to half a unit in the last place of m.
+template <bool kMasked, bool kRounded>
 static inline __m512 block_probabilities(int64_t k0, int t, __m512 m, float scale2,
                                          int32_t reach, const PrefillScratch& w) {
   const float* s = w.s + t * kPKeys * 16;
@@ -102,8 +130,9 @@ static inline __m512 block_probabilities(int64_t k0, int t, __m512 m, float scal
   __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
   uint32_t* p = w.p + t * (kPKeys / 32) * 256;
   for (int64_t k = 0; k < kPKeys; k += 2) {
-    __m512 p0 = fast_exp2(_mm512_fmadd_ps(_mm512_loadu_ps(s + k * 16), sc, neg_m));
-    __m512 p1 = fast_exp2(_mm512_fmadd_ps(_mm512_loadu_ps(s + (k + 1) * 16), sc, neg_m));
+    __m512 p0 = fast_exp2(scaled_minus_max<kRounded>(_mm512_loadu_ps(s + k * 16), sc, neg_m));
+    __m512 p1 =
+        fast_exp2(scaled_minus_max<kRounded>(_mm512_loadu_ps(s + (k + 1) * 16), sc, neg_m));
     if (kMasked) {  // masked logits may be anything finite: their exp2 is dropped, inf included
       p0 = _mm512_maskz_mov_ps(visible_keys(thr, reach_v, k0 + k), p0);
       p1 = _mm512_maskz_mov_ps(visible_keys(thr, reach_v, k0 + k + 1), p1);
@@ -114,6 +143,14 @@ static inline __m512 block_probabilities(int64_t k0, int t, __m512 m, float scal
     _mm512_storeu_si512(p + k * 8, bf16_pair_words(p0, p1));
   }
   return _mm512_add_ps(sum0, sum1);
+}
+
+// The probabilities of block_probabilities, with rounded products where m needs them.
+template <bool kMasked>
+static inline __m512 block_probabilities_for(int64_t k0, int t, __m512 m, float scale2,
+                                             int32_t reach, const PrefillScratch& w) {
+  if (needs_rounded_logits(m)) return block_probabilities<kMasked, true>(k0, t, m, scale2, reach, w);
+  return block_probabilities<kMasked, false>(k0, t, m, scale2, reach, w);
 }
 
 // The columns' max of the block's base-2 logits (times scale2), over the keys they see.
@@ -163,7 +200,7 @@ static __attribute__((noinline)) __m512 block_softmax(int64_t k0, int t, float s
   const __m512 m_old = _mm512_loadu_ps(w.m + t * 16), l = _mm512_loadu_ps(w.l + t * 16);
   const __m512 one = _mm512_set1_ps(1.0f);
   if (_mm512_cmp_ps_mask(m_old, _mm512_set1_ps(kNoMax), _CMP_EQ_OQ) == 0) {
-    const __m512 sum = block_probabilities<kMasked>(k0, t, m_old, scale2, reach, w);
+    const __m512 sum = block_probabilities_for<kMasked>(k0, t, m_old, scale2, reach, w);
     if (_mm512_cmp_ps_mask(sum, _mm512_set1_ps(kLazySum), _CMP_LE_OQ) == 0xffff) {
       _mm512_storeu_ps(w.l + t * 16, _mm512_add_ps(l, sum));
       return one;
@@ -173,7 +210,7 @@ static __attribute__((noinline)) __m512 block_softmax(int64_t k0, int t, float s
   // alpha by the accurate vexp2 (2e-7 relative; exactly 0 for a column's first visible block,
   // m_old = kNoMax): its error would add up in l over a row's rescales, and l gives the lse.
   const __m512 alpha = vexp2(_mm512_sub_ps(m_old, m_new));
-  const __m512 sum = block_probabilities<kMasked>(k0, t, m_new, scale2, reach, w);
+  const __m512 sum = block_probabilities_for<kMasked>(k0, t, m_new, scale2, reach, w);
   _mm512_storeu_ps(w.l + t * 16, _mm512_fmadd_ps(l, alpha, sum));
   _mm512_storeu_ps(w.m + t * 16, m_new);
   return alpha;
