@@ -85,6 +85,23 @@ def test_dense_matches_fp64_reference(variant, shape, dtype):
     assert torch.equal(returned, given)
 
 
+@pytest.mark.parametrize("magnitude", [1e5, 1e9])
+def test_huge_logits_stay_finite(variant, magnitude):
+    # Queries scaled by `magnitude`: the terms are taken against each row's max before the
+    # scale, so the max key's term is exactly 1 (a fused logit * scale - max was off by up to
+    # half a unit in the max's last place: NaN rows near 1e9).
+    queries, keys = random_case(3, 3, 32, 300, 64, seed=11)
+    queries = (queries.float() * magnitude).bfloat16()
+    scores, lse = wf.window_scores_fused(queries, keys, None, 0.125)
+    expected, expected_lse = reference(queries, keys, 0.125)
+    torch.testing.assert_close(scores.double(), expected, rtol=0, atol=1e-5 * 32)
+    torch.testing.assert_close(lse.double(), expected_lse, rtol=1e-6, atol=0)
+    # A given fp32 lse of this size is only known to 1e-7 relative: the terms stay finite and
+    # at most 1 (as exp(logit - lse) is), so every head's scores sum to at most w.
+    given, _ = wf.window_scores_fused(queries, keys, expected_lse.float(), 0.125)
+    assert given.isfinite().all() and (given.sum(1) <= 32).all()
+
+
 def test_rows_sum_to_one_and_strided_keys(variant):
     for dtype in dtypes(variant):
         queries, keys = random_case(3, 3, 32, 500, 64, seed=7, dtype=dtype)

@@ -166,6 +166,8 @@ static inline int64_t carve_scratch(float* base, const int64_t* sizes, int count
 }
 
 static inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+// min(a, b), a where it is NaN (vmax keeps b's NaN instead).
+static inline vf vmin(vf a, vf b) { return b < a ? b : a; }
 // Horizontal sum and max as trees of halves: log2(W) dependent steps instead of W - 1, which
 // matters on the softmax's critical path (one per head per tile).
 static inline float hsum(vf v) {

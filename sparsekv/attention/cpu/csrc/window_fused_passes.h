@@ -52,18 +52,25 @@ static void window_fused_block_max(const WindowFusedArgs& a, int64_t b, const fl
 // Pass 2 for row blocks rb0 .. rb0 + count - 1 (count <= 4): probabilities exp(logit - lse)
 // over L in place (zero where a row does not see the key), and 1 / their row sums (1 where the
 // LSE was given).
+//
+// Each row's reference is subtracted from the unscaled logits before the scale: its max (the
+// max key's term is then exactly 1), or the given lse divided by the scale. A fused
+// logit * scale - reference would carry the unrounded product against a rounded reference,
+// off by up to half a unit in the reference's last place in the exponent: NaN rows at logit
+// gaps of ~1e9. The terms are capped at 1, which exp(logit - lse) never exceeds: a given lse
+// that rounding leaves below a row's max (huge logits) cannot overflow the sums.
 static void window_fused_softmax(const WindowFusedArgs& a, int64_t rb0, int count, float* L,
                                  const float* thr, const float* mx, float* lse_row,
                                  float* inv_sum) {
   const int64_t R = a.rows, keys = a.num_blocks * 16;
-  const vf qscale = splat(a.scale * kLog2e);
-  vf last[4], shift[4], sum[4];  // shift: the base-2 logit subtracted before exp2
+  const vf qscale = splat(a.scale * kLog2e), one = splat(1.0f);
+  vf last[4], shift[4], sum[4];  // shift: the unscaled logit subtracted before the scale
   for (int t = 0; t < 4; ++t) {
     const int64_t off = (rb0 + (t < count ? t : 0)) * 16;
     last[t] = loadu(thr + off);
     // Padding rows (last = -1) see nothing: any finite shift, their terms are masked.
-    shift[t] = a.lse_in != nullptr       ? loadu(lse_row + off) * splat(kLog2e)
-               : last[t] >= splat(0.0f) ? loadu(mx + off) * qscale
+    shift[t] = a.lse_in != nullptr       ? loadu(lse_row + off) / splat(a.scale)
+               : last[t] >= splat(0.0f) ? loadu(mx + off)
                                         : splat(0.0f);
     sum[t] = splat(0.0f);
   }
@@ -73,7 +80,7 @@ static void window_fused_softmax(const WindowFusedArgs& a, int64_t rb0, int coun
     for (int t = 0; t < 4; ++t) {
       if (t >= count) break;
       float* p = L + j * R + (rb0 + t) * 16;
-      const vf e = vexp2(loadu(p) * qscale - shift[t]);
+      const vf e = vmin(vexp2((loadu(p) - shift[t]) * qscale), one);
       storeu(p, e);
       sum[t] += e;
     }
@@ -82,7 +89,7 @@ static void window_fused_softmax(const WindowFusedArgs& a, int64_t rb0, int coun
     for (int t = 0; t < 4; ++t) {
       if (t >= count) break;
       float* p = L + j * R + (rb0 + t) * 16;
-      const vf e = vexp2(loadu(p) * qscale - shift[t]);
+      const vf e = vmin(vexp2((loadu(p) - shift[t]) * qscale), one);
       const vf kept = key <= last[t] ? e : splat(0.0f);
       storeu(p, kept);
       sum[t] += kept;
@@ -99,7 +106,7 @@ static void window_fused_softmax(const WindowFusedArgs& a, int64_t rb0, int coun
     __builtin_memcpy(sh, &shift[t], sizeof(sh));
     for (int c = 0; c < 16; ++c) {
       const bool row = thr[off + c] >= 0.0f;
-      lse_row[off + c] = row ? (sh[c] + __builtin_log2f(s[c])) * kLn2 : 0.0f;
+      lse_row[off + c] = row ? sh[c] * a.scale + __builtin_logf(s[c]) : 0.0f;
       inv_sum[off + c] = row ? 1.0f / s[c] : 0.0f;
     }
   }
