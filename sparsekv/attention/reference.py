@@ -54,7 +54,7 @@ def dequantize_pool(
     """The pool an int8 or fp8 page store stands for (``kv_cache.quant``).
 
     ``torch_ref.paged_decode_attention(query, dequantize_pool(data, scales), ...)`` is the
-    oracle of ``ops.paged_decode_attention_quantized(query, data, scales, ...)``.
+    oracle of ``quant_decode.paged_decode_attention_quantized(query, data, scales, ...)``.
 
     Args:
         kv_data: ``[num_pages, 2, num_kv_heads, block_size, head_dim]`` int8 or float8_e4m3fn
@@ -86,7 +86,7 @@ def dequantize_int4_pool(
     """The pool KIVI int4 pages stand for (``kv_cache.quant``; Liu et al. 2024).
 
     ``torch_ref.paged_decode_attention(query, dequantize_int4_pool(...), ...)`` is the oracle of
-    ``ops.paged_decode_attention_int4(query, codes, key_scale, ..., value_zero, ...)``.
+    ``quant_decode.paged_decode_attention_int4(query, codes, key_scale, ..., value_zero, ...)``.
 
     Args:
         codes: ``[num_pages, 2, num_kv_heads, block_size, head_dim // 2]`` uint8, two codes per

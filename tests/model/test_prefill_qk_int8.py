@@ -12,14 +12,12 @@ prompt token of the 30 layers went through the int8 kernel. The kernel runs on t
 from __future__ import annotations
 
 import pytest
-import torch
 
 from sparsekv.attention.cpu import ops, prefill_ops
 from sparsekv.bench import common
 from sparsekv.bench.fidelity import full_runs
 from sparsekv.config import CacheConfig, CompressionConfig, EngineConfig, ModelConfig
-from sparsekv.evaluation.fidelity import fidelity, long_texts
-from sparsekv.sampling_params import SamplingParams
+from tests.forced_agreement import forced_agreement, real_prompts
 
 pytestmark = [pytest.mark.slow, pytest.mark.kernel_variant("prefill", "avx512_bf16")]
 NUM_TEXTS, PROMPT_LEN, FORCED, LAYERS = 8, 600, 32, 30
@@ -36,12 +34,7 @@ def _config(prefill_qk_dtype: str) -> EngineConfig:
 
 def test_int8_logits_agree_with_bf16_logits(smollm2_checkpoint, monkeypatch):
     monkeypatch.setenv(ops.ISA_ENV, "avx512_bf16")
-    tokenizer = smollm2_checkpoint.tokenizer
-    texts = long_texts(tokenizer, min_tokens=PROMPT_LEN, count=NUM_TEXTS)
-    assert len(texts) == NUM_TEXTS
-    prompts = {
-        name: tokenizer.encode(text, add_special_tokens=False)[:PROMPT_LEN] for name, text in texts
-    }
+    prompts = real_prompts(smollm2_checkpoint.tokenizer, PROMPT_LEN, NUM_TEXTS)
     references = full_runs(
         common.build_engine(_config("auto"), smollm2_checkpoint), prompts, FORCED, None
     )
@@ -56,20 +49,7 @@ def test_int8_logits_agree_with_bf16_logits(smollm2_checkpoint, monkeypatch):
 
     monkeypatch.setattr(prefill_ops, "prefill_attention", spy)
     engine = common.build_engine(_config("int8"), smollm2_checkpoint)
-    requests = []
-    for name, ids in prompts.items():
-        params = SamplingParams(max_tokens=FORCED, temperature=0.0, ignore_eos=True)
-        policy = CompressionConfig(method="none")
-        requests.append(common.BenchRequest(name, ids, params, policy, references[name][0], True))
-    results = {}
-
-    def compare(output, request):
-        tokens, logits = references[output.request_id]
-        results[output.request_id] = fidelity(tokens, logits, torch.stack(request.logits))
-
-    common.run_requests(engine, requests, on_finish=compare)
-    assert len(results) == NUM_TEXTS
-    assert all(r.num_positions == FORCED for r in results.values())
+    agreement, per_text = forced_agreement(engine, prompts, references)
+    assert len(per_text) == NUM_TEXTS and all(len(references[k][0]) == FORCED for k in per_text)
     assert sum(int8_rows) >= NUM_TEXTS * PROMPT_LEN * LAYERS
-    agreement = sum(r.agreement for r in results.values()) / NUM_TEXTS
-    assert agreement >= AGREEMENT_FLOOR, {k: r.agreement for k, r in results.items()}
+    assert agreement >= AGREEMENT_FLOOR, per_text

@@ -36,15 +36,14 @@ import torch
 
 from sparsekv.bench import common
 from sparsekv.config import CompressionConfig, ModelConfig
-from sparsekv.evaluation.fidelity import fidelity, long_texts
 from sparsekv.loader import load_checkpoint
 from sparsekv.loader.gguf_packed import load_packed_weights
 from sparsekv.models.quant import int8_rows, ops
 from sparsekv.models.quant.apply import weight_bytes
 from sparsekv.models.quant.formats import dequantize_reference
 from sparsekv.models.quant.linear import QuantizedLinear
-from sparsekv.sampling_params import SamplingParams
 from tests.conftest import tiny_checkpoint, tiny_llama_config
+from tests.forced_agreement import forced_agreement, real_prompts
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gguf"
 NUM_TEXTS, PROMPT_LEN, FORCED = 8, 128, 64
@@ -144,12 +143,7 @@ def test_gemma_loader_keeps_k_quant_blocks(gemma_gguf):
 
 def _references(checkpoint):
     """8 real texts of 128 tokens and the dense fp32 engine's 64 greedy tokens and logits."""
-    tokenizer = checkpoint.tokenizer
-    texts = long_texts(tokenizer, min_tokens=PROMPT_LEN, count=NUM_TEXTS)
-    assert len(texts) == NUM_TEXTS
-    prompts = {
-        name: tokenizer.encode(text, add_special_tokens=False)[:PROMPT_LEN] for name, text in texts
-    }
+    prompts = real_prompts(checkpoint.tokenizer, PROMPT_LEN, NUM_TEXTS)
     from sparsekv.bench.fidelity import full_runs
 
     engine = common.build_engine(_config("auto"), checkpoint)
@@ -235,26 +229,12 @@ def _agreement(
     checkpoint, references, weight_dtype: str, dtype: str = "float32"
 ) -> tuple[float, dict[str, float]]:
     """Mean teacher-forced greedy agreement of a ``weight_dtype`` engine with the dense
-    engine's references over the 8 texts, and each text's (asserts every text ran all
-    positions)."""
+    engine's references over the 8 texts, and each text's."""
     prompts, refs = references
     engine = common.build_engine(_config(weight_dtype, dtype), checkpoint)
-    requests = []
-    for name, ids in prompts.items():
-        tokens = refs[name][0]
-        params = SamplingParams(max_tokens=len(tokens), temperature=0.0, ignore_eos=True)
-        policy = CompressionConfig(method="none")
-        requests.append(common.BenchRequest(name, ids, params, policy, tokens, True))
-    results = {}
-
-    def compare(output, request):
-        tokens, logits = refs[output.request_id]
-        results[output.request_id] = fidelity(tokens, logits, torch.stack(request.logits))
-
-    common.run_requests(engine, requests, on_finish=compare)
-    agreement = sum(r.agreement for r in results.values()) / len(results)
-    assert len(results) == NUM_TEXTS and all(r.num_positions == FORCED for r in results.values())
-    return agreement, {k: r.agreement for k, r in results.items()}
+    agreement, per_text = forced_agreement(engine, prompts, refs)
+    assert len(per_text) == NUM_TEXTS and all(len(refs[k][0]) == FORCED for k in per_text)
+    return agreement, per_text
 
 
 def test_bad_weight_dtype_names_the_parameter():

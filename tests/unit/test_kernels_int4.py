@@ -1,4 +1,4 @@
-"""Native decode over KIVI int4 pages (``ops.paged_decode_attention_int4``) against
+"""Native decode over KIVI int4 pages (``quant_decode.paged_decode_attention_int4``) against
 ``torch_ref.paged_decode_attention`` on the same dequantized values (``dequantize_int4_pool``).
 
 Every kernel variant this CPU runs whose width fits ``head_dim`` is checked, with fp32 and bf16
@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from sparsekv.attention import torch_ref
-from sparsekv.attention.cpu import build, ops
+from sparsekv.attention.cpu import build, ops, quant_decode
 from sparsekv.attention.reference import dequantize_int4_pool
 from sparsekv.bench import kernels
 from sparsekv.kv_cache import quant
@@ -157,7 +157,7 @@ def check_all(isas, query, case, first=None, window=None, softcap=None) -> None:
     want = reference_decode(query, pool, tables, lens, scale, first, window, softcap)
     tol = FP32_TOL if query.dtype == torch.float32 else BF16_TOL
     for isa in fitting(isas, query.shape[-1]):
-        out, lse, mass = ops.paged_decode_attention_int4(
+        out, lse, mass = quant_decode.paged_decode_attention_int4(
             query, *tensors, tables, lens, scale, first, window, softcap, True, isa=isa
         )
         assert out.dtype == query.dtype and out.shape == query.shape, isa
@@ -212,17 +212,19 @@ def test_int4_head_dim_takes_whole_chunks(isas):
     want = reference_decode(query, pool, tables, lens, 0.2)
     for isa in isas:
         if 48 % (2 * ext.vector_width(isa)) == 0:
-            out, lse, _ = ops.paged_decode_attention_int4(
+            out, lse, _ = quant_decode.paged_decode_attention_int4(
                 query, *tensors, tables, lens, 0.2, isa=isa
             )
             torch.testing.assert_close(out, want[0], **FP32_TOL)
             torch.testing.assert_close(lse, want[1], **STAT_TOL)
         else:
             with pytest.raises(RuntimeError, match="head_dim must be a multiple of"):
-                ops.paged_decode_attention_int4(query, *tensors, tables, lens, 0.2, isa=isa)
+                quant_decode.paged_decode_attention_int4(
+                    query, *tensors, tables, lens, 0.2, isa=isa
+                )
     picked = ops.pick_isa(48)
     assert picked is not None and 48 % (2 * ext.vector_width(picked)) == 0
-    assert ops.supports_int4(query, *tensors)
+    assert quant_decode.supports_int4(query, *tensors)
 
 
 @pytest.mark.kernel_variant("decode")
@@ -235,11 +237,11 @@ def test_int4_decode_long_request_splits(isas):
 @pytest.mark.kernel_variant("decode")
 def test_int4_decode_empty_batch_and_no_mass(isas):
     tensors, _, tables, lens, _ = make_int4([3], 3, 16, 64)
-    out, lse, mass = ops.paged_decode_attention_int4(
+    out, lse, mass = quant_decode.paged_decode_attention_int4(
         torch.randn(0, 9, 64), *tensors, tables[:0], lens[:0], 0.125, return_attn_mass=True
     )
     assert out.shape == (0, 9, 64) and lse.shape == (0, 9) and mass.shape == (0, 3, 0)
-    out, lse, mass = ops.paged_decode_attention_int4(
+    out, lse, mass = quant_decode.paged_decode_attention_int4(
         torch.randn(1, 9, 64), *tensors, tables, lens, 0.125
     )
     assert mass is None and out.shape == (1, 9, 64) and lse.shape == (1, 9)
@@ -251,7 +253,7 @@ def test_int4_request_without_pages(isas):
     # zero output, lse -inf.
     tensors, _, tables, _, _ = make_int4([32, 32], 3, 16, 64)
     lens = torch.tensor([32, 0])
-    out, lse, _ = ops.paged_decode_attention_int4(
+    out, lse, _ = quant_decode.paged_decode_attention_int4(
         random_query(2, 9, 64), *tensors, tables, lens, 0.1
     )
     assert torch.equal(out[1], torch.zeros(9, 64)) and bool(torch.isneginf(lse[1]).all())
@@ -276,7 +278,9 @@ def test_every_code_and_nibble_decodes_exactly(isas):
     query = torch.eye(d).expand(4, d, d).contiguous()  # head h reads element h
     tables, lens = torch.arange(4).view(4, 1), torch.ones(4, dtype=torch.long)
     for isa in fitting(isas, d):
-        out, lse, _ = ops.paged_decode_attention_int4(query, *tensors, tables, lens, 0.5, isa=isa)
+        out, lse, _ = quant_decode.paged_decode_attention_int4(
+            query, *tensors, tables, lens, 0.5, isa=isa
+        )
         values = pool[:, 1, 0, 0]  # [4, d]: every head outputs its request's value row
         assert torch.equal(out, values[:, None, :].expand(4, d, d)), isa
         torch.testing.assert_close(lse, pool[:, 0, 0, 0, :] * 0.5, rtol=1e-6, atol=1e-6)
@@ -295,7 +299,7 @@ def test_every_fp16_value_zero_decodes_exactly(isas):
     query = random_query(num, 1, 64)
     want = patterns.float()[:, None, None].expand(num, 1, 64)
     for isa in fitting(isas, 64):
-        out, _, _ = ops.paged_decode_attention_int4(
+        out, _, _ = quant_decode.paged_decode_attention_int4(
             query, codes, key_scale, key_zero, value_scale, value_zero, tables, lens, 0.1, isa=isa
         )
         torch.testing.assert_close(out, want, rtol=0, atol=0, equal_nan=True, msg=isa)
@@ -329,7 +333,7 @@ def test_int4_decode_rejects_bad_arguments(isas):
     query = random_query(1, 9, 64)
 
     def call(q=query, c=codes, ks=key_scale, kz=key_zero, vs=value_scale, vz=value_zero):
-        return ops.paged_decode_attention_int4(
+        return quant_decode.paged_decode_attention_int4(
             q, c, ks, kz, vs, vz, tables, lens, 0.125, isa="generic"
         )
 
@@ -352,9 +356,9 @@ def test_int4_decode_rejects_bad_arguments(isas):
         with pytest.raises(RuntimeError, match=message):
             call(**kwargs)
     with pytest.raises(RuntimeError, match="not supported on this CPU"):
-        ops.paged_decode_attention_int4(query, *tensors, tables, lens, 0.1, isa="x")
+        quant_decode.paged_decode_attention_int4(query, *tensors, tables, lens, 0.1, isa="x")
     with pytest.raises(RuntimeError, match="block table entry out of range"):
-        ops.paged_decode_attention_int4(query, *tensors, tables + 100, lens, 0.1)
+        quant_decode.paged_decode_attention_int4(query, *tensors, tables + 100, lens, 0.1)
 
 
 @pytest.mark.kernel_variant("decode")
@@ -362,19 +366,19 @@ def test_supports_int4(isas):
     tensors, *_ = make_int4([20], 3, 16, 64)
     codes, key_scale, key_zero, value_scale, value_zero = tensors
     query = random_query(1, 9, 64)
-    assert ops.supports_int4(query, *tensors)
-    assert ops.supports_int4(query.bfloat16(), *tensors)
-    assert not ops.supports_int4(query.half(), *tensors)
-    assert not ops.supports_int4(query[..., :32], *tensors)
-    assert not ops.supports_int4(query.requires_grad_(), *tensors)
+    assert quant_decode.supports_int4(query, *tensors)
+    assert quant_decode.supports_int4(query.bfloat16(), *tensors)
+    assert not quant_decode.supports_int4(query.half(), *tensors)
+    assert not quant_decode.supports_int4(query[..., :32], *tensors)
+    assert not quant_decode.supports_int4(query.requires_grad_(), *tensors)
     query = random_query(1, 9, 64)
-    assert not ops.supports_int4(query, codes.view(torch.int8), *tensors[1:])
-    assert not ops.supports_int4(query, strided(codes), *tensors[1:])
-    assert not ops.supports_int4(query, codes[:, 0], *tensors[1:])
-    assert not ops.supports_int4(query, codes, key_scale.float(), *tensors[2:])
-    assert not ops.supports_int4(query, codes, key_scale, strided(key_zero), *tensors[3:])
-    assert not ops.supports_int4(query, *tensors[:3], value_scale[..., :8], value_zero)
-    assert not ops.supports_int4(query, *tensors[:4], value_zero.bfloat16())
+    assert not quant_decode.supports_int4(query, codes.view(torch.int8), *tensors[1:])
+    assert not quant_decode.supports_int4(query, strided(codes), *tensors[1:])
+    assert not quant_decode.supports_int4(query, codes[:, 0], *tensors[1:])
+    assert not quant_decode.supports_int4(query, codes, key_scale.float(), *tensors[2:])
+    assert not quant_decode.supports_int4(query, codes, key_scale, strided(key_zero), *tensors[3:])
+    assert not quant_decode.supports_int4(query, *tensors[:3], value_scale[..., :8], value_zero)
+    assert not quant_decode.supports_int4(query, *tensors[:4], value_zero.bfloat16())
 
 
 @pytest.mark.kernel_variant("decode")

@@ -1,4 +1,4 @@
-"""Native decode over int8 and fp8 pages (``ops.paged_decode_attention_quantized``) against
+"""Native decode over int8 and fp8 pages (``quant_decode.paged_decode_attention_quantized``) against
 ``torch_ref.paged_decode_attention`` on the same dequantized values (``dequantize_pool``).
 
 Every kernel variant this CPU runs whose width fits ``head_dim`` is checked, for both formats
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from sparsekv.attention import torch_ref
-from sparsekv.attention.cpu import build, ops
+from sparsekv.attention.cpu import build, ops, quant_decode
 from sparsekv.attention.reference import dequantize_pool
 from sparsekv.bench import kernels
 from sparsekv.kv_cache import quant
@@ -132,7 +132,7 @@ def check_all(isas, query, case, first=None, window=None, softcap=None) -> None:
     want = reference_decode(query, pool, tables, lens, scale, first, window, softcap)
     tol = FP32_TOL if query.dtype == torch.float32 else BF16_TOL
     for isa in fitting(isas, query.shape[-1]):
-        out, lse, mass = ops.paged_decode_attention_quantized(
+        out, lse, mass = quant_decode.paged_decode_attention_quantized(
             query, data, scales, tables, lens, scale, first, window, softcap, True, isa=isa
         )
         assert out.dtype == query.dtype and out.shape == query.shape, isa
@@ -172,19 +172,19 @@ def test_quantized_head_dim_takes_whole_quads(isas):
     want = reference_decode(query, pool, tables, lens, 0.2)
     for isa in isas:
         if 32 % (4 * ext.vector_width(isa)) == 0:
-            out, lse, _ = ops.paged_decode_attention_quantized(
+            out, lse, _ = quant_decode.paged_decode_attention_quantized(
                 query, data, scales, tables, lens, 0.2, isa=isa
             )
             torch.testing.assert_close(out, want[0], **FP32_TOL)
             torch.testing.assert_close(lse, want[1], **FP32_TOL)
         else:
             with pytest.raises(RuntimeError, match="must be a multiple of"):
-                ops.paged_decode_attention_quantized(
+                quant_decode.paged_decode_attention_quantized(
                     query, data, scales, tables, lens, 0.2, isa=isa
                 )
     picked = ops.pick_isa(32, quantized=True)
     assert picked is not None and 32 % (4 * ext.vector_width(picked)) == 0
-    assert ops.supports_quantized(query, data, scales)
+    assert quant_decode.supports_quantized(query, data, scales)
 
 
 @pytest.mark.kernel_variant("decode")
@@ -219,11 +219,11 @@ def test_quantized_decode_long_request_splits(isas, fmt):
 @FORMATS
 def test_quantized_decode_empty_batch_and_no_mass(isas, fmt):
     data, scales, _, tables, lens, _ = make_quantized(fmt, [3], 3, 16, 64)
-    out, lse, mass = ops.paged_decode_attention_quantized(
+    out, lse, mass = quant_decode.paged_decode_attention_quantized(
         torch.randn(0, 9, 64), data, scales, tables[:0], lens[:0], 0.125, return_attn_mass=True
     )
     assert out.shape == (0, 9, 64) and lse.shape == (0, 9) and mass.shape == (0, 3, 0)
-    out, lse, mass = ops.paged_decode_attention_quantized(
+    out, lse, mass = quant_decode.paged_decode_attention_quantized(
         torch.randn(1, 9, 64), data, scales, tables, lens, 0.125
     )
     assert mass is None and out.shape == (1, 9, 64) and lse.shape == (1, 9)
@@ -248,7 +248,7 @@ def test_every_code_decodes_exactly(isas, fmt):
     tables, lens = torch.arange(4).view(4, 1), torch.ones(4, dtype=torch.long)
     want_lse = pool[:, 0, 0, 0, :] * 0.5  # [4 requests, 64 heads]
     for isa in fitting(isas, 64):
-        out, lse, _ = ops.paged_decode_attention_quantized(
+        out, lse, _ = quant_decode.paged_decode_attention_quantized(
             query, data, scales, tables, lens, 0.5, isa=isa
         )
         values = pool[:, 1, 0, 0]  # [4, 64]: every head outputs its request's value row
@@ -278,7 +278,9 @@ def test_quantized_decode_rejects_bad_arguments(isas):
     query = random_query(1, 9, 64)
 
     def call(q=query, d=data, s=scales):
-        return ops.paged_decode_attention_quantized(q, d, s, tables, lens, 0.125, isa="generic")
+        return quant_decode.paged_decode_attention_quantized(
+            q, d, s, tables, lens, 0.125, isa="generic"
+        )
 
     bad = [
         ({"s": scales[..., :8].contiguous()}, "kv_scales must be"),
@@ -297,22 +299,24 @@ def test_quantized_decode_rejects_bad_arguments(isas):
         with pytest.raises(RuntimeError, match=message):
             call(**kwargs)
     with pytest.raises(RuntimeError, match="not supported on this CPU"):
-        ops.paged_decode_attention_quantized(query, data, scales, tables, lens, 0.1, isa="x")
+        quant_decode.paged_decode_attention_quantized(
+            query, data, scales, tables, lens, 0.1, isa="x"
+        )
 
 
 @pytest.mark.kernel_variant("decode")
 def test_supports_quantized(isas):
     data, scales, *_ = make_quantized("fp8", [20], 3, 16, 64)
     query = random_query(1, 9, 64)
-    assert ops.supports_quantized(query, data, scales)
-    assert ops.supports_quantized(query.bfloat16(), data.view(torch.int8), scales)
-    assert not ops.supports_quantized(query.half(), data, scales)
-    assert not ops.supports_quantized(query, data.float(), scales)
-    assert not ops.supports_quantized(query, data, scales.double())
-    assert not ops.supports_quantized(query, data, scales[..., :8].contiguous())
-    assert not ops.supports_quantized(query, strided(data), scales)
-    assert not ops.supports_quantized(query, data, strided(scales))
-    assert not ops.supports_quantized(query.requires_grad_(), data, scales)
+    assert quant_decode.supports_quantized(query, data, scales)
+    assert quant_decode.supports_quantized(query.bfloat16(), data.view(torch.int8), scales)
+    assert not quant_decode.supports_quantized(query.half(), data, scales)
+    assert not quant_decode.supports_quantized(query, data.float(), scales)
+    assert not quant_decode.supports_quantized(query, data, scales.double())
+    assert not quant_decode.supports_quantized(query, data, scales[..., :8].contiguous())
+    assert not quant_decode.supports_quantized(query, strided(data), scales)
+    assert not quant_decode.supports_quantized(query, data, strided(scales))
+    assert not quant_decode.supports_quantized(query.requires_grad_(), data, scales)
 
 
 @pytest.mark.kernel_variant("decode")

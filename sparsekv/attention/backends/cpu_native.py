@@ -14,7 +14,14 @@ import torch
 from sparsekv.attention.backends import cpu_window
 from sparsekv.attention.backends.base import DecodeParams, DecodeResult
 from sparsekv.attention.backends.torch_backend import TorchBackend
-from sparsekv.attention.cpu import build, chunk_paged, kept_slots, prefill_ops, window_fused
+from sparsekv.attention.cpu import (
+    build,
+    chunk_paged,
+    kept_slots,
+    prefill_ops,
+    quant_decode,
+    window_fused,
+)
 from sparsekv.attention.cpu import ops as native
 from sparsekv.ext_cache import ExtensionScope
 from sparsekv.models.fused import ops as fused
@@ -51,20 +58,20 @@ class CpuNativeBackend(TorchBackend):
         return native.paged_decode_attention(query, kv_pool, *params.kernel_args(), isa)
 
     def supports_quantized_decode(self, query, kv_data, kv_scales) -> bool:
-        return native.supports_quantized(query, kv_data, kv_scales)
+        return quant_decode.supports_quantized(query, kv_data, kv_scales)
 
     def paged_decode_quantized(self, query, kv_data, kv_scales, params) -> DecodeResult:
-        return native.paged_decode_attention_quantized(
+        return quant_decode.paged_decode_attention_quantized(
             query, kv_data, kv_scales, *params.kernel_args()
         )
 
     def supports_int4_decode(self, query, *pages) -> bool:
-        return native.supports_int4(query, *pages)
+        return quant_decode.supports_int4(query, *pages)
 
     def paged_decode_int4(
         self, query, codes, key_scale, key_zero, value_scale, value_zero, params
     ) -> DecodeResult:
-        return native.paged_decode_attention_int4(
+        return quant_decode.paged_decode_attention_int4(
             query, codes, key_scale, key_zero, value_scale, value_zero, *params.kernel_args()
         )
 

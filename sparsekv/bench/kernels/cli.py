@@ -17,8 +17,8 @@ times, for the given shapes (default: SmolLM2 S1, 16 requests x 2000 tokens, 30 
   layer), each variant, against the larger of its bandwidth and FLOP bounds (``chunk.py``);
 - with ``--kv-dtypes`` (e.g. ``bf16,int8,fp8,int4``), native paged decode over pages of each KV
   dtype at the same shape (int8 / fp8: ``kv_cache.quant`` codes and per-slot fp32 scales, read
-  in place by ``ops.paged_decode_attention_quantized``; int4: KIVI codes with fp16 per-channel
-  key and per-slot value scales and zeros, ``ops.paged_decode_attention_int4``): ms per step,
+  in place by ``quant_decode.paged_decode_attention_quantized``; int4: KIVI codes with fp16 per-channel
+  key and per-slot value scales and zeros, ``quant_decode.paged_decode_attention_int4``): ms per step,
   bytes read per call (codes + scales) and the GB/s that makes. ``--dtypes ''`` skips the rows
   above;
 - packed-weight matmuls on SmolLM2's Q4_1 / Q8_0 linears at each ``--packed-rows`` count of

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 
 from sparsekv.attention import torch_ref
-from sparsekv.attention.cpu import ops
+from sparsekv.attention.cpu import ops, quant_decode
 from sparsekv.bench.kernels.pages import (
     decode_inputs,
     int4_bytes_per_call,
@@ -75,7 +75,7 @@ def paged_attention(args: argparse.Namespace, kv_name: str) -> tuple[Callable, i
     if scales is None:
         return functools.partial(ops.paged_decode_attention, kv_pool=data, isa=isa), bytes_per_call
     attend = functools.partial(
-        ops.paged_decode_attention_quantized, kv_data=data, kv_scales=scales, isa=isa
+        quant_decode.paged_decode_attention_quantized, kv_data=data, kv_scales=scales, isa=isa
     )
     return attend, bytes_per_call + slots * scales.element_size()
 
@@ -85,7 +85,9 @@ def int4_attention(args: argparse.Namespace) -> tuple[Callable, int]:
     call reads (:func:`int4_bytes_per_call`)."""
     names = ("codes", "key_scale", "key_zero", "value_scale", "value_zero")
     tensors = dict(zip(names, make_int4_pages(args)))
-    attend = functools.partial(ops.paged_decode_attention_int4, **tensors, isa=native_isa(args))
+    attend = functools.partial(
+        quant_decode.paged_decode_attention_int4, **tensors, isa=native_isa(args)
+    )
     return attend, int4_bytes_per_call(args)
 
 
