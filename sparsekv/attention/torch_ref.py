@@ -75,7 +75,8 @@ def attention_with_lse(
     num_heads, num_queries, head_dim = query.shape
     num_kv_heads, num_keys, _ = key.shape
     if num_queries == 0 or num_heads == 0:  # PyTorch's CPU flash op divides by zero here
-        return query.new_empty(query.shape), query.new_empty(query.shape[:2], dtype=torch.float32)
+        out = query.new_empty((num_heads, num_queries, value.shape[-1]))
+        return out, query.new_empty((num_heads, num_queries), dtype=torch.float32)
     group = num_heads // num_kv_heads
     if group > 1:
         key = key.repeat_interleave(group, dim=0)

@@ -43,7 +43,8 @@ def window_attention_scores(
         keys: ``[num_kv_heads, n, head_dim]`` held keys.
         window_queries: ``[num_heads, w, head_dim]`` queries of the last ``w <= n`` tokens.
         window_lse: ``[num_heads, w]`` their log-sum-exp over the held slots (causal), from the
-            attention; used as given. ``None`` computes it.
+            attention; used as given (the fused CPU kernel caps each term at 1, which only
+            an lse below a row's logit exceeds). ``None`` computes it.
         scale: softmax scale.
         logit_softcap: the model's attention soft-cap (see :func:`attention_mass_per_head`).
         backend: the engine's attention backend (``AttentionBackend.window_scores``: the native

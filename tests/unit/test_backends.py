@@ -90,9 +90,9 @@ def test_reference_attention_with_no_queries(dtype):
     # PyTorch's CPU flash op dies with SIGFPE on zero query rows: the reference returns the
     # empty out and lse itself.
     query = torch.randn(9, 0, 64, dtype=dtype)
-    key, value = torch.randn(3, 10, 64, dtype=dtype), torch.randn(3, 10, 64, dtype=dtype)
+    key, value = torch.randn(3, 10, 64, dtype=dtype), torch.randn(3, 10, 32, dtype=dtype)
     out, lse = torch_ref.attention_with_lse(query, key, value, 0.125)
-    assert out.shape == (9, 0, 64) and out.dtype == dtype
+    assert out.shape == (9, 0, 32) and out.dtype == dtype  # the values' width
     assert lse.shape == (9, 0) and lse.dtype == torch.float32
 
 

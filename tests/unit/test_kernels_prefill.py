@@ -274,6 +274,9 @@ def test_prefill_rejects_bad_arguments(kernel):
     assert not prefill_ops.supports_prefill(query.float(), key, value)  # mixed dtypes
     with pytest.raises(RuntimeError, match="all bfloat16 or all float32"):
         prefill_ops.prefill_attention(query.float(), key, value, 0.125)
+    for scale in (0.0, -0.125, float("nan"), float("inf")):  # a row's max must be its top logit
+        with pytest.raises(ValueError, match="scale must be a positive finite number"):
+            prefill_ops.prefill_attention(query, key, value, scale)
 
 
 class _Spy:

@@ -102,6 +102,21 @@ def test_huge_logits_stay_finite(variant, magnitude):
     assert given.isfinite().all() and (given.sum(1) <= 32).all()
 
 
+def test_a_given_lse_below_the_logits_caps_their_terms_at_one(variant):
+    # exp(logit - lse) <= 1 for a row's own lse; an lse 1 below it (as the lse of other logits
+    # can be) leaves every term e times larger, and the kernel caps those above 1.
+    queries, keys = random_case(2, 3, 8, 60, 64, seed=5)
+    _, exact_lse = reference(queries, keys, 0.125)
+    low = (exact_lse - 1.0).float()
+    scores, _ = wf.window_scores_fused(queries, keys, low, 0.125)
+    expanded = keys.double().repeat_interleave(3, 0)
+    logits = torch.einsum("hid,hjd->hij", queries.double(), expanded) * 0.125
+    visible = torch.arange(60)[None, :] <= (60 - 8 + torch.arange(8))[:, None]
+    terms = torch.exp(logits - low.double()[..., None]).clamp(max=1.0).masked_fill(~visible, 0)
+    assert (torch.exp(logits - low.double()[..., None]) > 1).any()  # the cap does apply here
+    torch.testing.assert_close(scores.double(), terms.sum(1), rtol=1e-5, atol=1e-6)
+
+
 def test_rows_sum_to_one_and_strided_keys(variant):
     for dtype in dtypes(variant):
         queries, keys = random_case(3, 3, 32, 500, 64, seed=7, dtype=dtype)
@@ -158,6 +173,12 @@ def test_bad_arguments_raise():
     pool = torch.zeros(4, 2, 1, 16, 64, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="out of range"):
         wf.window_scores_fused_paged(queries, pool, torch.tensor([[0, 9]]), 20, None, 0.1)
+    # The rows' references are subtracted before the scale: it must be positive and finite.
+    for scale in (0.0, -0.125, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="scale must be a positive finite number"):
+            wf.window_scores_fused(queries, keys, None, scale)
+        with pytest.raises(ValueError, match="scale must be a positive finite number"):
+            wf.window_scores_fused_paged(queries, pool, torch.tensor([[0, 1]]), 20, None, scale)
 
 
 def test_support_check(variant, monkeypatch):

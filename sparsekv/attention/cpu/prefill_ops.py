@@ -19,6 +19,7 @@ in bf16 as before (``prefill_qk_int8_runs`` says where it applies).
 from __future__ import annotations
 
 import functools
+import math
 import os
 import warnings
 
@@ -161,7 +162,7 @@ def prefill_attention(
         query: ``[num_heads, num_queries, head_dim]`` bf16 or fp32 (any strides).
         key, value: ``[num_kv_heads, num_keys, head_dim]`` of the query's dtype,
             ``num_keys >= num_queries``.
-        scale: softmax scale.
+        scale: softmax scale, positive.
         sliding_window: keys each row sees, itself included (Gemma 3 local layers); ``None``:
             all earlier keys.
         isa: prefill variant (default :func:`prefill_isa` for the dtype; see
@@ -183,12 +184,14 @@ def prefill_attention(
         throughout (within 1e-5 of the fp32 reference at unit-scale inputs).
 
     Raises:
-        ValueError: ``sliding_window`` is not positive.
+        ValueError: ``sliding_window`` or ``scale`` is not positive (or ``scale`` not finite).
         RuntimeError: the extension or the variant is unavailable, or it rejects the arguments
             (see :func:`supports_prefill`; fp32 on a bf16-only variant).
     """
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"sliding_window must be positive, got {sliding_window}")
+    if not (math.isfinite(scale) and scale > 0):  # the kernels take a row's max as its top
+        raise ValueError(f"scale must be a positive finite number, got {scale}")
     window = 0 if sliding_window is None else int(sliding_window)
     ext = _extension()
     variant = isa or prefill_isa(query.dtype) or PREFILL_ISA

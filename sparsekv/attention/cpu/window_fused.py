@@ -17,6 +17,7 @@ unfused route). The kernels do not soft-cap logits: soft-capped models take the 
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import torch
@@ -84,6 +85,13 @@ def supports_window_fused_dense(window_queries: torch.Tensor, keys: torch.Tensor
     )
 
 
+def _check_scale(scale: float) -> None:
+    # The kernel subtracts each row's reference from the unscaled logits (the max, or the lse
+    # over the scale): a zero, negative or non-finite scale would turn that into NaN or a min.
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a positive finite number, got {scale}")
+
+
 def window_scores_fused(
     window_queries: torch.Tensor,
     keys: torch.Tensor,
@@ -101,19 +109,22 @@ def window_scores_fused(
             KV head ``h // (num_heads // num_kv_heads)``.
         lse: ``[num_heads, w]`` contiguous fp32 log-sum-exps to use, or ``None`` to compute
             them.
-        scale: softmax scale.
+        scale: softmax scale, positive.
         isa: the variant to run (one of :func:`window_fused_isas`), or ``None`` for
             :func:`window_fused_isa`'s.
 
     Returns:
-        scores ``[num_heads, n]`` fp32 (``sum_i exp(q_i . k_j * scale - lse_i)``: SnapKV's
-        window sums) and lse ``[num_heads, w]`` fp32 (natural log; the given one when
-        passed).
+        scores ``[num_heads, n]`` fp32 (``sum_i min(1, exp(q_i . k_j * scale - lse_i))``:
+        SnapKV's window sums; a term exceeds 1 only where a given lse is below the row's
+        logit, e.g. an fp32 lse of logits near 1e9, or the lse of other logits) and lse
+        ``[num_heads, w]`` fp32 (natural log; the given one when passed).
 
     Raises:
+        ValueError: ``scale`` is not a positive finite number.
         RuntimeError: the extension or its kernel is unavailable, or it rejects the
             arguments (fp32 on a bf16-only variant, mixed dtypes).
     """
+    _check_scale(scale)
     ext = _extension()
     isa = isa or window_fused_isa(keys.dtype) or PREFILL_ISA
     scores, lse_out = ext.window_scores_fused(window_queries, keys, lse, float(scale), isa)
@@ -146,8 +157,10 @@ def window_scores_fused_paged(
         scores ``[layers * num_heads, num_slots]`` and lse ``[layers * num_heads, w]``, fp32.
 
     Raises:
+        ValueError: as :func:`window_scores_fused`.
         RuntimeError: as :func:`window_scores_fused`, or a page id out of range.
     """
+    _check_scale(scale)
     ext = _extension()
     scores, lse_out = ext.window_scores_fused_paged(
         window_queries,
