@@ -117,6 +117,18 @@ def test_a_given_lse_below_the_logits_caps_their_terms_at_one(variant):
     torch.testing.assert_close(scores.double(), terms.sum(1), rtol=1e-5, atol=1e-6)
 
 
+def test_a_nan_row_stays_in_its_head(variant):
+    # Group 3, w = 7: heads share 16-row blocks. One NaN query element makes its head's scores
+    # NaN (its lse is NaN); the other heads' scores are untouched.
+    queries, keys = random_case(2, 3, 7, 100, 64, seed=9)
+    clean, _ = wf.window_scores_fused(queries, keys, None, 0.125)
+    queries[1, 3, 5] = float("nan")
+    scores, lse = wf.window_scores_fused(queries, keys, None, 0.125)
+    assert lse[1].isnan().any() and scores[1].isnan().any()
+    others = [0, 2, 3, 4, 5]
+    assert torch.equal(scores[others], clean[others])
+
+
 def test_rows_sum_to_one_and_strided_keys(variant):
     for dtype in dtypes(variant):
         queries, keys = random_case(3, 3, 32, 500, 64, seed=7, dtype=dtype)

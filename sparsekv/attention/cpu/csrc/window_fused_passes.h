@@ -125,14 +125,26 @@ static void window_fused_columns(const WindowFusedArgs& a, int64_t kvh, const fl
       for (int i = 0; i < 16; ++i) acc[i] = splat(0.0f);
       for (int64_t rb = r0 / 16; rb * 16 < r1; ++rb) {
         float weight[16];  // 1 / row sum on this head's lanes, 0 on the others
+        int32_t lane[16];  // all ones on this head's lanes
         for (int c = 0; c < 16; ++c) {
           const int64_t row = rb * 16 + c;
-          weight[c] = row >= r0 && row < r1 ? inv_sum[row] : 0.0f;
+          const bool own = row >= r0 && row < r1;
+          weight[c] = own ? inv_sum[row] : 0.0f;
+          lane[c] = own ? -1 : 0;
         }
         const vf wv = loadu(weight);
         const float* col = L + b * 16 * R + rb * 16;
+        if (rb * 16 >= r0 && rb * 16 + 16 <= r1) {  // every lane this head's
 #pragma GCC unroll 16
-        for (int i = 0; i < 16; ++i) acc[i] += loadu(col + i * R) * wv;
+          for (int i = 0; i < 16; ++i) acc[i] += loadu(col + i * R) * wv;
+          continue;
+        }
+        // A block shared with another head: its lanes are masked out, not weighted by 0, so a
+        // NaN row of one head cannot reach the others' sums.
+        vi own;
+        __builtin_memcpy(&own, lane, sizeof(own));
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i) acc[i] += (vf)((vi)(loadu(col + i * R) * wv) & own);
       }
       const vf total = reduce_lanes(acc);  // lane i: key b * 16 + i
       float t[16];
