@@ -6,7 +6,7 @@ budget schedule) and one entry here; nothing else in the engine names a method.
 
 from __future__ import annotations
 
-import sparsekv.config as config_module
+import sparsekv.compression_config as config_module
 from sparsekv.compression.base import Compressor
 from sparsekv.compression.expected_attention import ExpectedAttentionCompressor
 from sparsekv.compression.h2o import H2OCompressor

@@ -10,7 +10,7 @@ from typing import ClassVar
 import pytest
 import torch
 
-import sparsekv.config as config_module
+import sparsekv.compression_config as config_module
 from sparsekv.compression import registry
 from sparsekv.compression.base import LayerView
 from sparsekv.compression.snapkv import SnapKVCompressor

@@ -3,7 +3,7 @@
 // the AMX unit (window_fused_amx.h) and the AVX512-BF16 unit (window_fused_bf16.h), which differ
 // only in how they compute the logits L[keys][rows]. See window_fused_amx.h for the passes.
 //
-// Needs kernel_impl.h's vector helpers (vf, vexp2, vmax, reduce_lanes) with SKV_W 16.
+// Needs kernel_impl.h's vector helpers (vf, vi, vexp2, vmax, vmin, reduce_lanes) with SKV_W 16.
 
 constexpr int64_t kPairWords = 32;  // bf16 elements of 16 query pairs
 
