@@ -177,7 +177,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sparsekv", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="sparsekv",
+        description="sparsekv: an LLM serving engine whose KV cache is sparse layer by layer.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser(

@@ -103,7 +103,9 @@ class CompressionConfig:
             )
         if self.window < 1:
             raise ValueError(f"kv_compression.window must be >= 1, got {self.window}")
-        if self.budget is not None and self.budget < self.window + 1:
+        # A budget, or a layer's, holds the observation window too; method none keeps no budget.
+        budgeted = self.method != "none"
+        if budgeted and self.budget is not None and self.budget < self.window + 1:
             raise ValueError(
                 f"kv_compression.budget ({self.budget}) must be >= window + 1 ({self.window + 1})"
             )
@@ -125,7 +127,7 @@ class CompressionConfig:
             raise ValueError(f"kv_compression.full_layers must be >= 0, got {self.full_layers}")
         if self.layer_budgets is not None:
             for b in self.layer_budgets:
-                if b != 0 and b < self.window + 1:
+                if budgeted and b != 0 and b < self.window + 1:
                     raise ValueError(
                         f"kv_compression.layer_budgets: {b} is below window + 1 ({self.window + 1})"
                     )

@@ -46,10 +46,12 @@ class KVStats:
     def window_ratio(self) -> float:
         """Fraction of the full cache the model's sliding-window layers no longer hold:
         ``1 - tokens_kept / tokens_full - compression_ratio`` (0 for models without them)."""
-        full = self.tokens_full
+        full = len(self.kept_per_layer) * self.tokens_full
         if full == 0:
             return 0.0
-        return max(0.0, 1.0 - self.tokens_kept / full - self.compression_ratio)
+        # In whole slots, so that a model without windows reports exactly 0.
+        dropped = full - sum(self.kept_per_layer) - sum(self.evicted_per_layer)
+        return max(0, dropped) / full
 
 
 @dataclass

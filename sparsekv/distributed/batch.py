@@ -31,6 +31,7 @@ def output_row(prompt: str, output: RequestOutput) -> dict:
         "kv_tokens_kept": stats.tokens_kept if stats else 0,
         "kv_tokens_full": stats.tokens_full if stats else 0,
         "kv_compression_ratio": stats.compression_ratio if stats else 0.0,
+        "kv_sliding_window_ratio": stats.window_ratio if stats else 0.0,
     }
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 from http import HTTPStatus
 from typing import Any
 
@@ -127,8 +128,30 @@ def method_not_allowed(method: str, path: str, allowed: list[str]) -> APIError:
     )
 
 
-def _invalid_json() -> APIError:
-    return APIError(400, "the request body is not valid JSON", code="invalid_json")
+def _invalid_json(reason: str = "") -> APIError:
+    message = "the request body is not valid JSON" + (f": {reason}" if reason else "")
+    return APIError(400, message, code="invalid_json")
+
+
+def _unreadable_json(cause: BaseException) -> APIError:
+    """The 400 for a body ``json.loads`` gave up on, saying why (see ``_http`` below)."""
+    if isinstance(cause, UnicodeDecodeError):
+        return _invalid_json("it is not UTF-8 text")
+    if isinstance(cause, RecursionError):
+        return _invalid_json("it nests deeper than the parser's recursion limit")
+    if "integer string conversion" in str(cause):
+        return _invalid_json(f"an integer has more than {sys.get_int_max_str_digits()} digits")
+    return _invalid_json()
+
+
+def _parse_error(error: dict) -> APIError:
+    """The 400 for malformed JSON, with the parser's reason and the character it stopped at
+    (pydantic's ``json_invalid``: ``loc`` ``("body", position)``, ``ctx["error"]``)."""
+    reason = str((error.get("ctx") or {}).get("error", "")).strip()
+    loc = tuple(error.get("loc", ()))
+    if reason and len(loc) == 2 and isinstance(loc[1], int):
+        reason = f"{reason} at character {loc[1]}"
+    return _invalid_json(reason)
 
 
 # How FastAPI reports a body that is not a JSON object at all: empty ("missing"), or read but
@@ -188,7 +211,7 @@ def install_error_handlers(app: FastAPI) -> None:
         errors = exc.errors()
         first = errors[0] if errors else {}
         if first.get("type") == "json_invalid":
-            return _invalid_json().response()
+            return _parse_error(first).response()
         if tuple(first.get("loc", ())) == ("body",) and first.get("type") in _BODY_TYPE_ERRORS:
             content_type = request.headers.get("content-type")
             return _not_an_object(first.get("type"), exc.body, content_type).response()
@@ -210,7 +233,7 @@ def install_error_handlers(app: FastAPI) -> None:
         # than Python converts (ValueError), nesting deeper than the parser's recursion
         # (RecursionError). None of them is JSON the server can read.
         if exc.status_code == 400 and isinstance(exc.__cause__, (ValueError, RecursionError)):
-            return _invalid_json().response()
+            return _unreadable_json(exc.__cause__).response()
         return APIError(exc.status_code, str(exc.detail), headers=exc.headers).response()
 
     @app.exception_handler(Exception)

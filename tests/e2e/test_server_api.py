@@ -326,20 +326,27 @@ def test_an_unknown_path_stays_404(http):
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 @pytest.mark.parametrize(
-    "content",
+    ("content", "reason"),
     [
-        b'{"prompt": "caf\xe9"}',
-        b"\xff\xfe\xfd",
-        b"{not json",
-        b'{"prompt": "hi", "n": ' + b"7" * 5000 + b"}",  # past Python's int digit limit
-        b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",  # past the parser's recursion
+        (b'{"prompt": "caf\xe9"}', "it is not UTF-8 text"),
+        (b"\xff\xfe\xfd", "it is not UTF-8 text"),
+        (b"{not json", "Expecting property name enclosed in double quotes at character 1"),
+        (b'{"prompt": "hi",}', "Expecting property name enclosed in double quotes at character 16"),
+        # past Python's int digit limit
+        (b'{"prompt": "hi", "n": ' + b"7" * 5000 + b"}", "an integer has more than 4300 digits"),
+        # past the parser's recursion
+        (
+            b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+            "it nests deeper than the parser's recursion limit",
+        ),
     ],
-    ids=["latin1", "binary", "malformed", "huge-int", "deep"],
+    ids=["latin1", "binary", "malformed", "trailing-comma", "huge-int", "deep"],
 )
-def test_an_unreadable_body_is_invalid_json(http, path, content):
+def test_an_unreadable_body_is_invalid_json_saying_why(http, path, content, reason):
     response = http.post(path, content=content, headers={"Content-Type": "application/json"})
     assert response.status_code == 400
-    assert response.json() == error_body("the request body is not valid JSON", None, "invalid_json")
+    message = f"the request body is not valid JSON: {reason}"
+    assert response.json() == error_body(message, None, "invalid_json")
 
 
 # ----------------------------------------------------------------- 10: settings never read

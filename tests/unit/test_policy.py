@@ -178,6 +178,14 @@ def test_invalid_requests_name_the_parameter(overrides, kw, match):
         resolve(engine_config(budget=64, window=8), overrides, **kw)
 
 
+def test_a_budget_below_the_window_is_no_error_when_compression_is_off():
+    # Method none keeps no budget: the request runs uncompressed instead of failing on a
+    # budget it does not use.
+    off = resolve(engine_config(budget=64, window=8), {"method": "none", "budget": 4})
+    assert off.compressor is None
+    CompressionConfig(method="none", layer_budgets=(0, 4)).validate()
+
+
 def test_a_reconstructing_method_is_refused_under_tensor_parallelism():
     config = engine_config(method="kvzip", budget=64, window=8)
     assert isinstance(resolve(config).compressor, KVzipCompressor)
