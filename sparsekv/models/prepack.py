@@ -1,4 +1,4 @@
-"""Pre-packed bf16 linear layers for CPUs with AMX / AVX512-BF16.
+"""Pre-packed linear layers: bf16 on CPUs with AMX / AVX512-BF16, fp32 on the others.
 
 ``nn.Linear`` on CPU hands oneDNN a plain row-major weight, which oneDNN reorders into its
 blocked layout on every call. At decode batch sizes (1-64 rows) that reorder costs as much as
@@ -41,13 +41,16 @@ class PackedLinear(nn.Module):
     """``y = x W^T + b`` with ``W`` stored in oneDNN's blocked layout (inference only).
 
     Args:
-        linear: the bf16 ``nn.Linear`` to pack (its weight is copied into the packed layout).
+        linear: the bf16 or fp32 ``nn.Linear`` to pack (its weight is copied into the packed
+            layout).
         shared_weight: ``linear.weight`` is also held elsewhere (a tied lm_head): keeping it for
             the native kernels costs no memory, whatever its size.
-        native: allow the native kernels (False: oneDNN for every row count).
+        native: allow the native kernels (False: oneDNN for every row count; they take bf16
+            only).
 
-    ``forward``: ``x`` ``[..., in_features]`` bf16 -> ``[..., out_features]`` bf16, bit-identical
-    to ``linear(x)`` through oneDNN. A bias-free layer whose plain weight is kept (see
+    ``forward``: ``x`` ``[..., in_features]`` -> ``[..., out_features]`` in the weight's dtype;
+    bf16 bit-identical to ``linear(x)`` through oneDNN, fp32 within fp32 rounding of it (MKL
+    runs ``nn.Linear`` in fp32). A bf16 bias-free layer whose plain weight is kept (see
     ``GEMV_MAX_WEIGHT_BYTES``) runs decode-sized inputs ``[rows, in_features]`` natively
     instead: one row through the GEMV where the CPU has AVX512-BF16 (weights up to
     ``GEMV_MAX_WEIGHT_BYTES``), up to ``SMALL_GEMM_MAX_ROWS`` rows through the small-M GEMM
@@ -157,9 +160,17 @@ def _native_ops():
 
 
 def can_prepack(dtype: torch.dtype, device: str, native_bf16: bool) -> bool:
-    """Whether packing pays: bf16 weights on a CPU with native bf16 matmul (``native_bf16``:
-    AMX or AVX512-BF16), and a PyTorch build whose oneDNN exposes the packing ops."""
-    if dtype != torch.bfloat16 or torch.device(device).type != "cpu" or not native_bf16:
+    """Whether packing pays, on CPU with a PyTorch build whose oneDNN exposes the packing ops:
+    bf16 weights where the CPU has native bf16 matmul (``native_bf16``: AMX or AVX512-BF16),
+    or fp32 weights where it has not (what ``--dtype auto`` picks there).
+
+    fp32 is not packed on bf16 CPUs: the tests' fp32 models run there, against references
+    that use ``nn.Linear``, which packing would move by fp32 rounding."""
+    if torch.device(device).type != "cpu":
+        return False
+    if not (
+        (dtype == torch.bfloat16 and native_bf16) or (dtype == torch.float32 and not native_bf16)
+    ):
         return False
     if not torch.backends.mkldnn.is_available():
         return False
@@ -169,30 +180,41 @@ def can_prepack(dtype: torch.dtype, device: str, native_bf16: bool) -> bool:
 
 
 def prepack_linears(model: nn.Module) -> int:
-    """Replace every bf16 ``nn.Linear`` of ``model`` by a ``PackedLinear``, in place.
+    """Replace every bf16 or fp32 ``nn.Linear`` of ``model`` by a ``PackedLinear``, in place.
 
-    A tied ``lm_head`` gets its own packed copy (the embedding keeps the plain weight, which the
-    native kernels then read). If the first packed layer does not reproduce ``nn.Linear``
-    exactly through oneDNN, nothing is replaced; if the native kernels are off by more than bf16
-    rounding on it, only oneDNN is used.
+    bf16: a tied ``lm_head`` gets its own packed copy (the embedding keeps the plain weight,
+    which the native kernels then read). If the first packed layer does not reproduce
+    ``nn.Linear`` exactly through oneDNN, nothing is replaced; if the native kernels are off by
+    more than bf16 rounding on it, only oneDNN is used.
+
+    fp32 (oneDNN only: its packed layout also skips the per-call reorder that ``nn.Linear``'s
+    plain weight costs, most at decode row counts): results differ from ``nn.Linear`` by fp32
+    rounding, so the check is that the packed layer is within it of a float64 product. A tied head stays
+    ``nn.Linear``: a packed copy would add the embedding's size, and the sparse self-draft reads
+    a plain head's leading rows alone.
 
     Returns:
         The number of layers packed (0 when packing is unavailable or failed its check).
     """
+    embedded = {
+        module.weight.data_ptr() for module in model.modules() if isinstance(module, nn.Embedding)
+    }
     targets = [
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if isinstance(child, nn.Linear) and child.weight.dtype == torch.bfloat16
+        if isinstance(child, nn.Linear) and child.weight.dtype in (torch.bfloat16, torch.float32)
+    ]
+    targets = [
+        target
+        for target in targets
+        if target[2].weight.dtype == torch.bfloat16 or target[2].weight.data_ptr() not in embedded
     ]
     if not targets:
         return 0
     exact, native = _check_packing(targets[0][2])
     if not exact:
         return 0
-    embedded = {
-        module.weight.data_ptr() for module in model.modules() if isinstance(module, nn.Embedding)
-    }
     with torch.no_grad():
         for parent, name, child in targets:
             shared = child.weight.data_ptr() in embedded
@@ -205,8 +227,12 @@ _CHECK_ROWS = (1, 2, 3, 17)
 
 
 def _check_packing(linear: nn.Linear) -> tuple[bool, bool]:
-    """(oneDNN's packed linear equals ``linear`` exactly, the native kernels are within bf16
-    rounding of an fp32 reference) on random inputs of a few row counts."""
+    """(oneDNN's packed linear equals ``linear`` exactly (fp32: is as close to a float64
+    product as ``linear``, within fp32 rounding), the native kernels are within bf16 rounding
+    of an fp32 reference) on random inputs of a few row counts. fp32 never runs the native
+    kernels (they take bf16)."""
+    if linear.weight.dtype == torch.float32:
+        return _check_fp32_packing(linear), False
     try:
         with torch.no_grad():
             x = torch.randn(max(_CHECK_ROWS), linear.in_features, dtype=linear.weight.dtype)
@@ -229,3 +255,31 @@ def _check_packing(linear: nn.Linear) -> tuple[bool, bool]:
     elif not native:
         logger.warning("native bf16 linear kernels off by more than rounding; using oneDNN")
     return exact, native
+
+
+def _check_fp32_packing(linear: nn.Linear) -> bool:
+    """Whether oneDNN's packed fp32 linear is within fp32 rounding of a float64 product (as
+    ``nn.Linear`` is): ``|y - y64| <= 1e-5 * (|x| @ |W|^T)`` elementwise, at a few row counts."""
+    try:
+        with torch.no_grad():
+            x = torch.randn(max(_CHECK_ROWS), linear.in_features)
+            packed = PackedLinear(linear, native=False)
+            weight = linear.weight.double()
+            bound = 1e-5 * (x.double().abs() @ weight.abs().t()) + 1e-30
+            reference = x.double() @ weight.t()
+            if linear.bias is not None:
+                reference += linear.bias.double()
+            close = all(
+                bool(
+                    (
+                        (packed.onednn(x[:rows]).double() - reference[:rows]).abs() <= bound[:rows]
+                    ).all()
+                )
+                for rows in _CHECK_ROWS
+            )
+    except RuntimeError as exc:  # an oneDNN build without fp32 packing
+        logger.warning("fp32 weight prepacking unavailable (%s); using nn.Linear", exc)
+        return False
+    if not close:
+        logger.warning("fp32 weight prepacking moved results past fp32 rounding; using nn.Linear")
+    return close
