@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# COMPRESSION_METHODS here: the built-in names; register_compressor extends
+# compression_config's, which CompressionConfig.validate reads.
 from sparsekv.compression_config import (
     COMPRESSION_METHODS,
     HEAD_BUDGETS,

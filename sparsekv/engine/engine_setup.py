@@ -90,7 +90,7 @@ def cpu_flags() -> frozenset[str]:
 
 def has_native_bf16() -> bool:
     """Whether the CPU computes bf16 natively (AVX512-BF16 or AMX): where ``auto`` means bf16
-    and bf16 weights are worth pre-packing."""
+    and bf16 weights are worth pre-packing (elsewhere, fp32 ones)."""
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
@@ -256,10 +256,10 @@ def build_engine_parts(config: EngineConfig, checkpoint=None) -> EngineParts:
     hf_config = checkpoint.hf_config
     max_model_len = model_len_of(config, hf_config)
     model = build_model(hf_config, checkpoint.state_dict, dtype, device, max_model_len)
-    # Before the bf16 prepacking, which then leaves the packed layers alone.
+    # Before the prepacking, which then leaves the packed layers alone.
     apply_weight_dtype(model, config.model.weight_dtype, checkpoint)
     if can_prepack(dtype, device, has_native_bf16()):
-        prepack_linears(model)
+        prepack_linears(model, dtype)
     specs = model.layer_specs()
     _log_prefill_qk(backend, dtype, model.head_dim)
     memory_gib = kv_cache_gib(

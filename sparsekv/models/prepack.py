@@ -12,6 +12,7 @@ and pointwise-linear ops, the same ones Inductor emits.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 from torch import nn
@@ -28,6 +29,11 @@ BATCH_HINT = 16
 # lm_head, +208 MB; a 1B model: none). A weight shared with an embedding (a tied lm_head) needs
 # no copy, and uses the native kernels at any size.
 GEMV_MAX_WEIGHT_BYTES = 8 << 20
+
+# ``SPARSEKV_FP32_PREPACK=0`` (or ``false``, ``off``, ``no``) keeps fp32 linears as
+# ``nn.Linear`` where they would be packed (results then equal MKL's ``nn.Linear`` bit for bit).
+FP32_PREPACK_ENV = "SPARSEKV_FP32_PREPACK"
+OFF_VALUES = ("0", "false", "off", "no")
 
 # Row counts from 2 up to this go through the native small-M GEMM (AMX) instead of oneDNN. It
 # reads the plain weight once for up to 32 rows, with no per-call setup: on the 2-core test VM
@@ -164,9 +170,15 @@ def can_prepack(dtype: torch.dtype, device: str, native_bf16: bool) -> bool:
     bf16 weights where the CPU has native bf16 matmul (``native_bf16``: AMX or AVX512-BF16),
     or fp32 weights where it has not (what ``--dtype auto`` picks there).
 
-    fp32 is not packed on bf16 CPUs: the tests' fp32 models run there, against references
-    that use ``nn.Linear``, which packing would move by fp32 rounding."""
+    fp32 is not packed on bf16 CPUs (fp32 there is an explicit choice, usually to compare
+    with references that run ``nn.Linear``, which packing would move by fp32 rounding), nor
+    where ``SPARSEKV_FP32_PREPACK`` is off."""
     if torch.device(device).type != "cpu":
+        return False
+    if (
+        dtype == torch.float32
+        and os.environ.get(FP32_PREPACK_ENV, "").strip().lower() in OFF_VALUES
+    ):
         return False
     if not (
         (dtype == torch.bfloat16 and native_bf16) or (dtype == torch.float32 and not native_bf16)
@@ -179,8 +191,9 @@ def can_prepack(dtype: torch.dtype, device: str, native_bf16: bool) -> bool:
     )
 
 
-def prepack_linears(model: nn.Module) -> int:
-    """Replace every bf16 or fp32 ``nn.Linear`` of ``model`` by a ``PackedLinear``, in place.
+def prepack_linears(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Replace every ``nn.Linear`` of ``model`` whose weight is ``dtype`` (bf16 or fp32) by a
+    ``PackedLinear``, in place.
 
     bf16: a tied ``lm_head`` gets its own packed copy (the embedding keeps the plain weight,
     which the native kernels then read). If the first packed layer does not reproduce
@@ -189,37 +202,40 @@ def prepack_linears(model: nn.Module) -> int:
 
     fp32 (oneDNN only: its packed layout also skips the per-call reorder that ``nn.Linear``'s
     plain weight costs, most at decode row counts): results differ from ``nn.Linear`` by fp32
-    rounding, so the check is that the packed layer is within it of a float64 product. A tied head stays
-    ``nn.Linear``: a packed copy would add the embedding's size, and the sparse self-draft reads
-    a plain head's leading rows alone.
+    rounding, so the check is that the packed layer is within it of a float64 product. The
+    output head (``model.lm_head``) stays ``nn.Linear``: packed, a tied one would add the
+    embedding's size, and any would lose the sparse self-draft's read of its leading rows.
+
+    Each layer's plain weight is released as soon as its packed copy exists (peak memory: one
+    layer more, not a second model).
 
     Returns:
         The number of layers packed (0 when packing is unavailable or failed its check).
     """
+    if dtype not in (torch.bfloat16, torch.float32):
+        return 0
+    head = getattr(model, "lm_head", None) if dtype == torch.float32 else None
     embedded = {
         module.weight.data_ptr() for module in model.modules() if isinstance(module, nn.Embedding)
     }
-    targets = [
-        (parent, name, child)
+    sites = [
+        (parent, name)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if isinstance(child, nn.Linear) and child.weight.dtype in (torch.bfloat16, torch.float32)
+        if isinstance(child, nn.Linear) and child.weight.dtype == dtype and child is not head
     ]
-    targets = [
-        target
-        for target in targets
-        if target[2].weight.dtype == torch.bfloat16 or target[2].weight.data_ptr() not in embedded
-    ]
-    if not targets:
+    if not sites:
         return 0
-    exact, native = _check_packing(targets[0][2])
+    exact, native = _check_packing(getattr(*sites[0]))
     if not exact:
         return 0
     with torch.no_grad():
-        for parent, name, child in targets:
+        for parent, name in sites:
+            child = getattr(parent, name)
             shared = child.weight.data_ptr() in embedded
             setattr(parent, name, PackedLinear(child, shared_weight=shared, native=native))
-    return len(targets)
+            del child
+    return len(sites)
 
 
 # Row counts the packing check runs: the GEMV, the small-M GEMM at one and at two x tiles.

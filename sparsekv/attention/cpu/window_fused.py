@@ -115,7 +115,7 @@ def window_scores_fused(
 
     Returns:
         scores ``[num_heads, n]`` fp32 (``sum_i min(1, exp(q_i . k_j * scale - lse_i))``:
-        SnapKV's window sums; a term exceeds 1 only where a given lse is below the row's
+        SnapKV's window sums; the cap applies only where a given lse is below the row's
         logit, e.g. an fp32 lse of logits near 1e9, or the lse of other logits) and lse
         ``[num_heads, w]`` fp32 (natural log; the given one when passed).
 

@@ -146,7 +146,7 @@ def _count(model: nn.Module) -> int:
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of the model's weights in memory: parameters, the packed layers' buffers and the
-    prepacked bf16 layers' weights (``PackedLinear.packed_bytes`` and ``plain_tensors``), each
+    prepacked layers' weights (``PackedLinear.packed_bytes`` and ``plain_tensors``), each
     storage counted once (a tied head shares the embedding's); rotary tables excluded."""
     tensors, total = list(model.parameters()), 0
     for module in model.modules():
