@@ -24,19 +24,22 @@ from sparsekv.sampling_params import SamplingParams
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sparsekv bench throughput", description=__doc__)
     parser.add_argument(
-        "--input-len", type=int, default=2000, help="prompt tokens per request (default 2000)"
+        "--input-len",
+        type=int,
+        default=2000,
+        help="prompt tokens per request (default %(default)s)",
     )
     parser.add_argument(
-        "--output-len", type=int, default=128, help="generated tokens each (default 128)"
+        "--output-len", type=int, default=128, help="generated tokens each (default %(default)s)"
     )
     parser.add_argument(
         "--num-prompts",
         type=int,
         default=16,
-        help="requests in the batch (default 16; 0: skip the batch)",
+        help="requests in the batch (default %(default)s; 0: skip the batch)",
     )
     parser.add_argument(
-        "--seed", type=int, default=0, help="seed of the random prompts (default 0)"
+        "--seed", type=int, default=0, help="seed of the random prompts (default %(default)s)"
     )
     parser.add_argument("--hf-baseline", action="store_true", help="also run Hugging Face generate")
     parser.add_argument(
@@ -49,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--decode-input-len",
         type=int,
         default=512,
-        help="prompt tokens of the batch-1 decode (default 512)",
+        help="prompt tokens of the batch-1 decode (default %(default)s)",
     )
     parser.add_argument("--no-warmup", action="store_true", help="skip the warm-up request")
     common.add_common_args(parser, "reports/throughput.json")

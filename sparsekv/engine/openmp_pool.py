@@ -24,11 +24,12 @@ import logging
 import os
 from pathlib import Path
 
+from sparsekv.env_flags import switched_off
+
 logger = logging.getLogger(__name__)
 
 OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: release threads, keep the runtime initialised
 RELEASE_ENV = "SPARSEKV_OMP_POOL_RELEASE"
-OFF_VALUES = ("0", "false", "off", "no")
 LIBGOMP = "libgomp.so.1"  # the soname; renamed copies are found in /proc/self/maps
 
 _forked_child = False
@@ -71,7 +72,7 @@ def release_thread_pool() -> bool:
         loaded, it lacks ``omp_pause_resource_all`` (GCC < 9), it refused (inside a parallel
         region), this is a forked child, or ``SPARSEKV_OMP_POOL_RELEASE`` is off.
     """
-    if _forked_child or os.environ.get(RELEASE_ENV, "1").strip().lower() in OFF_VALUES:
+    if _forked_child or switched_off(RELEASE_ENV):
         return False
     try:
         libgomp = ctypes.CDLL(loaded_libgomp() or LIBGOMP, mode=os.RTLD_NOLOAD)

@@ -12,10 +12,11 @@ and pointwise-linear ops, the same ones Inductor emits.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 from torch import nn
+
+from sparsekv.env_flags import switched_off
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +34,6 @@ GEMV_MAX_WEIGHT_BYTES = 8 << 20
 # ``SPARSEKV_FP32_PREPACK=0`` (or ``false``, ``off``, ``no``) keeps fp32 linears as
 # ``nn.Linear`` where they would be packed (results then equal MKL's ``nn.Linear`` bit for bit).
 FP32_PREPACK_ENV = "SPARSEKV_FP32_PREPACK"
-OFF_VALUES = ("0", "false", "off", "no")
 
 # Row counts from 2 up to this go through the native small-M GEMM (AMX) instead of oneDNN. It
 # reads the plain weight once for up to 32 rows, with no per-call setup: on the 2-core test VM
@@ -175,10 +175,7 @@ def can_prepack(dtype: torch.dtype, device: str, native_bf16: bool) -> bool:
     where ``SPARSEKV_FP32_PREPACK`` is off."""
     if torch.device(device).type != "cpu":
         return False
-    if (
-        dtype == torch.float32
-        and os.environ.get(FP32_PREPACK_ENV, "").strip().lower() in OFF_VALUES
-    ):
+    if dtype == torch.float32 and switched_off(FP32_PREPACK_ENV):
         return False
     if not (
         (dtype == torch.bfloat16 and native_bf16) or (dtype == torch.float32 and not native_bf16)

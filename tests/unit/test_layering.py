@@ -61,6 +61,7 @@ TIERS = {  # longest matching prefix wins
     "sparsekv.models.fused": 0,
     "sparsekv.config": BASE,
     "sparsekv.parallel_config": BASE,
+    "sparsekv.env_flags": BASE,
     "sparsekv.compression_config": BASE,
     "sparsekv.speculative_config": BASE,
     "sparsekv.outputs": BASE,

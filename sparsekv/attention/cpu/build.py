@@ -15,7 +15,6 @@ fall back to the plain-PyTorch reference (``attention/torch_ref.py``).
 from __future__ import annotations
 
 import functools
-import os
 import sys
 import threading
 import time
@@ -25,6 +24,7 @@ from types import ModuleType
 
 import torch
 
+from sparsekv.env_flags import switched_on
 from sparsekv.ext_cache import cache_folder, compile_operators
 
 EXTENSION_NAME = "sparsekv_cpu_kernels"
@@ -57,12 +57,7 @@ _build_lock = threading.Lock()
 
 def native_disabled() -> bool:
     """True when ``SPARSEKV_DISABLE_NATIVE`` is set to a true value (1, true, yes, on)."""
-    return os.environ.get("SPARSEKV_DISABLE_NATIVE", "").strip().lower() in (
-        "1",
-        "true",
-        "yes",
-        "on",
-    )
+    return switched_on("SPARSEKV_DISABLE_NATIVE")
 
 
 def build_directory() -> Path:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import math
 import os
 import warnings
 
@@ -267,6 +268,14 @@ def window_scores_paged(
         float(scale),
         isa or pick_isa(kv_pool.shape[-1]) or "generic",
     )
+
+
+def check_softmax_scale(scale: float) -> None:
+    """Raise ``ValueError`` unless ``scale`` is a positive finite number: the prefill and
+    window-score kernels take a row's largest logit as its top, which a zero, negative or
+    non-finite scale would turn into NaN or its smallest."""
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a positive finite number, got {scale}")
 
 
 PREFILL_ISA = "avx512_amx"  # the AMX-tile kernels (prefill, fused window scores)

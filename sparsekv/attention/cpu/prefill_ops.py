@@ -19,14 +19,19 @@ in bf16 as before (``prefill_qk_int8_runs`` says where it applies).
 from __future__ import annotations
 
 import functools
-import math
 import os
 import warnings
 
 import torch
 
 from sparsekv.attention.cpu import build
-from sparsekv.attention.cpu.ops import BF16_ISA, ISA_ENV, PREFILL_ISA, _extension
+from sparsekv.attention.cpu.ops import (
+    BF16_ISA,
+    ISA_ENV,
+    PREFILL_ISA,
+    _extension,
+    check_softmax_scale,
+)
 
 PREFILL_VARIANTS = (PREFILL_ISA, BF16_ISA, "avx512", "avx2", "generic")  # fastest first
 FP32_VARIANTS = ("avx512", "avx2", "generic")  # the variants that take fp32 inputs
@@ -190,8 +195,7 @@ def prefill_attention(
     """
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"sliding_window must be positive, got {sliding_window}")
-    if not (math.isfinite(scale) and scale > 0):  # the kernels take a row's max as its top
-        raise ValueError(f"scale must be a positive finite number, got {scale}")
+    check_softmax_scale(scale)
     window = 0 if sliding_window is None else int(sliding_window)
     ext = _extension()
     variant = isa or prefill_isa(query.dtype) or PREFILL_ISA

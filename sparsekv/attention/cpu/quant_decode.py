@@ -100,21 +100,15 @@ def paged_decode_attention_quantized(
         kv_data: ``[num_pages, 2, num_kv_heads, block_size, head_dim]`` int8 or
             float8_e4m3fn codes, contiguous.
         kv_scales: ``[num_pages, 2, num_kv_heads, block_size]`` fp32, contiguous.
-        block_tables: ``[batch, max_blocks]`` int64 page ids.
-        seq_lens: ``[batch]`` int64 logical slot counts (new token included).
-        scale: softmax scale.
-        first_slots: ``[batch]`` int64 logical slot of each first held page (default 0).
-        sliding_window: optional window in slots.
-        logit_softcap: optional tanh soft-cap of the logits.
-        return_attn_mass: also return each held slot's probability summed over its group.
+        block_tables, seq_lens, scale, first_slots, sliding_window, logit_softcap,
+            return_attn_mass: as :func:`ops.paged_decode_attention`.
         isa: kernel variant (default: :func:`ops.pick_isa` with ``quantized=True``: ``head_dim``
             a multiple of four times its lanes); ``avx512_amx`` runs these pools on its vector
             kernel.
 
     Returns:
-        out ``[batch, num_heads, head_dim]`` (query dtype), lse ``[batch, num_heads]`` fp32,
-        mass ``[batch, num_kv_heads, max_blocks * block_size]`` fp32 or ``None``. A request
-        that sees no slot gets a zero output and ``lse = -inf``.
+        out, lse, mass as :func:`ops.paged_decode_attention` (a request that sees no slot gets
+        a zero output and ``lse = -inf``).
 
     Raises:
         RuntimeError: the extension is unavailable or rejects the arguments (dtypes, a scales
@@ -169,21 +163,16 @@ def paged_decode_attention_int4(
         key_zero: ``[num_pages, num_kv_heads, head_dim]`` fp16, contiguous.
         value_scale: ``[num_pages, num_kv_heads, block_size]`` fp16, contiguous.
         value_zero: ``[num_pages, num_kv_heads, block_size]`` fp16, contiguous.
-        block_tables: ``[batch, max_blocks]`` int64 page ids.
         seq_lens: ``[batch]`` int64 logical slot counts; the engine passes whole pages (its
             partial last page stays at full precision outside the pool), but any count works.
-        scale: softmax scale.
-        first_slots: ``[batch]`` int64 logical slot of each first held page (default 0).
-        sliding_window: optional window in slots.
-        logit_softcap: optional tanh soft-cap of the logits.
-        return_attn_mass: also return each held slot's probability summed over its group.
+        block_tables, scale, first_slots, sliding_window, logit_softcap, return_attn_mass: as
+            :func:`ops.paged_decode_attention`.
         isa: kernel variant (default: :func:`ops.pick_isa`; ``head_dim`` a multiple of twice its
             lanes); ``avx512_amx`` runs these pools on its vector kernel.
 
     Returns:
-        out ``[batch, num_heads, head_dim]`` (query dtype), lse ``[batch, num_heads]`` fp32,
-        mass ``[batch, num_kv_heads, max_blocks * block_size]`` fp32 or ``None``. A request
-        that sees no slot gets a zero output and ``lse = -inf``.
+        out, lse, mass as :func:`ops.paged_decode_attention` (a request that sees no slot gets
+        a zero output and ``lse = -inf``).
 
     Raises:
         RuntimeError: the extension is unavailable or rejects the arguments (dtypes, shapes of

@@ -17,13 +17,18 @@ unfused route). The kernels do not soft-cap logits: soft-capped models take the 
 from __future__ import annotations
 
 import functools
-import math
 import os
 
 import torch
 
 from sparsekv.attention.cpu import build
-from sparsekv.attention.cpu.ops import BF16_ISA, ISA_ENV, PREFILL_ISA, _extension
+from sparsekv.attention.cpu.ops import (
+    BF16_ISA,
+    ISA_ENV,
+    PREFILL_ISA,
+    _extension,
+    check_softmax_scale,
+)
 
 VARIANTS = (PREFILL_ISA, BF16_ISA, "avx2", "generic")  # fastest first
 FP32_VARIANTS = ("avx2", "generic")  # the variants that take fp32 queries and keys
@@ -85,13 +90,6 @@ def supports_window_fused_dense(window_queries: torch.Tensor, keys: torch.Tensor
     )
 
 
-def _check_scale(scale: float) -> None:
-    # The kernel subtracts each row's reference from the unscaled logits (the max, or the lse
-    # over the scale): a zero, negative or non-finite scale would turn that into NaN or a min.
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale must be a positive finite number, got {scale}")
-
-
 def window_scores_fused(
     window_queries: torch.Tensor,
     keys: torch.Tensor,
@@ -124,7 +122,7 @@ def window_scores_fused(
         RuntimeError: the extension or its kernel is unavailable, or it rejects the
             arguments (fp32 on a bf16-only variant, mixed dtypes).
     """
-    _check_scale(scale)
+    check_softmax_scale(scale)
     ext = _extension()
     isa = isa or window_fused_isa(keys.dtype) or PREFILL_ISA
     scores, lse_out = ext.window_scores_fused(window_queries, keys, lse, float(scale), isa)
@@ -160,7 +158,7 @@ def window_scores_fused_paged(
         ValueError: as :func:`window_scores_fused`.
         RuntimeError: as :func:`window_scores_fused`, or a page id out of range.
     """
-    _check_scale(scale)
+    check_softmax_scale(scale)
     ext = _extension()
     scores, lse_out = ext.window_scores_fused_paged(
         window_queries,

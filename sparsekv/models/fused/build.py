@@ -14,7 +14,6 @@ callers fall back to the eager PyTorch code (``fused/reference.py``).
 from __future__ import annotations
 
 import functools
-import os
 import sys
 import threading
 import time
@@ -25,6 +24,7 @@ from types import ModuleType
 import torch
 
 from sparsekv.attention.cpu.build import native_disabled
+from sparsekv.env_flags import switched_on
 from sparsekv.ext_cache import cache_folder, compile_operators
 
 EXTENSION_NAME = "sparsekv_fused_ops"
@@ -49,8 +49,7 @@ _build_lock = threading.Lock()
 
 def fused_disabled() -> bool:
     """True when ``SPARSEKV_DISABLE_NATIVE`` or ``SPARSEKV_DISABLE_FUSED_OPS`` is set true."""
-    flag = os.environ.get(DISABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
-    return flag or native_disabled()
+    return switched_on(DISABLE_ENV) or native_disabled()
 
 
 def build_directory() -> Path:

@@ -124,23 +124,17 @@ static void window_fused_columns(const WindowFusedArgs& a, int64_t kvh, const fl
       vf acc[16];
       for (int i = 0; i < 16; ++i) acc[i] = splat(0.0f);
       for (int64_t rb = r0 / 16; rb * 16 < r1; ++rb) {
-        float weight[16];  // 1 / row sum on this head's lanes, 0 on the others
-        int32_t lane[16];  // all ones on this head's lanes
-        for (int c = 0; c < 16; ++c) {
-          const int64_t row = rb * 16 + c;
-          const bool own = row >= r0 && row < r1;
-          weight[c] = own ? inv_sum[row] : 0.0f;
-          lane[c] = own ? -1 : 0;
-        }
-        const vf wv = loadu(weight);
+        const vf wv = loadu(inv_sum + rb * 16);  // 1 / row sum of each lane's row
         const float* col = L + b * 16 * R + rb * 16;
         if (rb * 16 >= r0 && rb * 16 + 16 <= r1) {  // every lane this head's
 #pragma GCC unroll 16
           for (int i = 0; i < 16; ++i) acc[i] += loadu(col + i * R) * wv;
           continue;
         }
-        // A block shared with another head: its lanes are masked out, not weighted by 0, so a
-        // NaN row of one head cannot reach the others' sums.
+        // A block shared with another head: the other head's lanes are masked out (not
+        // weighted by 0, so a NaN row of one head cannot reach the others' sums).
+        int32_t lane[16];
+        for (int c = 0; c < 16; ++c) lane[c] = rb * 16 + c >= r0 && rb * 16 + c < r1 ? -1 : 0;
         vi own;
         __builtin_memcpy(&own, lane, sizeof(own));
 #pragma GCC unroll 16
