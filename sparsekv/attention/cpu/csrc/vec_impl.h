@@ -186,13 +186,33 @@ static inline float hmax(vf v) {
 }
 
 // 2^x to ~2e-7 relative error (degree-6 polynomial of 2^f on [-0.5, 0.5]); exactly 0 below
-// -126 (so masked -inf logits give 0), clamped at 2^127 above.
+// -126 (so masked -inf logits give 0), clamped at 2^127 above; NaN stays NaN. Any vector type V
+// of fp32 lanes with I its int32 lanes: vexp2 below runs it on vf, and the FMA window-score
+// kernel on its native-width vectors (window_fused_fma.h).
+template <class V, class I>
+static inline V vexp2_lanes(V x) {
+  const I under = x < -126.0f - V{};
+  x = x > 127.0f - V{} ? 127.0f - V{} : x;
+  const V magic = 12582912.0f - V{};  // 1.5 * 2^23: adding it rounds to an integer
+  const V n = (x + magic) - magic;
+  const V f = x - n;
+  V p = 1.5403530393381606e-4f - V{};
+  p = p * f + 1.3333558146428443e-3f;
+  p = p * f + 9.6181291076284772e-3f;
+  p = p * f + 5.5504108664821580e-2f;
+  p = p * f + 2.4022650695910071e-1f;
+  p = p * f + 6.9314718055994531e-1f;
+  p = p * f + 1.0f;
+  const I e = (__builtin_convertvector(n, I) + 127) << 23;
+  return under ? V{} : p * (V)e;
+}
+
 static inline vf vexp2(vf x) {
 #if defined(SKV_AVX512) && SKV_W == 16
   // The same result bit for bit in fewer instructions: vrndscaleps rounds to the nearest
   // integer as adding and subtracting 1.5 * 2^23 does for |x| <= 127, and vscalefps multiplies
   // by 2^n exactly as the built exponent bits do (the result is a normal float for x >= -126);
-  // a NaN x stays NaN (the second operand of vminps), as below.
+  // a NaN x stays NaN (the second operand of vminps), as vexp2_lanes keeps it.
   __m512 v = (__m512)x;
   const __mmask16 seen = _mm512_cmp_ps_mask(v, _mm512_set1_ps(-126.0f), _CMP_NLT_UQ);
   v = _mm512_min_ps(_mm512_set1_ps(127.0f), v);
@@ -207,20 +227,7 @@ static inline vf vexp2(vf x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
   return (vf)_mm512_maskz_scalef_ps(seen, p, n);
 #else
-  const vi under = x < splat(-126.0f);
-  x = x > splat(127.0f) ? splat(127.0f) : x;
-  const vf magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
-  const vf n = (x + magic) - magic;
-  const vf f = x - n;
-  vf p = splat(1.5403530393381606e-4f);
-  p = p * f + splat(1.3333558146428443e-3f);
-  p = p * f + splat(9.6181291076284772e-3f);
-  p = p * f + splat(5.5504108664821580e-2f);
-  p = p * f + splat(2.4022650695910071e-1f);
-  p = p * f + splat(6.9314718055994531e-1f);
-  p = p * f + splat(1.0f);
-  const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
-  return under ? splat(0.0f) : p * (vf)e;
+  return vexp2_lanes<vf, vi>(x);
 #endif
 }
 

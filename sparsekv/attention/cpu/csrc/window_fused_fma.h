@@ -67,17 +67,114 @@ static inline void window_fused_stage_keys(const float* K, int64_t stride, int64
       storeu(kf + i * d + e, i < nk ? loadu(K + i * stride + e) : splat(0.0f));
 }
 
-// L[(b * 16 + i) * R + rb * 16 + c] = widened key i . row rb * 16 + c, for i in i0 .. i0 + 3.
+// The hot loops of passes 1 and 2 run on native-width vectors (kFmaLanes lanes, kFmaGroups of
+// them per 16 rows). The passes' 16-lane vf is two AVX2 registers (four SSE / NEON ones): GCC
+// 12 moves arrays of it through the stack around every FMA, and lowers its comparisons and
+// selects to scalar code lane by lane, which left these loops at a tenth of their rate.
+#if defined(SKV_AVX2)
+#define SKV_FMA_LANES 8
+#else
+#define SKV_FMA_LANES 4
+#endif
+typedef float vn __attribute__((vector_size(SKV_FMA_LANES * 4)));
+typedef int32_t vni __attribute__((vector_size(SKV_FMA_LANES * 4)));
+constexpr int kFmaLanes = SKV_FMA_LANES;
+#undef SKV_FMA_LANES
+constexpr int kFmaGroups = 16 / kFmaLanes;  // lane groups of a 16-row block
+// Lane groups per register block: 2 x kFmaKeys accumulators, the query vectors and a
+// broadcast fit AVX2's 16 registers (x86-64 SSE's too).
+constexpr int kFmaGroupsAtOnce = 2;
+
+static inline vn load_native(const float* p) {
+  vn v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+static inline void store_native(float* p, vn v) { __builtin_memcpy(p, &v, sizeof(v)); }
+
+// L[(b * 16 + i) * R + rb * 16 + c] = widened key i . row rb * 16 + c, for i in i0 .. i0 + 3:
+// every (key, row) dot product in one fixed order (p = 0 .. d - 1), as before the split.
 static inline void window_fused_dot_fma(const float* kf, const float* qf, int64_t d, float* L,
                                         int64_t R) {
-  vf acc[kFmaKeys];
-  for (int t = 0; t < kFmaKeys; ++t) acc[t] = splat(0.0f);
-  for (int64_t p = 0; p < d; ++p) {
-    const vf q = loadu(qf + p * 16);
+  for (int g0 = 0; g0 < kFmaGroups; g0 += kFmaGroupsAtOnce) {
+    vn acc[kFmaKeys][kFmaGroupsAtOnce];
+    for (int t = 0; t < kFmaKeys; ++t)
+      for (int g = 0; g < kFmaGroupsAtOnce; ++g) acc[t][g] = vn{};
+    for (int64_t p = 0; p < d; ++p) {
+      vn q[kFmaGroupsAtOnce];
+      for (int g = 0; g < kFmaGroupsAtOnce; ++g)
+        q[g] = load_native(qf + p * 16 + (g0 + g) * kFmaLanes);
 #pragma GCC unroll 4
-    for (int t = 0; t < kFmaKeys; ++t) acc[t] += splat(kf[t * d + p]) * q;
+      for (int t = 0; t < kFmaKeys; ++t) {
+        const vn k = kf[t * d + p] - vn{};  // broadcast
+        for (int g = 0; g < kFmaGroupsAtOnce; ++g) acc[t][g] += k * q[g];
+      }
+    }
+    for (int t = 0; t < kFmaKeys; ++t)
+      for (int g = 0; g < kFmaGroupsAtOnce; ++g)
+        store_native(L + t * R + (g0 + g) * kFmaLanes, acc[t][g]);
   }
-  for (int t = 0; t < kFmaKeys; ++t) storeu(L + t * R, acc[t]);
+}
+
+// window_fused_block_max on native-width vectors: the same maxima, reduced in the same tree.
+static void window_fused_block_max_fma(const WindowFusedArgs& a, int64_t b, const float* L,
+                                       const float* thr, float* mx) {
+  const int64_t R = a.rows;
+  const bool all_seen = b * 16 + 15 <= a.n - a.w;  // the first window row sees slot n - w
+  for (int64_t g = 0; g < R / kFmaLanes; ++g) {
+    const vn last = load_native(thr + g * kFmaLanes);
+    vn v[16];
+    for (int i = 0; i < 16; ++i) {
+      v[i] = load_native(L + (b * 16 + i) * R + g * kFmaLanes);
+      if (!all_seen) v[i] = (float)(b * 16 + i) - vn{} <= last ? v[i] : kNegInf - vn{};
+    }
+    for (int s = 8; s > 0; s /= 2)
+      for (int i = 0; i < s; ++i) v[i] = v[i] > v[i + s] ? v[i] : v[i + s];
+    const vn old = load_native(mx + g * kFmaLanes);
+    store_native(mx + g * kFmaLanes, old > v[0] ? old : v[0]);
+  }
+}
+
+// window_fused_softmax for row block rb on native-width vectors: the same terms, sums and
+// finishing step (window_fused_passes.h explains the shift and the cap at 1).
+static void window_fused_softmax_fma(const WindowFusedArgs& a, int64_t rb, float* L,
+                                     const float* thr, const float* mx, float* lse_row,
+                                     float* inv_sum) {
+  const int64_t R = a.rows, keys = a.num_blocks * 16, off = rb * 16;
+  const vn qscale = a.scale * kLog2e - vn{}, one = 1.0f - vn{};
+  vn last[kFmaGroups], shift[kFmaGroups], sum[kFmaGroups];
+  for (int g = 0; g < kFmaGroups; ++g) {
+    const int64_t at = off + g * kFmaLanes;
+    last[g] = load_native(thr + at);
+    shift[g] = a.lse_in != nullptr ? load_native(lse_row + at) / (a.scale - vn{})
+               : last[g] >= vn{}   ? load_native(mx + at)
+                                   : vn{};
+    sum[g] = vn{};
+  }
+  const int64_t unmasked = a.group * a.w == R ? a.n - a.w + 1 : 0;
+  for (int64_t j = 0; j < unmasked; ++j)
+    for (int g = 0; g < kFmaGroups; ++g) {
+      float* p = L + j * R + off + g * kFmaLanes;
+      vn e = vexp2_lanes<vn, vni>((load_native(p) - shift[g]) * qscale);
+      e = one < e ? one : e;  // vmin(e, 1): a NaN e stays NaN
+      store_native(p, e);
+      sum[g] += e;
+    }
+  for (int64_t j = unmasked; j < keys; ++j) {
+    const vn key = (float)j - vn{};
+    for (int g = 0; g < kFmaGroups; ++g) {
+      float* p = L + j * R + off + g * kFmaLanes;
+      vn e = vexp2_lanes<vn, vni>((load_native(p) - shift[g]) * qscale);
+      e = one < e ? one : e;
+      const vn kept = key <= last[g] ? e : vn{};
+      store_native(p, kept);
+      sum[g] += kept;
+    }
+  }
+  float s[16], sh[16];
+  __builtin_memcpy(s, sum, sizeof(s));
+  __builtin_memcpy(sh, shift, sizeof(sh));
+  window_fused_finish_rows(a, off, s, sh, thr, lse_row, inv_sum);
 }
 
 // Logits of every key against every row into L[key][row] (keys past n: zero-key logits), and
@@ -104,7 +201,7 @@ static void window_fused_logits_fma(const WindowFusedArgs& a, int64_t kvh, const
     for (int64_t rb = 0; rb < R / 16; ++rb)
       for (int64_t i = 0; i < 16; i += kFmaKeys)
         window_fused_dot_fma(kf + i * d, qf + rb * d * 16, d, L + (b * 16 + i) * R + rb * 16, R);
-    if (mx != nullptr) window_fused_block_max(a, b, L, thr, mx);
+    if (mx != nullptr) window_fused_block_max_fma(a, b, L, thr, mx);
   }
 }
 
@@ -130,10 +227,8 @@ static void window_fused_item_fma(const WindowFusedArgs& a, int64_t kvh, float* 
   }
   window_fused_pack_queries_fma(a, kvh, qf);
   window_fused_logits_fma(a, kvh, qf, L, kf, thr, a.lse_in == nullptr ? mx : nullptr);
-  for (int64_t rb = 0; rb < R / 16; rb += 4) {
-    const int count = R / 16 - rb < 4 ? (int)(R / 16 - rb) : 4;
-    window_fused_softmax(a, rb, count, L, thr, mx, lse_row, inv_sum);
-  }
+  for (int64_t rb = 0; rb < R / 16; ++rb)
+    window_fused_softmax_fma(a, rb, L, thr, mx, lse_row, inv_sum);
   window_fused_columns(a, kvh, L, inv_sum);
   for (int64_t r = 0; r < used; ++r)
     a.lse_out[(kvh * a.group + r / a.w) * a.w + r % a.w] = lse_row[r];

@@ -49,6 +49,23 @@ static void window_fused_block_max(const WindowFusedArgs& a, int64_t b, const fl
   }
 }
 
+// The end of pass 2 for the 16 rows from off: each row's lse (its shift times the scale plus
+// the log of its sum s) and 1 / s; with a given LSE, 1 (the terms are already normalized).
+// Padding rows (thr < 0) get 0.
+static inline void window_fused_finish_rows(const WindowFusedArgs& a, int64_t off,
+                                            const float* s, const float* sh, const float* thr,
+                                            float* lse_row, float* inv_sum) {
+  for (int c = 0; c < 16; ++c) {
+    if (a.lse_in != nullptr) {
+      inv_sum[off + c] = 1.0f;
+      continue;
+    }
+    const bool row = thr[off + c] >= 0.0f;
+    lse_row[off + c] = row ? sh[c] * a.scale + __builtin_logf(s[c]) : 0.0f;
+    inv_sum[off + c] = row ? 1.0f / s[c] : 0.0f;
+  }
+}
+
 // Pass 2 for row blocks rb0 .. rb0 + count - 1 (count <= 4): probabilities exp(logit - lse)
 // over L in place (zero where a row does not see the key), and 1 / their row sums (1 where the
 // LSE was given).
@@ -96,19 +113,10 @@ static void window_fused_softmax(const WindowFusedArgs& a, int64_t rb0, int coun
     }
   }
   for (int t = 0; t < count; ++t) {
-    const int64_t off = (rb0 + t) * 16;
-    if (a.lse_in != nullptr) {
-      storeu(inv_sum + off, splat(1.0f));
-      continue;
-    }
     float s[16], sh[16];
     __builtin_memcpy(s, &sum[t], sizeof(s));
     __builtin_memcpy(sh, &shift[t], sizeof(sh));
-    for (int c = 0; c < 16; ++c) {
-      const bool row = thr[off + c] >= 0.0f;
-      lse_row[off + c] = row ? sh[c] * a.scale + __builtin_logf(s[c]) : 0.0f;
-      inv_sum[off + c] = row ? 1.0f / s[c] : 0.0f;
-    }
+    window_fused_finish_rows(a, (rb0 + t) * 16, s, sh, thr, lse_row, inv_sum);
   }
 }
 
