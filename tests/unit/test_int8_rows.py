@@ -1,14 +1,19 @@
 """W8A8 prefill matmuls on ``int8`` weights (``int8_rows.int8_rows_matmul``): x's rows quantized to
 int8 with one scale each, the products exact in int32, the scaling in fp32.
 
-Checked against a PyTorch reference of the same arithmetic on every variant with int8 dot
-products this CPU runs (``avx512_amx``, ``avx512_vnni``; the others are named untested), for
-ragged row counts around the chunking (:data:`int8_rows.INT8_CHUNK_ROWS`); a ``QuantizedLinear`` built
+Checked against a PyTorch reference of the same arithmetic on every variant with the path this
+CPU runs (``avx512_amx``, ``avx512_vnni``, ``avx2``; the others are named untested), for ragged
+row counts around the chunking (:data:`int8_rows.INT8_CHUNK_ROWS`); a ``QuantizedLinear`` built
 with ``int8_rows`` (``--weight-dtype w8a8``) takes the path for more than its kernel rows, one
-without it and any on variants without int8 dot products keep the dense path.
+without it and any on the other variants keep the dense path. Where oneDNN's int8 GEMM saturates
+(AVX2 without VNNI; emulated here in a subprocess limited to AVX2) weights have 7-bit codes.
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -16,7 +21,12 @@ import torch.nn.functional as F
 
 from sparsekv.models.layers import GatedMLP
 from sparsekv.models.quant import build, int8_rows, ops
-from sparsekv.models.quant.formats import dequantize_reference, pack_bf16, quantize_int8
+from sparsekv.models.quant.formats import (
+    PackedTensor,
+    dequantize_reference,
+    pack_bf16,
+    quantize_int8,
+)
 from sparsekv.models.quant.linear import QuantizedLinear
 
 INT8_ISAS = [
@@ -26,6 +36,13 @@ INT8_ISAS = [
 # Rows of x: past the kernels' 64, one chunk, just over one chunk (two near-equal ones), and
 # several; in_features with and without a vector tail.
 ROWS = (65, 100, 512, 513, 1100)
+
+
+def _quantize(weight: torch.Tensor):
+    """``quantize_int8`` as ``--weight-dtype w8a8`` packs here: 7-bit codes where the int8 GEMM
+    saturates."""
+    saturates = int8_rows.int8_gemm_saturates()
+    return quantize_int8(weight, int8_rows.SATURATING_GEMM_CODE_MAX if saturates else 127)
 
 
 def _reference(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -56,7 +73,7 @@ def int8_isa(request, monkeypatch) -> str:
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_fp32_rows_match_the_reference(int8_isa, rows, in_features, with_bias):
     g = torch.Generator().manual_seed(rows + in_features)
-    weight = quantize_int8(torch.randn(200, in_features, generator=g))
+    weight = _quantize(torch.randn(200, in_features, generator=g))
     x = torch.randn(rows, in_features, generator=g) * torch.rand(rows, 1, generator=g) * 4
     bias = torch.randn(200, generator=g) if with_bias else None
     assert int8_rows.int8_rows_runs(x)
@@ -71,7 +88,7 @@ def test_bf16_rows_round_once(int8_isa, rows, in_features, out_features):
     # 579 inputs and 200 outputs: the masked bf16 loads and stores of the vector tails; x is a
     # column slice of a wider tensor (row stride past in_features)
     g = torch.Generator().manual_seed(rows)
-    weight = quantize_int8(torch.randn(out_features, in_features, generator=g))
+    weight = _quantize(torch.randn(out_features, in_features, generator=g))
     wide = torch.randn(rows, in_features + 37, generator=g).bfloat16()
     x = wide[:, :in_features]
     bias = torch.randn(out_features, generator=g)
@@ -100,7 +117,7 @@ def test_codes_are_exact(int8_isa):
 
 def test_zero_and_non_finite_rows_stay_in_their_row(int8_isa):
     g = torch.Generator().manual_seed(5)
-    weight = quantize_int8(torch.randn(32, 128, generator=g))
+    weight = _quantize(torch.randn(32, 128, generator=g))
     bias = torch.randn(32, generator=g)
     x = torch.randn(90, 128, generator=g)
     x[4] = 0.0
@@ -118,7 +135,7 @@ def test_zero_and_non_finite_rows_stay_in_their_row(int8_isa):
 def test_linear_takes_the_path_past_its_kernel_rows(int8_isa):
     g = torch.Generator().manual_seed(7)
     dense = torch.randn(96, 160, generator=g)
-    layer = QuantizedLinear([quantize_int8(dense)], torch.randn(96, generator=g), int8_rows=True)
+    layer = QuantizedLinear([_quantize(dense)], torch.randn(96, generator=g), int8_rows=True)
     x = torch.randn(2, 100, 160, generator=g)  # 200 rows: past the kernels' 64
     y = layer(x)
     expected = _reference(x.reshape(-1, 160), layer.parts[0], layer.bias).reshape(2, 100, 96)
@@ -137,31 +154,31 @@ def test_int8_rows_needs_one_int8_part():
         QuantizedLinear([pack_bf16(torch.randn(16, 32))], int8_rows=True)
 
 
-@pytest.mark.parametrize("isa", ["avx512_bf16", "avx2", "generic"])
-def test_variants_without_int8_dots_stay_dense(isa, monkeypatch):
+@pytest.mark.parametrize("isa", ["avx512_bf16", "generic"])
+def test_variants_without_the_path_stay_dense(isa, monkeypatch):
     if isa not in ops.available_isas():
         isa = "generic"  # always runs: the case still checks the dense path
     monkeypatch.setenv(ops.ISA_ENV, isa)
     g = torch.Generator().manual_seed(9)
-    weight = quantize_int8(torch.randn(40, 128, generator=g))
+    weight = _quantize(torch.randn(40, 128, generator=g))
     layer = QuantizedLinear([weight], int8_rows=True)
     x = torch.randn(100, 128, generator=g)
     assert not int8_rows.int8_rows_runs(x)
     expected = x @ dequantize_reference(weight).T
     torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
     # (with the native kernels disabled there is no op at all)
-    with pytest.raises(RuntimeError, match="int8 dot products|needs the native packed-weight"):
+    with pytest.raises(RuntimeError, match="int8 GEMM passes|needs the native packed-weight"):
         int8_rows.int8_rows_matmul(x, weight)
 
 
 def test_bad_arguments_raise(int8_isa):
-    weight = quantize_int8(torch.randn(8, 64))
+    weight = _quantize(torch.randn(8, 64))
     with pytest.raises(RuntimeError, match="x must be a CPU float32 or bfloat16"):
         int8_rows.int8_rows_matmul(torch.randn(70, 32), weight)
     with pytest.raises(RuntimeError, match="x must be a CPU float32 or bfloat16"):
         int8_rows.int8_rows_matmul(torch.randn(70, 64).half(), weight)
     with pytest.raises(RuntimeError, match=r"in_features must be in \[1, 133143\]"):
-        int8_rows.int8_rows_matmul(torch.randn(70, 133144), quantize_int8(torch.randn(2, 133144)))
+        int8_rows.int8_rows_matmul(torch.randn(70, 133144), _quantize(torch.randn(2, 133144)))
     # a column-strided x is made contiguous first
     x = torch.randn(64, 70).T
     torch.testing.assert_close(
@@ -184,7 +201,7 @@ def _gated_reference(x, weight, bias, activation):
 def test_gated_rows_match_the_reference(int8_isa, activation, with_bias):
     # 600 rows (two chunks), 579 inputs, 2 x 200 outputs (vector tails)
     g = torch.Generator().manual_seed(11)
-    weight = quantize_int8(torch.randn(400, 579, generator=g))
+    weight = _quantize(torch.randn(400, 579, generator=g))
     x = torch.randn(600, 579, generator=g) * torch.rand(600, 1, generator=g) * 0.3
     bias = torch.randn(400, generator=g) if with_bias else None
     y = int8_rows.int8_rows_matmul(x, weight, bias, activation)
@@ -202,10 +219,10 @@ def test_gated_mlp_applies_the_activation_in_the_int8_path(int8_isa, monkeypatch
     mlp = GatedMLP(128, 96, "silu")
     with torch.no_grad():
         mlp.gate_up_proj = QuantizedLinear(
-            [quantize_int8(torch.randn(192, 128, generator=g))], int8_rows=True
+            [_quantize(torch.randn(192, 128, generator=g))], int8_rows=True
         )
         mlp.down_proj = QuantizedLinear(
-            [quantize_int8(torch.randn(128, 96, generator=g))], int8_rows=True
+            [_quantize(torch.randn(128, 96, generator=g))], int8_rows=True
         )
     x = torch.randn(150, 128, generator=g)
     fused = mlp(x)
@@ -223,11 +240,11 @@ def test_gated_mlp_applies_the_activation_in_the_int8_path(int8_isa, monkeypatch
 def test_gated_arguments_raise(int8_isa):
     x = torch.randn(70, 64)
     with pytest.raises(RuntimeError, match="activation must be '', 'silu' or 'gelu_tanh'"):
-        int8_rows.int8_rows_matmul(x, quantize_int8(torch.randn(8, 64)), None, "relu")
+        int8_rows.int8_rows_matmul(x, _quantize(torch.randn(8, 64)), None, "relu")
     with pytest.raises(RuntimeError, match="needs an even number of output features"):
-        int8_rows.int8_rows_matmul(x, quantize_int8(torch.randn(7, 64)), None, "silu")
+        int8_rows.int8_rows_matmul(x, _quantize(torch.randn(7, 64)), None, "silu")
     with pytest.raises(RuntimeError, match=r"bias must be a contiguous CPU float32 \[8\]"):
-        int8_rows.int8_rows_matmul(x, quantize_int8(torch.randn(8, 64)), torch.zeros(4), "silu")
+        int8_rows.int8_rows_matmul(x, _quantize(torch.randn(8, 64)), torch.zeros(4), "silu")
 
 
 @pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
@@ -252,9 +269,9 @@ def test_gated_mlp_gelu_bf16_and_hooks_fall_back(int8_isa):
     g = torch.Generator().manual_seed(17)
     mlp = GatedMLP(64, 48, "gelu_tanh")
     mlp.gate_up_proj = QuantizedLinear(
-        [quantize_int8(torch.randn(96, 64, generator=g))], int8_rows=True
+        [_quantize(torch.randn(96, 64, generator=g))], int8_rows=True
     )
-    mlp.down_proj = QuantizedLinear([quantize_int8(torch.randn(64, 48, generator=g))])
+    mlp.down_proj = QuantizedLinear([_quantize(torch.randn(64, 48, generator=g))])
     x = torch.randn(100, 64, generator=g).bfloat16()
     hidden = int8_rows.int8_rows_matmul(x, mlp.gate_up_proj.parts[0], None, "gelu_tanh")
     assert torch.equal(mlp(x), mlp.down_proj(hidden))
@@ -262,3 +279,51 @@ def test_gated_mlp_gelu_bf16_and_hooks_fall_back(int8_isa):
     mlp.gate_up_proj.register_forward_hook(lambda module, inputs, output: output * 0)
     assert mlp.gate_up_proj.gated_forward(x, "gelu_tanh") is None
     assert torch.equal(mlp(x), mlp.down_proj(torch.zeros(100, 48, dtype=torch.bfloat16)))
+
+
+# A process whose oneDNN is limited to AVX2 (an AVX2-only CPU's int8 GEMM, which sums u8 x s8
+# pairs in saturating int16): full-range codes come out wrong there, 7-bit ones exact; w8a8
+# packing picks 7 bits; the avx2 passes around the GEMM give the reference's values.
+AVX2_GEMM = """
+import sys, torch
+from torch import nn
+from sparsekv.models.quant import int8_rows, ops
+from sparsekv.models.quant.apply import apply_weight_dtype
+from sparsekv.models.quant.formats import quantize_int8
+torch.set_num_threads(1)
+assert int8_rows.int8_gemm_saturates()
+full = torch.full((32, 64), 127, dtype=torch.int8)
+assert torch._int_mm(full, full.T.contiguous())[0, 0] != 127 * 127 * 64
+model = nn.Module()
+model.proj = nn.Linear(200, 96, bias=False)
+assert apply_weight_dtype(model, "w8a8") == 1
+codes = model.proj.parts[0].data[:, 4:].contiguous().view(torch.int8)
+assert codes.abs().max() == int8_rows.SATURATING_GEMM_CODE_MAX
+g = torch.Generator().manual_seed(1)
+weight = quantize_int8(torch.randn(96, 200, generator=g), int8_rows.SATURATING_GEMM_CODE_MAX)
+x = torch.randn(130, 200, generator=g)
+assert int8_rows.int8_rows_runs(x) and ops.resolved_kernels()[1] == "avx2"
+torch.save({"weight": weight.data, "x": x, "y": int8_rows.int8_rows_matmul(x, weight),
+            "y_silu": int8_rows.int8_rows_matmul(x, weight, None, "silu")}, sys.argv[1])
+"""
+
+
+@pytest.mark.kernel_variant("packed_weights", "avx2")
+def test_saturating_int8_gemm_gets_seven_bit_weights(tmp_path):
+    assert build.load_extension() is not None, "the packed-weight extension failed to build"
+    out = tmp_path / "avx2.pt"
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", **{ops.ISA_ENV: "avx2"})
+    subprocess.run(
+        [sys.executable, "-c", AVX2_GEMM, str(out)], env=env, capture_output=True, check=True
+    )
+    got = torch.load(out)
+    weight = PackedTensor("int8", 200, got["weight"])
+    expected = _reference(got["x"], weight, None)
+    torch.testing.assert_close(
+        got["y"], expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item()
+    )
+    half = expected.shape[1] // 2
+    gated = F.silu(expected[:, :half]) * expected[:, half:]
+    torch.testing.assert_close(
+        got["y_silu"], gated, rtol=1e-5, atol=1e-5 * gated.abs().max().item()
+    )

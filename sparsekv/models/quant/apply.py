@@ -3,7 +3,8 @@
 ``gguf`` takes each linear's weight from the checkpoint's raw GGUF blocks (through the same
 name table the dense loader walks, so fused QKV / gate-up projections collect their split
 parts); ``int8`` quantizes every linear weight per output channel (``w8a8`` too, and its
-prefill-sized matmuls quantize activations per row: ``QuantizedLinear``); ``bf16`` stores them
+prefill-sized matmuls quantize activations per row: ``QuantizedLinear``; to 7 bits where the
+int8 GEMM saturates, ``int8_rows.int8_gemm_saturates``); ``bf16`` stores them
 as bf16 rows. Embeddings and norms stay dense; so does a linear whose weight the file keeps in a
 format the kernels do not read (logged). In a bf16 model on a CPU whose packed-weight kernels
 run a variant of ``ops.X16_VARIANTS`` (``avx512_amx``, ``avx512_vnni``, ``avx2``), Q4_0 / Q4_1
@@ -13,6 +14,7 @@ run a variant of ``ops.X16_VARIANTS`` (``avx512_amx``, ``avx512_vnni``, ``avx2``
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import Counter
 
@@ -20,7 +22,7 @@ import torch
 from torch import nn
 
 from sparsekv.models.prepack import PackedLinear
-from sparsekv.models.quant import ops
+from sparsekv.models.quant import int8_rows, ops
 from sparsekv.models.quant.formats import X16_FORMATS, PackedTensor, pack_bf16, quantize_int8
 from sparsekv.models.quant.linear import QuantizedLinear
 from sparsekv.models.weights import source_forms
@@ -64,6 +66,9 @@ def apply_weight_dtype(model: nn.Module, weight_dtype: str, checkpoint=None) -> 
         return 0  # already bf16: the dense bf16 path (oneDNN / AMX where present) is faster
     if weight_dtype in ("int8", "w8a8", "bf16"):
         pack = pack_bf16 if weight_dtype == "bf16" else quantize_int8
+        if weight_dtype == "w8a8" and int8_rows.int8_gemm_saturates():
+            # 7-bit codes: the only ones oneDNN's AVX2 int8 GEMM multiplies exactly
+            pack = functools.partial(quantize_int8, code_max=int8_rows.SATURATING_GEMM_CODE_MAX)
         return _pack_dense(model, pack, int8_rows=weight_dtype == "w8a8")
     raise ValueError(
         f"weight_dtype must be one of auto, bf16, int8, w8a8, gguf, got {weight_dtype!r}"

@@ -244,16 +244,22 @@ def _q6_k_values(blocks: torch.Tensor) -> torch.Tensor:
 _SUPER_BLOCK_DEQUANTIZERS = {"q4_k": _q4_k_values, "q6_k": _q6_k_values}
 
 
-def quantize_int8(weight: torch.Tensor) -> PackedTensor:
+def quantize_int8(weight: torch.Tensor, code_max: int = 127) -> PackedTensor:
     """Per-output-channel symmetric int8 of a dense ``[out_features, in_features]`` weight.
 
-    ``s = max|w| / 127`` per row in fp32 (1 for an all-zero row), ``q = round(w / s)`` (round
-    half to even), so ``|w - s q| <= s / 2``.
+    ``s = max|w| / code_max`` per row in fp32 (1 for an all-zero row), ``q = round(w / s)``
+    (round half to even), so ``|w - s q| <= s / 2``. ``code_max`` below 127 keeps the codes
+    within an int8 GEMM's exact range (``int8_rows.SATURATING_GEMM_CODE_MAX``: 7 bits).
+
+    Raises:
+        ValueError: ``code_max`` outside [1, 127].
     """
+    if not 1 <= code_max <= 127:
+        raise ValueError(f"code_max must be in [1, 127], got {code_max}")
     w = weight.detach().float()
-    scale = w.abs().amax(dim=1, keepdim=True) / 127.0
+    scale = w.abs().amax(dim=1, keepdim=True) / float(code_max)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    codes = torch.round(w / scale).clamp_(-127, 127).to(torch.int8)
+    codes = torch.round(w / scale).clamp_(-code_max, code_max).to(torch.int8)
     data = torch.cat([scale.view(torch.uint8), codes.view(torch.uint8)], dim=1)
     return PackedTensor("int8", w.shape[1], data.contiguous())
 

@@ -1,19 +1,28 @@
 """Prefill-sized matmuls of ``--weight-dtype w8a8`` layers: ``x``'s rows quantized to int8
 (one dynamic scale each) and multiplied with per-channel int8 weights in oneDNN's int8 GEMM,
-between two native AVX-512 passes (``csrc/int8_rows_*``), on the packed-weight variants with
-int8 dot products.
+between two native passes (``csrc/int8_rows_*``: AVX-512 on the variants with int8 dot
+products, AVX2 on the others).
+
+oneDNN's AVX2 int8 GEMM (CPUs without VNNI) sums pairs of u8 x s8 products in saturating int16
+(``vpmaddubsw``): exact only while the weight codes stay within [-64, 63], so ``w8a8`` weights
+are quantized to 7 bits there (:func:`int8_gemm_saturates`, ``apply.py``).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
 from sparsekv.models.quant import ops
 from sparsekv.models.quant.formats import PackedTensor
 
-# The variants with int8 dot products: on them, prefill-sized matmuls on int8 weights quantize
-# x's rows to int8 and multiply in int32 (:func:`int8_rows_matmul`).
-INT8_ROWS_VARIANTS = ("avx512_amx", "avx512_vnni")
+# The variants with the passes of :func:`int8_rows_matmul`: on them, prefill-sized matmuls on
+# int8 weights quantize x's rows to int8 and multiply in int32.
+INT8_ROWS_VARIANTS = ("avx512_amx", "avx512_vnni", "avx2")
+# Largest weight code of ``w8a8`` layers where the int8 GEMM saturates: u8 x s8 pair sums of
+# at most 2 * 255 * 64 fit int16.
+SATURATING_GEMM_CODE_MAX = 63
 # Rows of x per int8 product of that path: a chunk's int32 products stay in cache for the
 # scaling pass (SmolLM2's 3072 x 576 gate / up at 4000 rows, 2 threads, Zen 4: 22.9 ms in
 # chunks of 512 against 31.0 ms at once, the int8 product alone).
@@ -36,6 +45,18 @@ def int8_rows_runs(x: torch.Tensor) -> bool:
     return ext is not None and variant in INT8_ROWS_VARIANTS
 
 
+@functools.cache
+def int8_gemm_saturates() -> bool:
+    """Whether ``torch._int_mm`` (oneDNN's int8 GEMM on the CPU) loses products of full-range
+    int8 codes here: True on CPUs without VNNI (AVX2 only), where it sums pairs of u8 x s8
+    products in saturating int16; weights for :func:`int8_rows_matmul` must then keep their
+    codes within +-:data:`SATURATING_GEMM_CODE_MAX`. Probed once per process with one product
+    whose exact value it must return (``127 * 127 * 64``)."""
+    a = torch.full((32, 64), 127, dtype=torch.int8)
+    b = torch.full((64, 32), 127, dtype=torch.int8)
+    return int(torch._int_mm(a, b)[0, 0]) != 127 * 127 * 64
+
+
 # Gated activations the int8 path applies in its scaling pass (``activation``).
 INT8_ROWS_ACTIVATIONS = ("silu", "gelu_tanh")
 
@@ -52,8 +73,9 @@ def int8_rows_matmul(
 
     Per row ``r``: ``s_r = max|x_r| / 127``, codes ``round(x_r * 127 / max|x_r|)`` (nearest
     even); ``y[r, c] = (codes_r . q_c) * s_r * w_c + bias[c]``, the dot product exact in int32
-    (oneDNN's int8 GEMM through ``torch._int_mm``), the scaling in fp32, rounded once to
-    ``x``'s dtype. Rows go in chunks of at most :data:`INT8_CHUNK_ROWS` (fewer for a wide
+    (oneDNN's int8 GEMM through ``torch._int_mm``; where :func:`int8_gemm_saturates`, only for
+    weight codes within +-:data:`SATURATING_GEMM_CODE_MAX`), the scaling in fp32, rounded once
+    to ``x``'s dtype. Rows go in chunks of at most :data:`INT8_CHUNK_ROWS` (fewer for a wide
     weight: ~8 MiB of int32 products per chunk).
 
     With an ``activation`` (``silu``, ``gelu_tanh``) the weight is a fused gate / up projection
@@ -71,7 +93,7 @@ def int8_rows_matmul(
         activation).
 
     Raises:
-        RuntimeError: the variant in use has no int8 dot products (check
+        RuntimeError: the variant in use has no passes for this path (check
             :func:`int8_rows_runs`), an unknown activation, an odd ``out_features`` with one,
             or shapes / dtypes that do not match.
     """

@@ -1,7 +1,8 @@
 // torch.ops.sparsekv_quant.int8_rows_matmul: prefill-sized matmuls on per-channel int8 weights
 // with x's rows quantized to int8 (W8A8, one dynamic scale per row), the products in oneDNN's
-// int8 GEMM (at::_int_mm: vpdpbusd / AMX-INT8) between the variant's two element-wise passes
-// (int8_rows_impl.h). Compiled for the baseline ISA, as binding.cpp.
+// int8 GEMM (at::_int_mm: vpdpbusd / AMX-INT8; vpmaddubsw on AVX2) between the variant's two
+// element-wise passes (int8_rows_impl.h, int8_rows_avx2_impl.h). Compiled for the baseline ISA,
+// as binding.cpp.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_int_mm.h>
@@ -50,7 +51,7 @@ at::Tensor int8_rows_matmul(const at::Tensor& x, const at::Tensor& w, int64_t k,
   check_bias(bias, n);  // gate and up: n, not y's out columns
   const auto& table = qk::table_named(isa);
   TORCH_CHECK(table.quantize_rows != nullptr, "int8_rows_matmul needs a kernel variant with int8 ",
-              "dot products (avx512_amx, avx512_vnni), got '", table.name, "'");
+              "GEMM passes (avx512_amx, avx512_vnni, avx2), got '", table.name, "'");
   if (m == 0 || n == 0) return y;
   const uint8_t* rows = w.const_data_ptr<uint8_t>();
   std::vector<float> col_scale(n);
