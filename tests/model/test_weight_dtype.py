@@ -6,10 +6,12 @@ with ``gguf`` weights, teacher-forced on the dense (dequantized fp32) engine's g
 agrees on all 8 x 64 positions (measured 1.0, KL ~1e-11 nats on the 2-core AMD test machine;
 the floor 0.99 is the required bound). ``int8`` requantizes the dequantized weights per output
 channel: measured 0.949 mean agreement (worst text 0.906), floor 0.90. ``w8a8`` also
-quantizes the prefill's activations per token (on the variants with int8 dot products):
-measured 0.922 (worst text 0.859) in fp32 and 0.912 (0.812) in bf16 on the AMD Zen 4 test
-machine (the same engine with the activation applied after a bf16 gate / up output, as before it
-moved into the int8 path's scaling pass: 0.924 and 0.928; a few near-ties move), floor 0.88.
+quantizes the prefill's activations per token (on the variants with that path: ``avx512_amx``,
+``avx512_vnni``, ``avx2``): measured 0.922 (worst text 0.859) in fp32 and 0.912 (0.812) in bf16
+on the AMD Zen 4 test machine (the same engine with the activation applied after a bf16 gate /
+up output, as before it moved into the int8 path's scaling pass: 0.924 and 0.928; a few
+near-ties move); with 7-bit weights, as where oneDNN's int8 GEMM saturates (AVX2 without VNNI,
+emulated on that machine), 0.926 (0.844) in fp32; floor 0.88.
 ``int8`` in bf16 (untested) measured 0.947 (worst 0.906). A bf16 engine on the
 ``gguf`` weights (bf16 activations into the packed kernels; bf16 rounding everywhere else too)
 measured 0.977 with the ``avx512_bf16`` variant (worst text 0.938), 0.977 with ``avx512_vnni``

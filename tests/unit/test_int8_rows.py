@@ -327,3 +327,20 @@ def test_saturating_int8_gemm_gets_seven_bit_weights(tmp_path):
     torch.testing.assert_close(
         got["y_silu"], gated, rtol=1e-5, atol=1e-5 * gated.abs().max().item()
     )
+
+
+def test_seven_bit_codes_round_within_half_a_step():
+    g = torch.Generator().manual_seed(19)
+    w = torch.randn(24, 100, generator=g)
+    w[3] = 0.0
+    packed = quantize_int8(w, int8_rows.SATURATING_GEMM_CODE_MAX)
+    codes = packed.data[:, 4:].contiguous().view(torch.int8)
+    scales = packed.data[:, :4].contiguous().view(torch.float32).reshape(-1)
+    assert codes.abs().max() == 63 and (codes.abs().amax(dim=1)[[0, 5]] == 63).all()
+    assert scales[3] == 1.0 and not codes[3].any()
+    torch.testing.assert_close(scales[0], w[0].abs().max() / 63)
+    err = (codes.float() * scales[:, None] - w).abs()
+    assert (err <= scales[:, None] / 2 + 1e-7).all()
+    for bad in (0, 128, -5):
+        with pytest.raises(ValueError, match="code_max must be in"):
+            quantize_int8(w, bad)
