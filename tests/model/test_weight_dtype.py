@@ -11,7 +11,7 @@ quantizes the prefill's activations per token (on the variants with that path: `
 on the AMD Zen 4 test machine (the same engine with the activation applied after a bf16 gate /
 up output, as before it moved into the int8 path's scaling pass: 0.924 and 0.928; a few
 near-ties move); with 7-bit weights, as where oneDNN's int8 GEMM saturates (AVX2 without VNNI,
-emulated on that machine), 0.926 (0.844) in fp32; floor 0.88.
+emulated on that machine; the output head keeps 8 bits), 0.912 (0.844) in fp32; floor 0.88.
 ``int8`` in bf16 (untested) measured 0.947 (worst 0.906). A bf16 engine on the
 ``gguf`` weights (bf16 activations into the packed kernels; bf16 rounding everywhere else too)
 measured 0.977 with the ``avx512_bf16`` variant (worst text 0.938), 0.977 with ``avx512_vnni``
@@ -270,7 +270,10 @@ def test_dense_checkpoint_packs_at_load(smollm2_tokenizer, make_engine, weight_d
     assert {m.int8_rows for m in layers if m is not head} == {weight_dtype == "w8a8"}
     state = tiny.state_dict["model.layers.0.mlp.down_proj.weight"]
     down = engine.parts.model.layers[0].mlp.down_proj
-    tolerance = 2**-8 if stored == "bf16" else 1 / 254
+    # int8: half a step of max|w| / 127; w8a8 where the int8 GEMM saturates: of max|w| / 63
+    seven_bit = weight_dtype == "w8a8" and int8_rows.int8_gemm_saturates()
+    code_max = int8_rows.SATURATING_GEMM_CODE_MAX if seven_bit else 127
+    tolerance = 2**-8 if stored == "bf16" else 1 / (2 * code_max)
     error = (dequantize_reference(down.parts[0]) - state).abs()
     assert (error <= tolerance * state.abs().amax(dim=1, keepdim=True)).all()
 

@@ -290,18 +290,28 @@ from torch import nn
 from sparsekv.models.quant import int8_rows, ops
 from sparsekv.models.quant.apply import apply_weight_dtype
 from sparsekv.models.quant.formats import quantize_int8
+from sparsekv.models.quant.linear import QuantizedLinear
 torch.set_num_threads(1)
 assert int8_rows.int8_gemm_saturates()
 full = torch.full((32, 64), 127, dtype=torch.int8)
 assert torch._int_mm(full, full.T.contiguous())[0, 0] != 127 * 127 * 64
 model = nn.Module()
 model.proj = nn.Linear(200, 96, bias=False)
-assert apply_weight_dtype(model, "w8a8") == 1
-codes = model.proj.parts[0].data[:, 4:].contiguous().view(torch.int8)
-assert codes.abs().max() == int8_rows.SATURATING_GEMM_CODE_MAX
+model.lm_head = nn.Linear(200, 64, bias=False)
+assert apply_weight_dtype(model, "w8a8") == 2
+def top(layer):
+    return int(layer.parts[0].data[:, 4:].contiguous().view(torch.int8).abs().max())
+# the layer that feeds the int8 GEMM gets 7 bits, the output head (no int8 path) keeps 8
+assert top(model.proj) == int8_rows.SATURATING_GEMM_CODE_MAX and top(model.lm_head) == 127
+try:
+    QuantizedLinear([quantize_int8(torch.randn(96, 200))], int8_rows=True)
+    raise SystemExit("8-bit codes accepted on a saturating GEMM")
+except ValueError as e:
+    assert "code_max=63" in str(e)
 g = torch.Generator().manual_seed(1)
 weight = quantize_int8(torch.randn(96, 200, generator=g), int8_rows.SATURATING_GEMM_CODE_MAX)
 x = torch.randn(130, 200, generator=g)
+x[:2] = 1.0  # codes 127 against every weight code: an unsigned-side saturation would show
 assert int8_rows.int8_rows_runs(x) and ops.resolved_kernels()[1] == "avx2"
 torch.save({"weight": weight.data, "x": x, "y": int8_rows.int8_rows_matmul(x, weight),
             "y_silu": int8_rows.int8_rows_matmul(x, weight, None, "silu")}, sys.argv[1])
@@ -313,9 +323,10 @@ def test_saturating_int8_gemm_gets_seven_bit_weights(tmp_path):
     assert build.load_extension() is not None, "the packed-weight extension failed to build"
     out = tmp_path / "avx2.pt"
     env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", **{ops.ISA_ENV: "avx2"})
-    subprocess.run(
-        [sys.executable, "-c", AVX2_GEMM, str(out)], env=env, capture_output=True, check=True
+    done = subprocess.run(
+        [sys.executable, "-c", AVX2_GEMM, str(out)], env=env, capture_output=True, text=True
     )
+    assert done.returncode == 0, done.stderr[-3000:]
     got = torch.load(out)
     weight = PackedTensor("int8", 200, got["weight"])
     expected = _reference(got["x"], weight, None)
@@ -344,3 +355,13 @@ def test_seven_bit_codes_round_within_half_a_step():
     for bad in (0, 128, -5):
         with pytest.raises(ValueError, match="code_max must be in"):
             quantize_int8(w, bad)
+
+
+def test_narrow_layers_keep_the_dense_path(int8_isa):
+    # fewer outputs than INT8_ROWS_MIN_OUTPUTS (oneDNN may swap the operands of such a GEMM)
+    g = torch.Generator().manual_seed(23)
+    weight = _quantize(torch.randn(int8_rows.INT8_ROWS_MIN_OUTPUTS - 1, 64, generator=g))
+    layer = QuantizedLinear([weight], int8_rows=True)
+    x = torch.randn(100, 64, generator=g)
+    assert not layer._takes_int8_rows(x)
+    torch.testing.assert_close(layer(x), x @ dequantize_reference(weight).T, rtol=1e-5, atol=1e-5)

@@ -3,9 +3,9 @@
 between two native passes (``csrc/int8_rows_*``: AVX-512 on the variants with int8 dot
 products, AVX2 on the others).
 
-oneDNN's AVX2 int8 GEMM (CPUs without VNNI) sums pairs of u8 x s8 products in saturating int16
-(``vpmaddubsw``): exact only while the weight codes stay within [-64, 63], so ``w8a8`` weights
-are quantized to 7 bits there (:func:`int8_gemm_saturates`, ``apply.py``).
+oneDNN's int8 GEMM on CPUs without VNNI sums pairs of u8 x s8 products in saturating int16
+(``vpmaddubsw``): exact only while the weight codes stay within +-64, so ``w8a8`` weights are
+quantized to 7 bits there (:func:`int8_gemm_saturates`, ``apply.py``).
 """
 
 from __future__ import annotations
@@ -21,8 +21,12 @@ from sparsekv.models.quant.formats import PackedTensor
 # int8 weights quantize x's rows to int8 and multiply in int32.
 INT8_ROWS_VARIANTS = ("avx512_amx", "avx512_vnni", "avx2")
 # Largest weight code of ``w8a8`` layers where the int8 GEMM saturates: u8 x s8 pair sums of
-# at most 2 * 255 * 64 fit int16.
+# at most 2 * 255 * 64 fit int16 (63: symmetric codes).
 SATURATING_GEMM_CODE_MAX = 63
+# Fewest output features a layer takes the path with: oneDNN's AVX-512 (no VNNI) int8 GEMM
+# swaps its operands for a single output column, which puts the weight codes on the unsigned
+# side where even 7-bit ones saturate; every decoder linear has hundreds.
+INT8_ROWS_MIN_OUTPUTS = 16
 # Rows of x per int8 product of that path: a chunk's int32 products stay in cache for the
 # scaling pass (SmolLM2's 3072 x 576 gate / up at 4000 rows, 2 threads, Zen 4: 22.9 ms in
 # chunks of 512 against 31.0 ms at once, the int8 product alone).
@@ -48,13 +52,15 @@ def int8_rows_runs(x: torch.Tensor) -> bool:
 @functools.cache
 def int8_gemm_saturates() -> bool:
     """Whether ``torch._int_mm`` (oneDNN's int8 GEMM on the CPU) loses products of full-range
-    int8 codes here: True on CPUs without VNNI (AVX2 only), where it sums pairs of u8 x s8
-    products in saturating int16; weights for :func:`int8_rows_matmul` must then keep their
-    codes within +-:data:`SATURATING_GEMM_CODE_MAX`. Probed once per process with one product
-    whose exact value it must return (``127 * 127 * 64``)."""
-    a = torch.full((32, 64), 127, dtype=torch.int8)
-    b = torch.full((64, 32), 127, dtype=torch.int8)
-    return int(torch._int_mm(a, b)[0, 0]) != 127 * 127 * 64
+    int8 codes here: True on CPUs without VNNI, where oneDNN sums pairs of u8 x s8 products in
+    saturating int16 (``vpmaddubsw``); weights for :func:`int8_rows_matmul` must then keep
+    their codes within +-64 (``apply.py`` quantizes them to +-:data:`SATURATING_GEMM_CODE_MAX`).
+    Probed once per process with one product whose exact value it must return
+    (``127 * 127 * 64``), the weight operand laid out as the path passes it (a transposed view
+    of row-major codes)."""
+    a = torch.full((80, 64), 127, dtype=torch.int8)
+    b = torch.full((64, 64), 127, dtype=torch.int8).t()
+    return bool((torch._int_mm(a, b) != 127 * 127 * 64).any())
 
 
 # Gated activations the int8 path applies in its scaling pass (``activation``).

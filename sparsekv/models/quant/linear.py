@@ -27,6 +27,20 @@ from sparsekv.models.quant.formats import FORMATS, PackedTensor
 LEADING_ROWS_CACHED = 4
 
 
+def _check_codes_fit_the_gemm(weight: PackedTensor) -> None:
+    """Raise ``ValueError`` where the int8 GEMM saturates and ``weight`` (``int8``) has codes
+    beyond its exact range (:data:`int8_rows.SATURATING_GEMM_CODE_MAX` + 1)."""
+    if not int8_rows.int8_gemm_saturates():
+        return
+    top = int(weight.data[:, 4:].view(torch.int8).abs().max()) if weight.data.numel() else 0
+    if top > int8_rows.SATURATING_GEMM_CODE_MAX + 1:
+        raise ValueError(
+            f"int8_rows: weight codes reach {top}, but this CPU's int8 GEMM is exact only up "
+            f"to 64; quantize with quantize_int8(weight, code_max="
+            f"{int8_rows.SATURATING_GEMM_CODE_MAX})"
+        )
+
+
 class QuantizedLinear(nn.Module):
     """``y = x W^T + b`` with ``W`` kept packed (inference only).
 
@@ -39,8 +53,9 @@ class QuantizedLinear(nn.Module):
             (``--weight-dtype w8a8``); needs a single ``int8`` part.
 
     Raises:
-        ValueError: no parts, parts of different ``in_features``, or ``int8_rows`` on parts
-            that are not one ``int8`` weight.
+        ValueError: no parts, parts of different ``in_features``, ``int8_rows`` on parts
+            that are not one ``int8`` weight, or on weight codes the int8 GEMM would not
+            multiply exactly (``int8_rows.int8_gemm_saturates``).
 
     ``forward``: ``x`` ``[..., in_features]`` fp32 or bf16 -> ``[..., out_features]`` in ``x``'s
     dtype. Up to ``ops.kernel_max_rows`` rows accumulate in fp32 on the packed weight, add the
@@ -49,7 +64,7 @@ class QuantizedLinear(nn.Module):
     Q8_0 and the x16 layouts' kernels of ``avx512_amx``, ``avx512_vnni`` and ``avx2``, read as
     it is by the ``avx512_bf16`` ones; other formats and variants convert it to fp32 inside the
     op); more rows multiply densely in ``x``'s dtype, or with ``int8_rows`` on an ``int8``
-    weight where the variant has int8 dot products (``int8_rows.int8_rows_runs``), with ``x``'s rows
+    weight where the variant has that path (``int8_rows.int8_rows_runs``), with ``x``'s rows
     quantized to int8 as well (``int8_rows.int8_rows_matmul``: W8A8 with a scale per row).
     """
 
@@ -61,6 +76,8 @@ class QuantizedLinear(nn.Module):
             raise ValueError("weight: packed parts must share in_features")
         if int8_rows and [p.format for p in parts] != ["int8"]:
             raise ValueError("int8_rows: needs one int8 part")
+        if int8_rows:
+            _check_codes_fit_the_gemm(parts[0])
         self.int8_rows = int8_rows
         self.in_features = parts[0].in_features
         self.out_features = sum(p.shape[0] for p in parts)
@@ -173,6 +190,7 @@ class QuantizedLinear(nn.Module):
         return (
             self.int8_rows
             and rows.shape[0] > self.max_kernel_rows
+            and self.out_features >= int8_rows.INT8_ROWS_MIN_OUTPUTS
             and int8_rows.int8_rows_runs(rows)
         )
 

@@ -14,7 +14,7 @@ AMX-INT8 the ``avx512_amx`` variant runs it on tiles (``tdpbsud``) from 4 rows o
 equal bit for bit). Larger inputs (prefill) dequantize the weight in slices of
 :data:`DEQUANT_SLICE_ROWS` output features and multiply densely in ``x``'s dtype, so they keep
 the dense path's speed; ``w8a8`` layers instead quantize ``x``'s rows to int8 for oneDNN's int8
-GEMM on the variants with int8 dot products (``int8_rows``).
+GEMM on the ``avx512_amx``, ``avx512_vnni`` and ``avx2`` variants (``int8_rows``).
 
 ``SPARSEKV_KERNEL_ISA`` forces a variant as for the other native kernels (``avx512_amx``,
 ``avx512_vnni``, ``avx512_bf16``, ``avx2`` or ``generic``); naming one this CPU does not run, or

@@ -1,7 +1,7 @@
 // AVX2 + FMA build of the 16-lane code: GCC splits each vector in two, so
 // the code the AVX-512 variant runs is tested on AVX2 machines too (slower than avx2). Also
 // the fused window-score kernel of AVX2 CPUs (window_fused_fma.h, variant "avx2"), whose
-// passes are written for 16 lanes.
+// passes work on blocks of 16 rows (its hot loops on 8-lane vectors).
 #include <stdint.h>
 
 #include "kernels.h"

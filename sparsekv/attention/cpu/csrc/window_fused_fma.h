@@ -2,13 +2,14 @@
 // (included after window_fused_passes.h by isa_avx2_w16.cpp, AVX2 + FMA, and by
 // isa_generic.cpp, the compiler's baseline ISA; interface in window_fused.h).
 //
-// The AMX kernel's three passes (window_fused_amx.h) with pass 1 on fp32 FMAs over 16-lane
-// vectors (two 8-lane registers each on AVX2): a block of 16 keys is widened to fp32 once into
-// a stage (an L1-resident 16 x head_dim buffer), the rows' queries once per item into fp32
-// columns qf[row block][element][16 rows]; then for 4 keys at a time and each row block, 4
-// accumulators (rows along the lanes) take the key's broadcast element times the rows' column
-// of that element, and are stored to the logits buffer L[keys][rows] as the AMX tile store
-// does. Keys and queries are both widened in the order load2 reads bf16 (even elements of a
+// The AMX kernel's three passes (window_fused_amx.h) with pass 1 on fp32 FMAs: a block of 16
+// keys is widened to fp32 once into a stage (an L1-resident 16 x head_dim buffer), the rows'
+// queries once per item into fp32 columns qf[row block][element][16 rows]; then for 4 keys at a
+// time and each row block, native-width accumulators (rows along the lanes; two 8-lane ones per
+// 16 rows on AVX2, four 4-lane ones on SSE / NEON) take the key's broadcast element times the
+// rows' column of that element, and are stored to the logits buffer L[keys][rows] as the AMX
+// tile store does. Pass 2 (softmax, row maxima) also runs on native-width vectors here, with
+// the same per-lane operations as window_fused_passes.h's; pass 3 is that file's. Keys and queries are both widened in the order load2 reads bf16 (even elements of a
 // 32-element chunk, then odd ones): the dot product is the same sum in another order. Logits
 // are exact bf16 products (16 significant bits fit fp32's 24) summed in fp32 in one fixed order
 // per (key, row), so the dense and paged calls give the same bits. fp32 keys and queries
@@ -23,7 +24,7 @@ static inline int64_t window_fused_fma_pos(const WindowFusedArgs& a, int64_t e) 
 }
 
 constexpr int64_t kFmaPrefetchBlocks = 4;  // key blocks fetched ahead, as the AMX kernel does
-constexpr int64_t kFmaKeys = 4;            // keys per register block (4 x 16 lanes)
+constexpr int64_t kFmaKeys = 4;            // keys per register block (x 16 rows)
 
 static int64_t window_fused_scratch_fma(const WindowFusedArgs& a) {
   return 32 + a.rows * a.head_dim + a.num_blocks * 16 * a.rows + 16 * a.head_dim + 4 * a.rows +

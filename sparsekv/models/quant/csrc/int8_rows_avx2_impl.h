@@ -1,9 +1,9 @@
 // int8_rows_impl.h's passes on 8-lane AVX2 vectors, for CPUs without int8 dot products: the
-// int8 x int8 -> int32 matmul between them is oneDNN's AVX2 int8 GEMM (vpmaddubsw / vpmaddwd),
-// whose int16 pair sums saturate unless the weight codes stay within [-64, 63] (the caller
-// quantizes them so: int8_rows.int8_gemm_saturates). Same results as the AVX-512 passes: the
-// same scales, codes (nearest even), products and one rounding to y's dtype. Included inside
-// an ISA namespace compiled for AVX2 + FMA.
+// int8 x int8 -> int32 matmul between them is oneDNN's int8 GEMM without VNNI (vpmaddubsw /
+// vpmaddwd), whose int16 pair sums saturate unless the weight codes stay within +-64 (the
+// caller quantizes them so: int8_rows.int8_gemm_saturates). Same results as the AVX-512
+// passes: the same scales, codes (nearest even), products and one rounding to y's dtype.
+// Included inside an ISA namespace compiled for AVX2 + FMA.
 
 // Eight elements of row data from element j (bf16 bit patterns or fp32); `n` < 8 reads the
 // first n and zeros the rest.
@@ -55,8 +55,11 @@ static void quantize_rows(const void* x, bool bf16, int64_t stride, int64_t k, i
     const __m256 inv = _mm256_set1_ps(inv_top);
     for (int64_t j = 0; j < k; j += 8) {
       const int n = (int)(k - j < 8 ? k - j : 8);
-      // vcvtps2dq rounds to nearest even (the default rounding mode); packs saturate
-      const __m256i codes = _mm256_cvtps_epi32(_mm256_mul_ps(load_row8(row, bf16, j, n), inv));
+      // rounded to nearest even whatever MXCSR says (as the AVX-512 pass's embedded rounding);
+      // the packs saturate
+      const __m256 scaled = _mm256_round_ps(_mm256_mul_ps(load_row8(row, bf16, j, n), inv),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m256i codes = _mm256_cvtps_epi32(scaled);
       const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(codes),
                                             _mm256_extracti128_si256(codes, 1));
       const __m128i bytes = _mm_packs_epi16(words, words);

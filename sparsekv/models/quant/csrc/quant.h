@@ -102,7 +102,7 @@ struct QuantTable {
   // variant has none.
   void (*gemm_x16)(const MatmulArgs&, int64_t begin, int64_t end) = nullptr;
   // The passes around an int8 x int8 -> int32 matmul of many rows on per-channel int8 weights
-  // (int8_rows_impl.h); nullptr where the variant has no int8 dot products. `quantize_rows`:
+  // (int8_rows_impl.h, int8_rows_avx2_impl.h); nullptr where the variant has none. `quantize_rows`:
   // rows [r_begin, r_end) of x [m, k] (bf16 bit patterns or fp32, row stride `stride`) into
   // int8 codes [m, k] and one scale per row. `scale_rows`: rows [r_begin, r_end) of y (bf16 or
   // fp32, row stride y_stride) = int32 products [m, n] * row scale * column scale (+ bias).
