@@ -365,3 +365,19 @@ def test_narrow_layers_keep_the_dense_path(int8_isa):
     x = torch.randn(100, 64, generator=g)
     assert not layer._takes_int8_rows(x)
     torch.testing.assert_close(layer(x), x @ dequantize_reference(weight).T, rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_list_names_the_int8_rows_path(monkeypatch):
+    from sparsekv.bench.kernels import variants as kernel_list
+
+    assert build.load_extension() is not None, "the packed-weight extension failed to build"
+    lines = [line for line in kernel_list.variant_lines() if line.startswith("int8_rows")]
+    in_use = ops.resolved_kernels()[1]
+    assert len(lines) == 1 and f" {in_use} " in lines[0]
+    exact = not int8_rows.int8_gemm_saturates()
+    assert ("exact on full-range codes" in lines[0]) == exact
+    monkeypatch.setattr(int8_rows, "int8_gemm_saturates", lambda: True)
+    assert kernel_list._int8_rows_line("avx2").endswith("w8a8 weights get 7-bit codes")
+    assert kernel_list._int8_rows_line("generic").startswith(
+        "int8_rows    none on generic (w8a8 prefill runs as int8"
+    )

@@ -9,6 +9,7 @@ from sparsekv.attention.cpu import variants
 from sparsekv.attention.cpu.memory import huge_page_setting
 from sparsekv.models.fused import build as fused_build
 from sparsekv.models.quant import build as quant_build
+from sparsekv.models.quant import int8_rows
 from sparsekv.models.quant import ops as quant_ops
 
 
@@ -45,7 +46,19 @@ def _packed_lines() -> list[str]:
         )
     if "avx512_bf16" not in runs:
         lines.append(f"{'':<12}   not avx512_bf16: needs AVX-512 F/BW/VL and AVX512-BF16")
-    return lines
+    return lines + [_int8_rows_line(forced or runs[0])]
+
+
+def _int8_rows_line(variant: str) -> str:
+    # --weight-dtype w8a8's prefill path: oneDNN's int8 GEMM between the variant's passes.
+    if variant not in int8_rows.INT8_ROWS_VARIANTS:
+        names = ", ".join(int8_rows.INT8_ROWS_VARIANTS)
+        return f"int8_rows    none on {variant} (w8a8 prefill runs as int8; needs {names})"
+    if int8_rows.int8_gemm_saturates():
+        gemm = "oneDNN's int8 GEMM saturates here: w8a8 weights get 7-bit codes"
+    else:
+        gemm = "oneDNN's int8 GEMM exact on full-range codes"
+    return f"int8_rows    {variant} passes (w8a8 prefill); {gemm}"
 
 
 def _page_line() -> str:

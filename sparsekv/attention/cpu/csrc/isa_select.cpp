@@ -55,7 +55,14 @@ const std::string& amx_check() {
     const bool amx_bf16 = (edx >> 22) & 1, amx_tile = (edx >> 24) & 1;
     if (!__get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx)) return "no CPUID leaf 7.1";
     const bool avx512_bf16 = (eax >> 5) & 1;
-    if (!(amx_bf16 && amx_tile && avx512_bf16)) return "no AMX-BF16 / AMX-TILE / AVX512-BF16";
+    if (!(amx_bf16 && amx_tile && avx512_bf16)) {  // name what is missing
+      const bool present[] = {amx_bf16, amx_tile, avx512_bf16};
+      const char* names[] = {"AMX-BF16", "AMX-TILE", "AVX512-BF16"};
+      std::string missing;
+      for (int i = 0; i < 3; ++i)
+        if (!present[i]) missing += std::string(missing.empty() ? "no " : ", ") + names[i];
+      return missing;
+    }
     constexpr long kArchGetXcompPerm = 0x1022, kArchReqXcompPerm = 0x1023;
     constexpr int kXfeatureXtiledata = 18;
     if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) != 0)
