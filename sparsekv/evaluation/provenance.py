@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import os
 import platform
 import shlex
 import subprocess
@@ -159,7 +160,8 @@ def provenance(config: dict[str, Any] | None = None) -> dict[str, Any]:
         ``torch_version``, ``transformers_version`` (``None`` if not installed),
         ``num_threads`` (``torch.get_num_threads()``), ``cpu`` (model name and flags
         avx2/avx512f/avx512_bf16/amx_bf16/amx_tile), ``python_version``, ``platform``,
-        ``date`` (UTC, ISO 8601), ``config`` and ``command`` (:func:`command_line`).
+        ``date`` (UTC, ISO 8601), ``config``, ``command`` (:func:`command_line`) and
+        ``environment`` (:func:`kernel_environment`).
     """
     try:
         import transformers
@@ -180,4 +182,25 @@ def provenance(config: dict[str, Any] | None = None) -> dict[str, Any]:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "config": dict(config) if config is not None else None,
         "command": command_line(),
+        "environment": kernel_environment(),
+    }
+
+
+# Variables that change which kernels a run uses (ISA limits of PyTorch, oneDNN and MKL, and
+# sparsekv's own switches, ``SPARSEKV_*``): a report records the ones set.
+KERNEL_ENV_PREFIXES = ("SPARSEKV_", "ATEN_CPU_CAPABILITY", "ONEDNN_", "DNNL_", "MKL_ENABLE")
+
+
+SECRET_NAME_PARTS = ("KEY", "TOKEN", "SECRET", "PASSWORD")
+
+
+def kernel_environment() -> dict[str, str]:
+    """The set environment variables among :data:`KERNEL_ENV_PREFIXES` (name -> value), sorted;
+    e.g. ``{"ONEDNN_MAX_CPU_ISA": "AVX2", "SPARSEKV_KERNEL_ISA": "avx2"}`` for a run that
+    emulates an AVX2-only CPU. Values of names holding one of :data:`SECRET_NAME_PARTS`
+    (``SPARSEKV_API_KEY``) read ``"<hidden>"``."""
+    return {
+        name: "<hidden>" if any(part in name for part in SECRET_NAME_PARTS) else value
+        for name, value in sorted(os.environ.items())
+        if name.startswith(KERNEL_ENV_PREFIXES)
     }

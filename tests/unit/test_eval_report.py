@@ -192,3 +192,16 @@ def test_cpu_info_names_the_core_generation(tmp_path, vendor, family, model, fla
 def test_results_index_names_the_machine_with_its_generation(tmp_path, cpu, machine):
     row = results_index.report_row(tmp_path, tmp_path / "r.json", {"cpu": cpu}, {})
     assert row["machine"] == machine
+
+
+def test_provenance_records_the_kernel_environment(monkeypatch):
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    monkeypatch.setenv("SPARSEKV_KERNEL_ISA", "avx2")
+    monkeypatch.setenv("SPARSEKV_API_KEY", "s3cret")
+    monkeypatch.setenv("UNRELATED_SETTING", "x")
+    environment = provenance_module.provenance()["environment"]
+    assert environment["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+    assert environment["SPARSEKV_KERNEL_ISA"] == "avx2"
+    assert environment["SPARSEKV_API_KEY"] == "<hidden>"
+    assert "UNRELATED_SETTING" not in environment
+    assert list(environment) == sorted(environment)

@@ -285,8 +285,9 @@ def test_gated_mlp_gelu_bf16_and_hooks_fall_back(int8_isa):
 # pairs in saturating int16): full-range codes come out wrong there, 7-bit ones exact; w8a8
 # packing picks 7 bits; the avx2 passes around the GEMM give the reference's values.
 AVX2_GEMM = """
-import sys, torch
+import logging, sys, torch
 from torch import nn
+logging.basicConfig(level=logging.INFO)
 from sparsekv.models.quant import int8_rows, ops
 from sparsekv.models.quant.apply import apply_weight_dtype
 from sparsekv.models.quant.formats import quantize_int8
@@ -327,6 +328,7 @@ def test_saturating_int8_gemm_gets_seven_bit_weights(tmp_path):
         [sys.executable, "-c", AVX2_GEMM, str(out)], env=env, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "packed (7-bit codes: this CPU's int8 GEMM saturates)" in done.stderr
     got = torch.load(out)
     weight = PackedTensor("int8", 200, got["weight"])
     expected = _reference(got["x"], weight, None)

@@ -377,3 +377,20 @@ def test_forcing_a_variant_this_cpu_lacks_warns_and_uses_the_default(monkeypatch
     prefill_ops._warn_unusable_prefill_isa.cache_clear()
     with pytest.warns(RuntimeWarning, match=missing[0]):
         assert prefill_ops.prefill_isa() == (prefill_ops.prefill_isas() or (None,))[0]
+
+
+def test_a_forced_variant_is_read_in_any_case_and_a_typo_keeps_the_default(monkeypatch):
+    # Every family reads SPARSEKV_KERNEL_ISA the same way: "AVX2" is avx2; a name that is no
+    # variant at all warns and keeps prefill on the fastest kernel (not PyTorch).
+    from sparsekv.attention.cpu import window_fused
+    from sparsekv.models.quant import ops as quant_ops
+
+    monkeypatch.setenv(ops.ISA_ENV, " AVX2 ")
+    assert prefill_ops.prefill_isa() == "avx2"
+    assert window_fused.window_fused_isa() == "avx2"
+    assert ops.pick_isa(64) == "avx2"
+    assert quant_ops.kernel_isa() == "avx2"
+    monkeypatch.setenv(ops.ISA_ENV, "avx-2")
+    prefill_ops._warn_unusable_prefill_isa.cache_clear()
+    with pytest.warns(RuntimeWarning, match="avx-2"):
+        assert prefill_ops.prefill_isa() == prefill_ops.prefill_isas()[0]

@@ -16,12 +16,12 @@ from __future__ import annotations
 import contextvars
 import functools
 import math
-import os
 import warnings
 
 import torch
 
 from sparsekv.attention.cpu import build
+from sparsekv.env_flags import kernel_isa_setting
 from sparsekv.ext_cache import ExtensionScope
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
@@ -33,9 +33,7 @@ def native_scope() -> ExtensionScope:
     """Within the ``with`` block the kernels use the extension and the ``SPARSEKV_KERNEL_ISA``
     setting read on entry instead of checking the build and the environment on every call
     (twice per layer of a decode step)."""
-    return ExtensionScope(
-        _scope, lambda: (build.load_extension(), os.environ.get(ISA_ENV, "").strip())
-    )
+    return ExtensionScope(_scope, lambda: (build.load_extension(), kernel_isa_setting()))
 
 
 # (extension or None, forced variant setting) of the innermost native_scope; None outside.
@@ -56,7 +54,7 @@ def resolved_setting() -> tuple[object | None, str]:
     scoped = _scope.get()
     if scoped is not None:
         return scoped
-    return build.load_extension(), os.environ.get(ISA_ENV, "").strip()
+    return build.load_extension(), kernel_isa_setting()
 
 
 def _extension():
@@ -82,7 +80,7 @@ def available_isas() -> tuple[str, ...]:
 def _warn_unusable_isa(name: str, head_dim: int) -> None:
     warnings.warn(
         f"{ISA_ENV}={name!r} is not a kernel variant this CPU runs for head_dim {head_dim} "
-        "(see ops.available_isas()); using the default",
+        f"(it runs {', '.join(available_isas()) or 'none'}); using the default",
         RuntimeWarning,
         stacklevel=5,
     )
@@ -286,7 +284,7 @@ def amx_tiles_enabled() -> bool:
     """True when the AMX-tile kernels (prefill attention, fused window scores: one compilation
     unit under one AMX grant) can run: the extension is built, the CPU and kernel grant AMX,
     and ``SPARSEKV_KERNEL_ISA`` does not force another variant (read per call: tests set it)."""
-    forced = os.environ.get(ISA_ENV, "").strip()
+    forced = kernel_isa_setting()
     if forced and forced != PREFILL_ISA:
         return False
     ext = build.load_extension()

@@ -19,7 +19,6 @@ in bf16 as before (``prefill_qk_int8_runs`` says where it applies).
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 
 import torch
@@ -32,8 +31,12 @@ from sparsekv.attention.cpu.ops import (
     _extension,
     check_softmax_scale,
 )
+from sparsekv.env_flags import kernel_isa_setting
 
 PREFILL_VARIANTS = (PREFILL_ISA, BF16_ISA, "avx512", "avx2", "generic")  # fastest first
+# Variants of other kernel families without a prefill kernel: forcing one leaves prefill to
+# PyTorch (any other name is not a variant: a warning, and the default).
+NO_PREFILL_VARIANTS = ("avx2_w16", "avx512_vnni")
 FP32_VARIANTS = ("avx512", "avx2", "generic")  # the variants that take fp32 inputs
 PREFILL_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -97,12 +100,12 @@ def prefill_isa(dtype: torch.dtype = torch.bfloat16) -> str | None:
     if dtype not in PREFILL_DTYPES:
         return None
     isas = prefill_isas(dtype)
-    forced = os.environ.get(ISA_ENV, "").strip()  # read per call: tests set it
+    forced = kernel_isa_setting()  # read per call: tests set it
     if forced in isas:
         return forced
-    if forced and forced not in PREFILL_VARIANTS:
+    if forced in NO_PREFILL_VARIANTS:
         return None
-    if forced and forced not in prefill_isas():  # a variant this CPU does not run
+    if forced and forced not in prefill_isas():  # not run here, or no variant at all
         _warn_unusable_prefill_isa(forced)
     return isas[0] if isas else None
 

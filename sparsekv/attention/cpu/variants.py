@@ -13,9 +13,9 @@ CPUID features and, for AMX, the kernel's grant) and which one runs by default. 
 from __future__ import annotations
 
 import dataclasses
-import os
 
 from sparsekv.attention.cpu import build, chunk_paged, ops, prefill_ops, window_fused
+from sparsekv.env_flags import kernel_isa_setting
 
 FAMILIES: dict[str, tuple[str, ...]] = {
     "decode": ("avx512_amx", "avx512", "avx2", "avx2_w16", "generic"),
@@ -75,7 +75,7 @@ def _why_not(family: str, variant: str) -> str:
 
 
 def _default(family: str) -> tuple[str | None, str]:
-    forced = os.environ.get(ops.ISA_ENV, "").strip()
+    forced = kernel_isa_setting()
     how = f"{ops.ISA_ENV}={forced}" if forced else "the fastest this CPU runs"
     if family == "decode":
         chosen = ops.pick_isa(64)

@@ -17,18 +17,17 @@ unfused route). The kernels do not soft-cap logits: soft-capped models take the 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
 from sparsekv.attention.cpu import build
 from sparsekv.attention.cpu.ops import (
     BF16_ISA,
-    ISA_ENV,
     PREFILL_ISA,
     _extension,
     check_softmax_scale,
 )
+from sparsekv.env_flags import kernel_isa_setting
 
 VARIANTS = (PREFILL_ISA, BF16_ISA, "avx2", "generic")  # fastest first
 FP32_VARIANTS = ("avx2", "generic")  # the variants that take fp32 queries and keys
@@ -56,7 +55,7 @@ def window_fused_isa(dtype: torch.dtype = torch.bfloat16) -> str | None:
     if dtype not in DTYPES:
         return None
     isas = window_fused_isas(dtype)
-    forced = os.environ.get(ISA_ENV, "").strip()  # read per call: tests set it
+    forced = kernel_isa_setting()  # read per call: tests set it
     if forced:
         return forced if forced in isas else None
     return isas[0] if isas else None

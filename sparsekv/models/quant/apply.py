@@ -144,7 +144,12 @@ def _pack_dense(model: nn.Module, pack, int8_rows: bool = False) -> int:
             weight = (rows_pack if rows else pack)(linear.weight)
             setattr(parent, attribute, QuantizedLinear([weight], linear.bias, int8_rows=rows))
     count = _count(model)
-    logger.info("weight_dtype: %d linear layers packed; embeddings and norms stay dense", count)
+    seven_bit = " (7-bit codes: this CPU's int8 GEMM saturates)" if rows_pack is not pack else ""
+    logger.info(
+        "weight_dtype: %d linear layers packed%s; embeddings and norms stay dense",
+        count,
+        seven_bit,
+    )
     return count
 
 

@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import contextvars
 import functools
-import os
 import warnings
 
 import torch
 
+from sparsekv.env_flags import kernel_isa_setting
 from sparsekv.ext_cache import ExtensionScope
 from sparsekv.models.quant import build
 from sparsekv.models.quant.formats import (
@@ -87,7 +87,7 @@ def kernel_isa() -> str:
     """The variant to run: ``SPARSEKV_KERNEL_ISA`` where it names one this CPU runs, else
     ``""`` (the fastest). The environment is read per call (tests set it); the choice is cached
     per setting."""
-    return _isa_for(build.load_extension(), os.environ.get(ISA_ENV, ""))
+    return _isa_for(build.load_extension(), kernel_isa_setting())
 
 
 @functools.cache
