@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None, *, checkpoint=None) -> int:
     """Parse flags, run the benchmark, print a table and write the report."""
     args = build_parser().parse_args(argv)
     document = run_throughput(args, checkpoint=checkpoint)
-    print(common.format_table(document["rows"], SUMMARY_COLUMNS))
+    if document["rows"]:  # none with --num-prompts 0 (only the single-request figures)
+        print(common.format_table(document["rows"], SUMMARY_COLUMNS))
     for line in document["notes"]:
         print(line)
     print(f"wrote {args.output}")

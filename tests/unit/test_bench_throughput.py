@@ -82,3 +82,17 @@ def test_compressed_batch_reports_its_ratio(tmp_path, checkpoint):
     assert batch["output_tokens"] == 2 * 4
     assert 0 < batch["compression_ratio_mean"] < 1
     assert "hf" not in document and "single_ttft" not in document
+
+
+def test_single_request_figures_alone_print_no_empty_table(tmp_path, checkpoint, capsys):
+    document, _ = _run(
+        tmp_path,
+        checkpoint,
+        *("--num-prompts", "0", "--single-ttft", "30", "--decode-batch1"),
+        *("--decode-input-len", "16", "--output-len", "4"),
+    )
+    assert document["rows"] == [] and "batch" not in document
+    assert document["single_ttft"]["ttft_s"] > 0
+    printed = capsys.readouterr().out
+    assert "output_tok_s" not in printed  # no header without rows
+    assert "single TTFT, 30 tokens:" in printed and "wrote " in printed
