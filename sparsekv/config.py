@@ -64,9 +64,9 @@ class ModelConfig:
         weight_dtype: how linear weights are stored: ``auto`` (the model dtype), ``bf16``
             (bf16 rows), ``int8`` (per output channel, quantized at load), ``w8a8`` (``int8``
             weights, and prefill-sized matmuls quantize activations per token to int8 where
-            the CPU has int8 dot products) or ``gguf`` (the GGUF file's Q4_0 / Q4_1 / Q5_0 /
-            Q8_0 blocks and Q4_K / Q6_K super-blocks kept packed). Packed weights run native kernels that dequantize in
-            registers for up to 64 rows; embeddings and norms stay dense.
+            the CPU has the int8 path) or ``gguf`` (the GGUF file's Q4_0 / Q4_1 / Q5_0 / Q8_0
+            blocks and Q4_K / Q6_K super-blocks kept packed). Packed weights run native kernels
+            that dequantize in registers for up to 64 rows; embeddings and norms stay dense.
         prefill_qk_dtype: the logits (Q·K^T) of prefill attention: ``auto`` (the model
             dtype) or ``int8`` (keys smoothed by their channel means and quantized per key,
             queries per row, as SageAttention does; the value product stays bf16), which runs

@@ -282,14 +282,10 @@ def _check_fp32_packing(linear: nn.Linear) -> bool:
             reference = x.double() @ weight.t()
             if linear.bias is not None:
                 reference += linear.bias.double()
-            close = all(
-                bool(
-                    (
-                        (packed.onednn(x[:rows]).double() - reference[:rows]).abs() <= bound[:rows]
-                    ).all()
-                )
-                for rows in _CHECK_ROWS
-            )
+            close = True
+            for rows in _CHECK_ROWS:
+                error = (packed.onednn(x[:rows]).double() - reference[:rows]).abs()
+                close = close and bool((error <= bound[:rows]).all())
     except RuntimeError as exc:  # an oneDNN build without fp32 packing
         logger.warning("fp32 weight prepacking unavailable (%s); using nn.Linear", exc)
         return False

@@ -21,12 +21,12 @@ import warnings
 import torch
 
 from sparsekv.attention.cpu import build
-from sparsekv.env_flags import kernel_isa_setting
+from sparsekv.env_flags import KERNEL_ISA, kernel_isa_setting
 from sparsekv.ext_cache import ExtensionScope
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn)  # codes of the int8 and fp8 formats
-ISA_ENV = "SPARSEKV_KERNEL_ISA"
+ISA_ENV = KERNEL_ISA
 
 
 def native_scope() -> ExtensionScope:

@@ -22,8 +22,7 @@ import torch
 from torch import nn
 
 from sparsekv.models.prepack import PackedLinear
-from sparsekv.models.quant import int8_rows as int8_rows_mod
-from sparsekv.models.quant import ops
+from sparsekv.models.quant import int8_rows, ops
 from sparsekv.models.quant.formats import X16_FORMATS, PackedTensor, pack_bf16, quantize_int8
 from sparsekv.models.quant.linear import QuantizedLinear
 from sparsekv.models.weights import source_forms
@@ -67,7 +66,7 @@ def apply_weight_dtype(model: nn.Module, weight_dtype: str, checkpoint=None) -> 
         return 0  # already bf16: the dense bf16 path (oneDNN / AMX where present) is faster
     if weight_dtype in ("int8", "w8a8", "bf16"):
         pack = pack_bf16 if weight_dtype == "bf16" else quantize_int8
-        return _pack_dense(model, pack, int8_rows=weight_dtype == "w8a8")
+        return _pack_dense(model, pack, w8a8=weight_dtype == "w8a8")
     raise ValueError(
         f"weight_dtype must be one of auto, bf16, int8, w8a8, gguf, got {weight_dtype!r}"
     )
@@ -130,25 +129,25 @@ def _gguf_parts(param: str, packed: dict[str, PackedTensor], tied: bool):
     return None
 
 
-def _pack_dense(model: nn.Module, pack, int8_rows: bool = False) -> int:
+def _pack_dense(model: nn.Module, pack, w8a8: bool = False) -> int:
     # The output head keeps unquantized activations (as in vLLM's and SmoothQuant's W8A8): its
     # many-row calls (prompt logprobs, verification) produce the logits.
     # Where oneDNN's int8 GEMM saturates, the layers that feed it get 7-bit codes (the only
     # ones it multiplies exactly); the output head keeps 8 bits.
-    rows_pack = pack
-    if int8_rows and int8_rows_mod.int8_gemm_saturates():
-        rows_pack = functools.partial(pack, code_max=int8_rows_mod.SATURATING_GEMM_CODE_MAX)
+    seven_bit = w8a8 and int8_rows.int8_gemm_saturates()
+    rows_pack = (
+        functools.partial(pack, code_max=int8_rows.SATURATING_GEMM_CODE_MAX) if seven_bit else pack
+    )
     with torch.no_grad():
         for parent, attribute, name, linear in _linears(model):
-            rows = int8_rows and name != "lm_head"
+            rows = w8a8 and name != "lm_head"
             weight = (rows_pack if rows else pack)(linear.weight)
             setattr(parent, attribute, QuantizedLinear([weight], linear.bias, int8_rows=rows))
     count = _count(model)
-    seven_bit = " (7-bit codes: this CPU's int8 GEMM saturates)" if rows_pack is not pack else ""
     logger.info(
         "weight_dtype: %d linear layers packed%s; embeddings and norms stay dense",
         count,
-        seven_bit,
+        " (7-bit codes: this CPU's int8 GEMM saturates)" if seven_bit else "",
     )
     return count
 

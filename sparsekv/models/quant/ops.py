@@ -31,7 +31,7 @@ import warnings
 
 import torch
 
-from sparsekv.env_flags import kernel_isa_setting
+from sparsekv.env_flags import KERNEL_ISA, kernel_isa_setting
 from sparsekv.ext_cache import ExtensionScope
 from sparsekv.models.quant import build
 from sparsekv.models.quant.formats import (
@@ -41,7 +41,7 @@ from sparsekv.models.quant.formats import (
     dequantize_reference,
 )
 
-ISA_ENV = "SPARSEKV_KERNEL_ISA"
+ISA_ENV = KERNEL_ISA
 # Rows of x up to this go through the native kernels; more dequantize tiles for a dense matmul.
 SMALL_M_MAX_ROWS = 64
 # ... except on a weight whose bf16 copy exceeds LARGE_DENSE_BYTES (an output head): the dense
