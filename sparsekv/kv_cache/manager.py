@@ -14,10 +14,12 @@ from collections.abc import Sequence
 import torch
 
 from sparsekv.attention.backends.base import AttentionBackend
+from sparsekv.kv_cache import context_sharing as contexts
 from sparsekv.kv_cache import head_pages
 from sparsekv.kv_cache import prefix_sharing as sharing
 from sparsekv.kv_cache.block_pool import BlockPool
 from sparsekv.kv_cache.budget import may_compact, peak_request_pages
+from sparsekv.kv_cache.commit import commit_layers
 from sparsekv.kv_cache.plan import (
     KVPolicy,
     LayerPlan,
@@ -26,7 +28,7 @@ from sparsekv.kv_cache.plan import (
     pages_needed,
     plan_layers,
 )
-from sparsekv.kv_cache.prefix_cache import ContextLayer, PrefixCache
+from sparsekv.kv_cache.prefix_cache import PrefixCache
 from sparsekv.kv_cache.request_kv import LayerKV, RequestKV
 from sparsekv.kv_cache.spec import LayerSpec, cdiv
 from sparsekv.kv_cache.storage import KVStorage, make_storage
@@ -336,51 +338,7 @@ class KVCacheManager:
         kv = self._requests[request_id]
         if cache_token_ids is not None and self.prefix_cache is not None:
             sharing.offer_step(self.prefix_cache, kv.layers, steps, cache_token_ids)
-        for window, state, step in zip(self._windows, kv.layers, steps):
-            if step.head_lens is not None or step.to_heads:
-                self._commit_heads(state, step)
-                continue
-            held = step.num_held + step.num_new
-            if step.compress_to is not None and step.compress_to < held:
-                state.num_evicted += held - step.compress_to
-                held = step.compress_to
-            state.num_slots = state.first_slot + held
-            if step.compact_table is not None:
-                self._release([state.block_table])
-                state.block_table, state.compact_table = step.compact_table, None
-            if window is not None:
-                self._release_outside_window(state, window)
-            keep = cdiv(state.num_held, self.block_size)
-            if len(state.block_table) > keep:
-                self.pool.free(state.block_table[keep:])
-                del state.block_table[keep:]
-
-    def _commit_heads(self, state: LayerKV, step: LayerStep) -> None:
-        """Commit a head-wise layer's step: a compaction into head-wise pages (the runner
-        recorded each head's kept slots and pages in ``state``) releases the pages the split
-        left unused; later steps append ``num_new`` slots to every head."""
-        if step.head_lens is not None:
-            state.head_lens = [n + step.num_new for n in step.head_lens]
-        else:
-            assert state.head_lens is not None, "a head-wise compaction left no split"
-            if step.compact_table is not None:
-                self._release([state.block_table])
-                state.block_table, state.compact_table = step.compact_table, None
-            used = sum(state.head_pages)
-            self.pool.free(state.block_table[used:])
-            del state.block_table[used:]
-        held = head_pages.mean_held(state.head_lens)
-        state.num_evicted += max(0, step.num_held + step.num_new - held)
-        state.num_slots = state.first_slot + held
-
-    def _release_outside_window(self, state: LayerKV, window: int) -> None:
-        # The next query sits at logical slot num_slots and sees slots > num_slots - window.
-        first_needed = max(0, state.num_slots - window + 1)
-        num_free = (first_needed - state.first_slot) // self.block_size
-        if num_free > 0:
-            self.pool.free(state.block_table[:num_free])
-            del state.block_table[:num_free]
-            state.first_slot += num_free * self.block_size
+        commit_layers(self.pool, self._release, self._windows, kv.layers, steps, self.block_size)
 
     # ----------------------------------------------------------------- prefix cache
     def attach_prefix(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> int:
@@ -413,19 +371,10 @@ class KVCacheManager:
         """
         if self.prefix_cache is None:
             return False
-        kv = self._requests[request_id]
-        layers = []
-        for layer, state in enumerate(kv.layers):
-            if state.first_slot or state.compact_table is not None or state.head_lens:
-                return False
-            num_full = state.num_held // self.block_size
-            tail = None
-            if state.num_held % self.block_size:
-                tail = self.storage(layer).read_pages([state.block_table[num_full]])
-            residual = _clone_pair(state.residual)
-            full = state.block_table[:num_full]
-            layers.append(ContextLayer(full, state.num_slots, state.num_evicted, tail, residual))
-        return self.prefix_cache.insert_context(key, num_tokens, layers)
+        layers = self._requests[request_id].layers
+        return contexts.publish(
+            self.prefix_cache, layers, self.storage, key, num_tokens, self.block_size
+        )
 
     def attach_context(self, request_id: str, key: bytes) -> int:
         """Give an empty request the cached compressed context of ``key``: its full pages
@@ -435,27 +384,16 @@ class KVCacheManager:
             The context's length in tokens, or 0 (not cached, or no room for the copies);
             undo with ``reset``.
         """
-        entry = self.prefix_cache.lookup_context(key) if self.prefix_cache else None
-        if entry is None:
+        if self.prefix_cache is None:
             return 0
-        kv = self._requests[request_id]
-        assert all(not state.block_table for state in kv.layers), "attach to a non-empty request"
-        # Hold the shared pages first: the copies' allocation may evict cached groups.
-        for info in entry.layers:
-            self.pool.incref(info.full_pages)
-        if not self.fits(self._by_kind([int(info.tail is not None) for info in entry.layers])):
-            for info in entry.layers:
-                self.pool.free(info.full_pages)
-            return 0
-        for layer, (state, info) in enumerate(zip(kv.layers, entry.layers)):
-            table = list(info.full_pages)
-            if info.tail is not None:
-                table += self.pool.allocate(1, self.layer_kinds[layer])
-                self.storage(layer).write_pages(table[-1:], info.tail)
-            state.block_table = table
-            state.num_slots, state.num_evicted = info.num_slots, info.num_evicted
-            state.residual = _clone_pair(info.residual)
-        return entry.num_tokens
+        layers = self._requests[request_id].layers
+
+        def fits(per_layer: list[int]) -> bool:
+            return self.fits(self._by_kind(per_layer))
+
+        return contexts.attach(
+            self.prefix_cache, self.pool, layers, self.storage, self.layer_kinds, fits, key
+        )
 
     def _release(self, tables: list[list[int]]) -> None:
         """Drop a request's reference on each page of ``tables`` (cached groups: tail first)."""
@@ -552,7 +490,3 @@ class KVCacheManager:
             state.block_table = self.pool.allocate(copy[0].shape[0], self.layer_kinds[layer])
             self.storage(layer).write_pages(state.block_table, copy)
         kv.swapped_pages = None
-
-
-def _clone_pair(pair: tuple[torch.Tensor, torch.Tensor] | None):
-    return None if pair is None else (pair[0].clone(), pair[1].clone())
