@@ -18,53 +18,33 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 from sparsekv.config import CompressionConfig
+from sparsekv.engine.async_types import (
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineSnapshot,
+    RequestStream,
+    RequestTimeoutError,
+)
 from sparsekv.engine.llm_engine import LLMEngine
 from sparsekv.engine.openmp_pool import release_thread_pool
-from sparsekv.engine.stats import EngineStats
 from sparsekv.outputs import RequestOutput
 from sparsekv.sampling_params import SamplingParams
+
+__all__ = [
+    "AsyncEngine",
+    "EngineDeadError",
+    "EngineOverloadedError",
+    "EngineSnapshot",
+    "RequestStream",
+    "RequestTimeoutError",
+]
 
 logger = logging.getLogger(__name__)
 
 # How long the idle loop sleeps between checks of its stop flag (seconds); commands wake it.
 IDLE_WAIT_S = 0.5
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop is not running (it died, or the engine was shut down)."""
-
-
-class EngineOverloadedError(RuntimeError):
-    """The waiting queue is full (``SchedulerConfig.max_waiting``); retry later."""
-
-
-class RequestTimeoutError(RuntimeError):
-    """The request ran past its timeout and was aborted."""
-
-
-@dataclass
-class EngineSnapshot:
-    """Engine state published by the loop thread after every step and command batch.
-
-    Attributes:
-        num_running: requests (samples) running.
-        num_waiting: requests (samples) waiting or preempted.
-        num_pages_used: pool pages in use.
-        num_pages_total: pool pages in all.
-        compression_ratio: engine-wide effective ratio over running requests
-            (``1 - held slots / (layers x tokens)``).
-        stats: a copy of the engine's monotonic counters.
-    """
-
-    num_running: int = 0
-    num_waiting: int = 0
-    num_pages_used: int = 0
-    num_pages_total: int = 0
-    compression_ratio: float = 0.0
-    stats: EngineStats = field(default_factory=EngineStats)
 
 
 class AsyncEngine:
@@ -336,62 +316,6 @@ class AsyncEngine:
             compression_ratio=float(usage["compression_ratio"]),
             stats=copy.deepcopy(engine.stats),  # nested counters too
         )
-
-
-class RequestStream:
-    """The outputs of one request, in order, as an async iterator (see ``AsyncEngine``).
-
-    Args:
-        engine: the owning engine.
-        request_id: the request.
-        outputs: the queue the engine's loop feeds.
-        timeout: seconds from now after which the request is aborted.
-    """
-
-    def __init__(
-        self, engine: AsyncEngine, request_id: str, outputs: asyncio.Queue, timeout: float | None
-    ) -> None:
-        self.engine = engine
-        self.request_id = request_id
-        self.outputs = outputs
-        self.timeout = timeout
-        loop = asyncio.get_running_loop()
-        self.deadline = None if timeout is None else loop.time() + timeout
-        self.finished = False
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        item = await self._next()
-        if isinstance(item, BaseException):
-            self.abort()
-            raise item
-        if item.finished:
-            self.finished = True
-            self.engine._queues.pop(self.request_id, None)
-        return item
-
-    async def _next(self):
-        if self.deadline is None:
-            return await self.outputs.get()
-        remaining = max(0.0, self.deadline - asyncio.get_running_loop().time())
-        try:
-            return await asyncio.wait_for(self.outputs.get(), remaining)
-        except TimeoutError:
-            self.abort()
-            raise RequestTimeoutError(
-                f"the request ran past the server's request timeout of {self.timeout:g} s"
-            ) from None
-
-    def abort(self) -> None:
-        """Stop the request (if still running) and its deliveries; idempotent."""
-        self.engine._queues.pop(self.request_id, None)
-        if not self.finished:
-            self.finished = True
-            self.engine.abort(self.request_id)
 
 
 def _resolve(future: asyncio.Future, exc: BaseException | None) -> None:
