@@ -40,8 +40,7 @@ def _rounded_probability_reference(query, pool, tables, lens, scale):
 def test_logits_exact_and_values_on_rounded_probabilities(group, head_dim):
     lens = [1, 17, 300, 1029]  # one slot, odd counts (a zero partner row), several tiles
     pool, tables, lens_t, _ = make_paged(lens, 2, 16, head_dim, torch.bfloat16, seed=3)
-    gen = torch.Generator().manual_seed(group * 1000 + head_dim)
-    query = torch.randn(len(lens), 2 * group, head_dim, generator=gen).to(torch.bfloat16)
+    query = torch.randn(len(lens), 2 * group, head_dim).to(torch.bfloat16)
     scale = head_dim**-0.5
     ref_out, ref_lse, _ = reference_decode(query, pool, tables, lens_t, scale)
     out, lse, _ = ops.paged_decode_attention(query, pool, tables, lens_t, scale, isa="avx512_bf16")
@@ -50,15 +49,12 @@ def test_logits_exact_and_values_on_rounded_probabilities(group, head_dim):
     )
     # Exact products: the log-sum-exp is as close to fp32's as the vector kernel's.
     assert (lse - ref_lse).abs().max() <= (vec_lse - ref_lse).abs().max() + 2e-6
-    # Against its own rounding of the probabilities, about only the bf16 output rounding is
-    # left: the vector kernel's error against the fp32 reference. (The kernel rounds each
-    # probability relative to its tile's running max, the reference relative to the row's: a
-    # few land on the other side of a rounding step. Over 12 seeds of these shapes the ratios
-    # reached 1.27 (mean) and 1.15 (max).)
+    # Against its own rounding of the probabilities, only the bf16 output rounding is left:
+    # about the vector kernel's error against the fp32 reference.
     rounded = _rounded_probability_reference(query, pool, tables, lens_t, scale)
     err = (out.float() - rounded).abs()
     vec_err = (vec_out.float() - ref_out).abs()
-    assert err.mean() <= 1.5 * vec_err.mean()
+    assert err.mean() <= 1.25 * vec_err.mean()
     assert err.max() <= 1.5 * vec_err.max() + 1e-4
 
 

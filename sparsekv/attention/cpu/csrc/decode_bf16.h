@@ -71,28 +71,18 @@ static inline void bf16_span_logits(const PageSpan<uint16_t>& sp, const PageSpan
   int64_t j = sp.j0;
   const int64_t j1 = sp.j0 + sp.n;
   for (; j < j1 && j + W <= bs; j += W) {  // 16 rows of the page; rows past j1 are ignored
-    // reduce_lanes's tree, level by level as the rows come: few vectors live at a time.
-    vf half[g], halves[2][g];
+    vf quad[4][g];
     for (int m = 0; m < 4; ++m) {
       const int64_t r = j + 4 * m;
       prefetch_rows(next, 0, d, r - sp.j0, r - sp.j0 + 4);
-      vf pairs[2][g];
-      for (int i = 0; i < 2; ++i) {
-        vf a0[g], a1[g];
-        bf16_row_dots<g>(K + (r + 2 * i) * d, qp, d, a0);
-        bf16_row_dots<g>(K + (r + 2 * i + 1) * d, qp, d, a1);
-        for (int h = 0; h < g; ++h) pairs[i][h] = pair_sum(a0[h], a1[h]);
-      }
-      for (int h = 0; h < g; ++h) {
-        const vf quad = pair_sum(pairs[0][h], pairs[1][h]);
-        if (m % 2 == 0)
-          half[h] = quad;
-        else
-          halves[m / 2][h] = halves_sum(half[h], quad);
-      }
+      vf part[4][g];
+      for (int i = 0; i < 4; ++i) bf16_row_dots<g>(K + (r + i) * d, qp, d, part[i]);
+      for (int h = 0; h < g; ++h) quad[m][h] = quad_sum(part[0][h], part[1][h], part[2][h], part[3][h]);
     }
-    for (int h = 0; h < g; ++h)
-      storeu(sc + h * ss + (j - sp.j0), reduce_halves(halves[0][h], halves[1][h]) * splat(qscale));
+    for (int h = 0; h < g; ++h) {
+      const vf c[4] = {quad[0][h], quad[1][h], quad[2][h], quad[3][h]};
+      storeu(sc + h * ss + (j - sp.j0), reduce_quads(c) * splat(qscale));
+    }
   }
   for (; j < j1; ++j) {
     prefetch_rows(next, 0, d, j - sp.j0, j - sp.j0 + 1);

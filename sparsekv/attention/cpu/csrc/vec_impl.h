@@ -269,9 +269,12 @@ static inline vf halves_sum(vf a, vf b) {  // lane groups: a01 b01 a23 b23
          __builtin_shufflevector(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30,
                                  31);
 }
-// The last step of reduce_lanes: the halves_sum of its vector groups (0-3, 4-7) and (8-11,
-// 12-15) -> the 16 sums (kernels that produce the vectors a few at a time reduce as they go).
-static inline vf reduce_halves(vf d0, vf d1) {
+// The first step of reduce_lanes for 4 vectors: lane group i of the result holds their lane
+// sums' parts (kernels that produce the vectors 4 at a time reduce them as they go).
+static inline vf quad_sum(vf a, vf b, vf c, vf d) { return pair_sum(pair_sum(a, b), pair_sum(c, d)); }
+// The rest of reduce_lanes: quad_sum of vectors 4m .. 4m + 3 in c[m] -> their 16 sums.
+static inline vf reduce_quads(const vf* c) {
+  const vf d0 = halves_sum(c[0], c[1]), d1 = halves_sum(c[2], c[3]);
   return __builtin_shufflevector(d0, d1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22,
                                  23) +
          __builtin_shufflevector(d0, d1, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
@@ -279,11 +282,8 @@ static inline vf reduce_halves(vf d0, vf d1) {
 }
 static inline vf reduce_lanes(const vf* v) {
   vf c[4];
-  for (int m = 0; m < 4; ++m) {
-    const vf* u = v + 4 * m;
-    c[m] = pair_sum(pair_sum(u[0], u[1]), pair_sum(u[2], u[3]));
-  }
-  return reduce_halves(halves_sum(c[0], c[1]), halves_sum(c[2], c[3]));
+  for (int m = 0; m < 4; ++m) c[m] = quad_sum(v[4 * m], v[4 * m + 1], v[4 * m + 2], v[4 * m + 3]);
+  return reduce_quads(c);
 }
 #else
 #error "SKV_W must be 4, 8 or 16"
