@@ -43,7 +43,6 @@ SOURCES = (  # headers: tracked by ninja, and part of the build folder's digest
     "isa_select.cpp",
     "isa_avx512_amx.cpp",
     "isa_avx512_bf16.cpp",
-    "decode_avx512_bf16.cpp",
     "isa_avx512.cpp",
     "isa_avx2.cpp",
     "isa_avx2_w16.cpp",

@@ -2,8 +2,7 @@
 
 Each function raises ``RuntimeError`` when the extension is unavailable; callers that want the
 silent fallback use ``attention.backends.CpuNativeBackend``. ``isa`` picks a kernel variant
-(``"avx512_amx"``: bf16 on AMX tiles, ``"avx512_bf16"``: bf16 on AVX512-BF16 dot products,
-``"avx512"``, ``"avx2"``, ``"avx2_w16"``, ``"generic"``); by
+(``"avx512_amx"``: bf16 on AMX tiles, ``"avx512"``, ``"avx2"``, ``"avx2_w16"``, ``"generic"``); by
 default the fastest one this CPU runs whose vector width divides ``head_dim``, or the one named
 by ``SPARSEKV_KERNEL_ISA`` (to compare variants or rule one out; ignored with a warning where
 this CPU does not run it).
@@ -102,7 +101,7 @@ def _pick_isa(ext, head_dim: int, quantized: bool, forced: str) -> str | None:
     # Variants whose vector width divides head_dim as the kernels need.
     lanes_per_step = 4 if quantized else 2
     fits = [isa for isa, width in _variants(ext) if head_dim % (lanes_per_step * width) == 0]
-    if forced == BF16_ISA and forced not in fits:  # built without it (GCC < 10): AVX-512F
+    if forced == BF16_ISA:  # a prefill variant; its CPUs decode on the AVX-512F kernels
         forced = "avx512"
     if forced:
         if forced in fits:
@@ -278,7 +277,7 @@ def check_softmax_scale(scale: float) -> None:
 
 
 PREFILL_ISA = "avx512_amx"  # the AMX-tile kernels (prefill, fused window scores)
-BF16_ISA = "avx512_bf16"  # the AVX512-BF16 kernels (CPUs without AMX)
+BF16_ISA = "avx512_bf16"  # the AVX512-BF16 prefill kernel (CPUs without AMX)
 
 
 def amx_tiles_enabled() -> bool:

@@ -8,7 +8,8 @@ with the log-sum-exp of every row, against ``torch_ref.attention_with_lse``. Its
 ``SPARSEKV_KERNEL_ISA`` picks one as for the decode kernels: a variant without a prefill kernel
 (``avx2_w16``) leaves prefill to PyTorch; a bf16-only one leaves fp32 inputs on the fastest
 fp32 variant, as the decode kernels run fp32 pools on their vector kernels under
-``avx512_amx`` and ``avx512_bf16``.
+``avx512_amx``. ``avx512_bf16`` names no decode variant of its own: forced, the decode kernels
+run ``avx512``.
 
 ``qk_int8=True`` computes the logits in int8 on ``avx512_bf16`` (AVX512-VNNI), SageAttention-style:
 keys smoothed by their channel means and quantized per key, queries per row, the value product

@@ -18,7 +18,7 @@ from sparsekv.attention.cpu import build, chunk_paged, ops, prefill_ops, window_
 from sparsekv.env_flags import kernel_isa_setting
 
 FAMILIES: dict[str, tuple[str, ...]] = {
-    "decode": ("avx512_amx", "avx512_bf16", "avx512", "avx2", "avx2_w16", "generic"),
+    "decode": ("avx512_amx", "avx512", "avx2", "avx2_w16", "generic"),
     "prefill": prefill_ops.PREFILL_VARIANTS,
     "window_fused": window_fused.VARIANTS,
     "chunk_paged": chunk_paged.VARIANTS,
@@ -67,7 +67,7 @@ def _why_not(family: str, variant: str) -> str:
     ext = build.load_extension()
     if family == "chunk_paged":
         return chunk_paged.chunk_isa_status(variant)
-    if family != "decode" or variant in (ops.PREFILL_ISA, ops.BF16_ISA):  # prefill's CPU checks
+    if family != "decode" or variant == ops.PREFILL_ISA:  # the same CPU checks as prefill's
         return prefill_ops.prefill_isa_status(variant)
     if variant == "avx512":
         return "no AVX-512F"

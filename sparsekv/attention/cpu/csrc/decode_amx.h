@@ -4,8 +4,7 @@
 // to fp32 unpacking, FMAs, lane reductions: ~15 ns per slot and KV head on one core with the
 // data in L2) than memory needs. One TDPBF16PS multiplies [16 x 32] by [32 x 16] bf16 with
 // fp32 accumulation in ~16 cycles. (VDPBF16PS, AVX512-BF16, was measured at one per 2 cycles
-// on Sapphire Rapids: slower per multiply-add than fp32 FMAs there, so it does not pay on its
-// own; AMD Zen 4 issues one per cycle, where decode_bf16.h uses it.)
+// here: slower per multiply-add than fp32 FMAs, so it does not pay on its own.)
 //
 // Logits, per 16 slots of a page: C[16 slots][g] += A[16 key rows][32 elements] *
 // B[32 elements][g heads], A loaded straight from the page (rows head_dim apart), B the query

@@ -1,7 +1,7 @@
 // AVX-512 + AVX512-BF16 kernels (16 fp32 lanes) for CPUs without AMX: causal prefill attention
 // and fused window scores with vdpbf16ps dot products (prefill_bf16.h, window_fused_bf16.h),
 // and the prefill with int8 Q·K^T by AVX512-VNNI (prefill_qk8.h). The decode kernels of these
-// CPUs are in their own unit (decode_avx512_bf16.cpp).
+// CPUs are the AVX-512F ones (isa_avx512.cpp): their bf16 rows are unpacked to fp32 anyway.
 //
 // Used by the binding only where CPUID shows AVX512-F, BW, DQ, VL and BF16, and the int8 kernel
 // only with AVX512-VNNI too (isa_select.cpp). Its one VNNI instruction is inline asm, so the

@@ -104,8 +104,6 @@ Leaf7 leaf7() {
 
 bool always() { return true; }
 
-bool has_avx512_bf16() { return avx512_bf16_status() == "ok"; }
-
 struct Variant {
   const char* name;
   const KernelTable* table;  // width 0: not compiled for this target
@@ -114,7 +112,6 @@ struct Variant {
 
 const Variant kVariants[] = {  // fastest first
     {"avx512_amx", &kTableAvx512Amx, has_amx},
-    {"avx512_bf16", &kTableAvx512Bf16, has_avx512_bf16},
     {"avx512", &kTableAvx512, has_avx512},
     {"avx2", &kTableAvx2, has_avx2_fma},
     // The 16-lane AVX-512 code built for AVX2: tests it on AVX2 CPUs (slower than avx2).

@@ -107,7 +107,6 @@ struct KernelTable {
 };
 
 extern const KernelTable kTableAvx512Amx;
-extern const KernelTable kTableAvx512Bf16;
 extern const KernelTable kTableAvx512;
 extern const KernelTable kTableAvx2;
 extern const KernelTable kTableAvx2W16;

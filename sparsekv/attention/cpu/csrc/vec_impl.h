@@ -7,8 +7,8 @@
 // so q and the output accumulators are kept in that permuted order (chunk_pos) and un-permuted
 // when written. fp32 chunks keep their natural order; int8 / fp8 codes have their own (see
 // load_chunk); int4 codes take bf16's even/odd order in every unit (int4_impl.h). The AMX unit
-// (SKV_AMX) and the AVX512-BF16 decode unit (SKV_BF16_PAIRS) keep their bf16 accumulators in
-// the order their paired value rows produce instead (see decode_amx.h, decode_bf16.h).
+// (SKV_AMX) keeps its bf16 accumulators in the order its value tiles produce instead (see
+// decode_amx.h).
 
 typedef float vf __attribute__((vector_size(SKV_W * 4)));
 typedef int32_t vi __attribute__((vector_size(SKV_W * 4)));
@@ -144,7 +144,7 @@ static inline int64_t chunk_pos(int64_t e) {
     return base + (r % 4) * W + r / 4;
   }
   const int64_t base = e - e % (2 * W), r = e % (2 * W);
-#if SKV_AMX || SKV_BF16_PAIRS
+#if SKV_AMX
   // unpacklo/hi_epi16 work per 128-bit lane: element r of a 32-element chunk sits in the lo
   // tile (first 16 columns) if r % 8 < 4, else in the hi tile, at column 4 * (r / 8) + r % 4.
   return base + ((r & 4) ? 16 : 0) + 4 * (r >> 3) + (r & 3);
@@ -269,21 +269,17 @@ static inline vf halves_sum(vf a, vf b) {  // lane groups: a01 b01 a23 b23
          __builtin_shufflevector(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30,
                                  31);
 }
-// The first step of reduce_lanes for 4 vectors: lane group i of the result holds their lane
-// sums' parts (kernels that produce the vectors 4 at a time reduce them as they go).
-static inline vf quad_sum(vf a, vf b, vf c, vf d) { return pair_sum(pair_sum(a, b), pair_sum(c, d)); }
-// The rest of reduce_lanes: quad_sum of vectors 4m .. 4m + 3 in c[m] -> their 16 sums.
-static inline vf reduce_quads(const vf* c) {
+static inline vf reduce_lanes(const vf* v) {
+  vf c[4];
+  for (int m = 0; m < 4; ++m) {
+    const vf* u = v + 4 * m;
+    c[m] = pair_sum(pair_sum(u[0], u[1]), pair_sum(u[2], u[3]));
+  }
   const vf d0 = halves_sum(c[0], c[1]), d1 = halves_sum(c[2], c[3]);
   return __builtin_shufflevector(d0, d1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22,
                                  23) +
          __builtin_shufflevector(d0, d1, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
                                  30, 31);
-}
-static inline vf reduce_lanes(const vf* v) {
-  vf c[4];
-  for (int m = 0; m < 4; ++m) c[m] = quad_sum(v[4 * m], v[4 * m + 1], v[4 * m + 2], v[4 * m + 3]);
-  return reduce_quads(c);
 }
 #else
 #error "SKV_W must be 4, 8 or 16"
