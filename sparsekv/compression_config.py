@@ -7,6 +7,7 @@ CLI flags are generated from the fields (``sparsekv.cli_args``).
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass
 
 COMPRESSION_METHODS = (
@@ -23,6 +24,18 @@ COMPRESSION_METHODS = (
 )
 HEAD_BUDGETS = ("flat", "adaptive")
 LAYER_SCORES = ("own", "first")
+# Fields checked for their type before their values (a float budget would reach the page
+# allocator; a string ratio would fail a comparison with a TypeError).
+_INT_FIELDS = ("budget", "window", "kernel_size", "full_layers", "context_tokens")
+_REAL_FIELDS = ("compression_ratio",)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 @dataclass
@@ -92,6 +105,7 @@ class CompressionConfig:
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the parameter when the policy is invalid."""
+        self._check_types()
         if self.method not in COMPRESSION_METHODS:
             raise ValueError(
                 f"kv_compression.method: unknown method {self.method!r}; "
@@ -167,6 +181,28 @@ class CompressionConfig:
             raise ValueError(
                 "kv_compression.head_budgets: adaptive budgets are set once at the end of the "
                 "prompt; chunked_mode bounded compresses every chunk"
+            )
+
+    def _check_types(self) -> None:
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if value is not None and not _is_int(value):
+                raise ValueError(f"kv_compression.{name} must be an integer, got {value!r}")
+        for name in _REAL_FIELDS:
+            value = getattr(self, name)
+            if value is not None and not _is_real(value):
+                raise ValueError(f"kv_compression.{name} must be a number, got {value!r}")
+        if not isinstance(self.decode_eviction, bool):
+            raise ValueError(
+                f"kv_compression.decode_eviction must be true or false, got {self.decode_eviction!r}"
+            )
+        if self.layer_budgets is not None and not all(map(_is_int, self.layer_budgets)):
+            raise ValueError(
+                f"kv_compression.layer_budgets must be integers, got {self.layer_budgets!r}"
+            )
+        if self.layer_fractions is not None and not all(map(_is_real, self.layer_fractions)):
+            raise ValueError(
+                f"kv_compression.layer_fractions must be numbers, got {self.layer_fractions!r}"
             )
 
     def merged(self, overrides: dict) -> CompressionConfig:

@@ -8,6 +8,7 @@ raises ``ValueError`` naming the offending parameter and its allowed values.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 # COMPRESSION_METHODS here: the built-in names; register_compressor extends
@@ -152,8 +153,9 @@ class CacheConfig:
     num_pages: int | None = None
 
     def validate(self) -> None:
-        if self.kv_cache_memory is not None and not self.kv_cache_memory > 0:
-            raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")
+        memory = self.kv_cache_memory
+        if memory is not None and not (0 < memory < math.inf):
+            raise ValueError(f"kv_cache_memory must be a finite number > 0 GiB, got {memory}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
@@ -215,6 +217,8 @@ class SchedulerConfig:
             )
         if self.max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
+        if self.watermark_pages < 0:
+            raise ValueError(f"watermark_pages must be >= 0, got {self.watermark_pages}")
 
 
 @dataclass

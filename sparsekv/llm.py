@@ -92,6 +92,12 @@ class LLM:
         params = _broadcast(
             sampling_params or SamplingParams(), len(prompt_list), "sampling_params"
         )
+        for sp in params:
+            if not isinstance(sp, SamplingParams):
+                raise ValueError(
+                    "sampling_params: expected a SamplingParams (or a list of them, one per "
+                    f"prompt), got {type(sp).__name__}"
+                )
         policies = _broadcast(kv_compression, len(prompt_list), "kv_compression")
         for policy in policies:
             if policy is not None and not isinstance(policy, (dict, CompressionConfig)):
@@ -130,12 +136,21 @@ class LLM:
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), disable=not use_tqdm, desc="generate")
-        while self.engine.has_unfinished_requests():
-            for output in self.engine.step():
-                if output.finished:
-                    finished[output.request_id] = output
-                    bar.update(1)
-        bar.close()
+        try:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        except BaseException:
+            # An error out of a step (or an interrupt) must not leave this call's requests
+            # queued: the next call would run them, and fail the same way, again.
+            for request_id in ids:
+                if request_id not in finished:
+                    self.engine.abort_request(request_id)
+            raise
+        finally:
+            bar.close()
         fatal = self.engine.fatal_error
         if fatal is not None:
             raise RuntimeError(f"generate: the engine failed: {fatal}")
@@ -171,6 +186,11 @@ def _default_policy(kv_compression: CompressionConfig | dict | None) -> Compress
 def _as_prompt_list(prompts) -> list:
     if isinstance(prompts, str):
         return [prompts]
+    if not isinstance(prompts, Sequence):
+        raise ValueError(
+            "prompts: expected text, token ids, chat messages or a list of them, got "
+            f"{type(prompts).__name__}"
+        )
     items = list(prompts)
     if items and all(isinstance(t, int) for t in items):
         return [items]

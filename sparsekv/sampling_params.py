@@ -10,6 +10,8 @@ from sparsekv.errors import ContextLengthError
 MAX_LOGPROBS = 20
 # Temperatures below this are treated as greedy: dividing logits by them overflows fp32.
 GREEDY_TEMPERATURE = 1e-5
+# Accepted repetition penalties (see _validate_penalties).
+REPETITION_PENALTY_RANGE = (1e-4, 1e4)
 
 
 @dataclass
@@ -24,7 +26,7 @@ class SamplingParams:
         top_k: keep the ``top_k`` most likely tokens; ``0`` or ``-1`` is off.
         min_p: drop tokens whose probability is below ``min_p`` times the top token's; ``0`` is off.
         repetition_penalty: CTRL/HF penalty on every token of the prompt and output: positive
-            logits are divided by it, negative ones multiplied; ``1`` is off.
+            logits are divided by it, negative ones multiplied; ``1`` is off; in [1e-4, 1e4].
         presence_penalty: OpenAI penalty subtracted once from every token already generated.
         frequency_penalty: OpenAI penalty subtracted per occurrence of a generated token.
         seed: seeds the request's own random generator (reproducible in any batch, and after
@@ -34,7 +36,9 @@ class SamplingParams:
         stop_token_ids: token ids that end generation (besides EOS).
         ignore_eos: keep generating past EOS.
         max_tokens: most tokens to generate; ``0`` runs only the prefill (for
-            ``prompt_logprobs``) and generates nothing.
+            ``prompt_logprobs``) and generates nothing; ``None``: up to the end of the context,
+            or fewer where the KV pool could not hold that many (set when the request is
+            added, ``LLMEngine.add_request``).
         min_tokens: EOS, ``stop_token_ids`` and stop strings are ignored until this many tokens
             were generated.
         logprobs: ``None`` for none; else the log-probability of each sampled token plus the
@@ -68,7 +72,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
@@ -81,8 +85,14 @@ class SamplingParams:
             self.stop = []
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
-        else:
+        elif isinstance(self.stop, list | tuple):
             self.stop = list(self.stop)
+        else:
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, list | tuple | type(None)):
+            raise ValueError(
+                f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}"
+            )
         self.stop_token_ids = list(self.stop_token_ids or [])
 
     @property
@@ -114,11 +124,12 @@ class SamplingParams:
     def _validate_counts(self) -> None:
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
-        if not _is_int(self.max_tokens) or self.max_tokens < 0:
+        # None: up to the end of the context; the engine sets it when the request is added.
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 0):
             raise ValueError(f"max_tokens must be an integer >= 0, got {self.max_tokens!r}")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
-        if self.min_tokens > self.max_tokens:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
             )
@@ -132,8 +143,8 @@ class SamplingParams:
             raise ValueError(
                 f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}"
             )
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and not (_is_int(self.seed) and -(2**63) <= self.seed < 2**63):
+            raise ValueError(f"seed must be a 64-bit signed integer, got {self.seed!r}")
         if self.speculative is not None and not isinstance(self.speculative, dict):
             raise ValueError(f"speculative must be an object, got {self.speculative!r}")
 
@@ -154,8 +165,17 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
 
     def _validate_penalties(self) -> None:
-        if not math.isfinite(self.repetition_penalty) or not self.repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+        # Logits are divided (or multiplied) by it in fp32: far outside this range they
+        # overflow to inf or underflow to 0, and the softmax turns them into NaN.
+        lo, hi = REPETITION_PENALTY_RANGE
+        if not lo <= self.repetition_penalty <= hi:
+            raise ValueError(
+                f"repetition_penalty must be in [{lo:g}, {hi:g}], got {self.repetition_penalty!r}"
+            )
         if not -2 <= self.presence_penalty <= 2:
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}")
         if not -2 <= self.frequency_penalty <= 2:
@@ -172,7 +192,7 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must hold token ids >= 0, got {t!r}")
 
     def _validate_length(self, max_model_len: int | None, num_prompt_tokens: int | None) -> None:
-        if max_model_len is None:
+        if max_model_len is None or self.max_tokens is None:
             return
         num_prompt = num_prompt_tokens or 0
         if num_prompt + self.max_tokens > max_model_len:

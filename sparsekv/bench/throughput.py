@@ -25,16 +25,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sparsekv bench throughput", description=__doc__)
     parser.add_argument(
         "--input-len",
-        type=int,
+        type=common.int_at_least(1),
         default=2000,
         help="prompt tokens per request (default %(default)s)",
     )
     parser.add_argument(
-        "--output-len", type=int, default=128, help="generated tokens each (default %(default)s)"
+        "--output-len",
+        type=common.int_at_least(1),
+        default=128,
+        help="generated tokens each (default %(default)s)",
     )
     parser.add_argument(
         "--num-prompts",
-        type=int,
+        type=common.int_at_least(0),
         default=16,
         help="requests in the batch (default %(default)s; 0: skip the batch)",
     )
@@ -43,14 +46,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--hf-baseline", action="store_true", help="also run Hugging Face generate")
     parser.add_argument(
-        "--single-ttft", type=int, default=0, metavar="N", help="TTFT of one N-token prompt"
+        "--single-ttft",
+        type=common.int_at_least(0),
+        default=0,
+        metavar="N",
+        help="TTFT of one N-token prompt",
     )
     parser.add_argument(
         "--decode-batch1", action="store_true", help="decode tokens/s of one request"
     )
     parser.add_argument(
         "--decode-input-len",
-        type=int,
+        type=common.int_at_least(1),
         default=512,
         help="prompt tokens of the batch-1 decode (default %(default)s)",
     )

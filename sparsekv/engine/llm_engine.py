@@ -7,6 +7,7 @@ goes on.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -18,7 +19,7 @@ from sparsekv.engine.detokenizer import IncrementalDetokenizer
 from sparsekv.engine.engine_setup import EngineParts, build_engine_parts
 from sparsekv.engine.request import Request
 from sparsekv.engine.stats import EngineStats
-from sparsekv.errors import ContextLengthError
+from sparsekv.errors import ContextLengthError, PoolTooSmallError
 from sparsekv.kv_cache.policy import (
     CompressionPolicy,
     check_head_budget_method,
@@ -117,14 +118,21 @@ class LLMEngine:
         if request_id in self._groups:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         self._check_prompt(prompt_token_ids)
+        params.validate(max_model_len=self.max_model_len, num_prompt_tokens=len(prompt_token_ids))
         bad_stops = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad_stops:
             raise ValueError(
                 f"stop_token_ids: token id {bad_stops[0]} is outside [0, {self.vocab_size})"
             )
-        params.validate(max_model_len=self.max_model_len, num_prompt_tokens=len(prompt_token_ids))
+        max_seqs = self.config.scheduler.max_num_seqs
+        if params.n > max_seqs:  # as the server's check: the samples run side by side
+            raise ValueError(f"n must be <= max_num_seqs ({max_seqs}), got {params.n}")
         speculative = self.resolve_speculative(params.speculative)
         draft_tokens = speculative.num_speculative_tokens if speculative is not None else 0
+        if params.max_tokens is None:
+            max_tokens = self._implicit_max_tokens(len(prompt_token_ids), compression, draft_tokens)
+            params = dataclasses.replace(params, max_tokens=max_tokens)
+            params.validate(self.max_model_len, len(prompt_token_ids))  # min_tokens against it
         policy = resolve_policy(
             self.config,
             compression,
@@ -162,6 +170,37 @@ class LLMEngine:
         for state in samples:
             self.scheduler.add(state.request)
         self.stats.num_prompt_tokens += len(prompt_token_ids) * params.n
+
+    def _implicit_max_tokens(self, num_prompt_tokens: int, compression, draft_tokens: int) -> int:
+        """``max_tokens`` of a request that gave none: up to the end of the context, or the
+        most whose peak footprint the pool holds (at least 1: a prompt that does not fit even
+        then gets resolve_policy's error)."""
+
+        def fits(max_tokens: int) -> bool:
+            try:
+                resolve_policy(
+                    self.config,
+                    compression,
+                    self.kv,
+                    num_prompt_tokens,
+                    max_tokens,
+                    draft_tokens,
+                    self.tokenizer,
+                )
+            except PoolTooSmallError:
+                return False
+            return True
+
+        hi = max(1, self.max_model_len - num_prompt_tokens)
+        if fits(hi):
+            return hi
+        lo = 1
+        if not fits(lo):
+            return lo
+        while hi - lo > 1:  # fits(lo), not fits(hi): the footprint grows with max_tokens
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo
 
     def _check_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:
@@ -312,12 +351,17 @@ class LLMEngine:
         request = state.request
         request_kv = self.kv.get(request.request_id) if self.kv.has(request.request_id) else None
         if request_kv is not None:
+            # Tokens whose K/V were computed: the last sampled token never enters the cache, so
+            # an uncompressed request reports a ratio of exactly 0. A verification step that
+            # finished the request inside its accepted draft also wrote the draft tokens past
+            # the finish; they are no part of the request, and its newest slots in every layer.
+            logical = len(request.prompt_token_ids) + request.num_output_tokens - 1
+            num_tokens = min(request.num_computed_tokens, logical)
+            overshoot = request.num_computed_tokens - num_tokens
             state.kv_stats = KVStats(
-                kept_per_layer=request_kv.kept_per_layer(),
+                kept_per_layer=[max(0, k - overshoot) for k in request_kv.kept_per_layer()],
                 evicted_per_layer=request_kv.evicted_per_layer(),
-                # Tokens whose K/V were computed: the last sampled token never enters the
-                # cache, so an uncompressed request reports a ratio of exactly 0.
-                num_tokens=request.num_computed_tokens,
+                num_tokens=num_tokens,
             )
             self.stats.num_evicted_tokens += sum(request_kv.evicted_per_layer())
             # Never after an abort or a failed step.

@@ -9,6 +9,10 @@ from sparsekv.engine.token_bytes import TokenBytes
 Prompt = str | Sequence[int] | Sequence[dict]
 
 
+# The message roles of the OpenAI chat API (the server's request schema accepts the same).
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
     """Token ids of a prompt.
 
@@ -69,6 +73,10 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
     for i, message in enumerate(messages):
         if "role" not in message or "content" not in message:
             raise ValueError(f"messages[{i}]: each message needs 'role' and 'content'")
+        if message["role"] not in CHAT_ROLES:
+            raise ValueError(
+                f"messages[{i}].role: {message['role']!r} is not one of {', '.join(CHAT_ROLES)}"
+            )
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("messages: the model's tokenizer has no chat template")
     text = tokenizer.apply_chat_template(

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from sparsekv.compression.base import Compressor
 from sparsekv.compression.registry import compressor_class, get_compressor
 from sparsekv.config import CompressionConfig, EngineConfig, check_head_budgets
+from sparsekv.errors import PoolTooSmallError
 from sparsekv.kv_cache.budget import layer_budgets
 from sparsekv.kv_cache.manager import KVCacheManager
 from sparsekv.kv_cache.plan import KVPolicy
@@ -216,7 +217,7 @@ def resolve_policy(
     peaks[0] += kv_policy.side_pages
     for peak, size in zip(peaks, kv.pool.kind_sizes):
         if peak > size:
-            raise ValueError(
+            raise PoolTooSmallError(
                 f"max_tokens: the request needs {peak} KV pages at its peak but the pool "
                 f"has {size}; shorten the prompt or max_tokens, or raise --kv-cache-memory"
             )

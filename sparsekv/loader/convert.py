@@ -46,11 +46,14 @@ def convert_gguf(
 
     Raises:
         ValueError: (message starts with ``model:``) the GGUF file is missing, malformed or
-            unsupported.
+            unsupported; (``out_dir:``) the folder cannot be created.
     """
     config, tokenizer, state_dict = load_gguf(gguf_path, dtype)
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"out_dir: cannot create {out_dir}: {exc.strerror or exc}") from exc
     save_file(state_dict, out_dir / "model.safetensors", metadata={"format": "pt"})
     config = copy.deepcopy(config)
     config.architectures = [ARCHITECTURE_CLASSES.get(config.model_type, "AutoModelForCausalLM")]

@@ -178,8 +178,7 @@ async def create_chat_completion(
     max_tokens = body.max_completion_tokens
     if max_tokens is None:
         max_tokens = body.max_tokens
-    if max_tokens is None:  # OpenAI: up to the end of the context
-        max_tokens = max(1, ctx.max_model_len - len(prompt_ids))
+    # None (OpenAI: up to the end of the context): the engine caps it to what the pool holds.
     params = sampling_params(ctx, body, max_tokens, _num_top_logprobs(body))
     request_id = new_id("chatcmpl")
     ctx.mark_fault(request_id, (m["content"] for m in messages))

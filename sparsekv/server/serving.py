@@ -170,7 +170,7 @@ def new_id(prefix: str) -> str:
 def sampling_params(
     ctx: ServerContext,
     body: SamplingBody,
-    max_tokens: int,
+    max_tokens: int | None,
     logprobs: int | None,
     prompt_logprobs: int | None = None,
 ) -> SamplingParams:

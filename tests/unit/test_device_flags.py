@@ -11,7 +11,7 @@ import torch
 from sparsekv.attention import torch_ref
 from sparsekv.attention.backends.torch_backend import TorchBackend
 from sparsekv.cli_args import add_engine_args, engine_config_from_args
-from sparsekv.config import CacheConfig, EngineConfig, ModelConfig
+from sparsekv.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from sparsekv.engine import engine_setup
 from sparsekv.engine.device_memory import GIB, ProfilingContext, kv_cache_gib
 
@@ -57,7 +57,10 @@ def test_unknown_backend_is_refused_by_the_parser():
     [
         (ModelConfig(device="tpu"), "device must be one of auto, cpu, cuda"),
         (ModelConfig(attention_backend="flash"), "attention_backend must be one of"),
-        (CacheConfig(kv_cache_memory=0), "kv_cache_memory must be > 0"),
+        (CacheConfig(kv_cache_memory=0), "kv_cache_memory must be a finite number > 0"),
+        (CacheConfig(kv_cache_memory=float("inf")), "kv_cache_memory must be a finite number"),
+        (CacheConfig(kv_cache_memory=float("nan")), "kv_cache_memory must be a finite number"),
+        (SchedulerConfig(watermark_pages=-1), "watermark_pages must be >= 0, got -1"),
     ],
 )
 def test_bad_values_name_their_parameter(config, message):

@@ -171,6 +171,13 @@ def test_draft_tokens_count_in_the_peak():
         ({"layer_fractions": (0.5,)}, {}, r"^kv_compression\.layer_fractions: 1 fractions"),
         (CompressionConfig(method="snap"), {}, r"^kv_compression\.method: unknown method"),
         (None, {"max_tokens": 4000}, r"^max_tokens: the request needs \d+ KV pages"),
+        ({"budget": 64.5}, {}, r"^kv_compression\.budget must be an integer, got 64\.5"),
+        ({"budget": "64"}, {}, r"^kv_compression\.budget must be an integer"),
+        ({"window": True}, {}, r"^kv_compression\.window must be an integer"),
+        ({"compression_ratio": "0.5"}, {}, r"^kv_compression\.compression_ratio must be a number"),
+        ({"decode_eviction": "no"}, {}, r"^kv_compression\.decode_eviction must be true or false"),
+        ({"layer_budgets": (0, 64.0)}, {}, r"^kv_compression\.layer_budgets must be integers"),
+        ({"layer_fractions": ("1",)}, {}, r"^kv_compression\.layer_fractions must be numbers"),
     ],
 )
 def test_invalid_requests_name_the_parameter(overrides, kw, match):

@@ -58,6 +58,13 @@ def test_list_fields_are_not_shared():
         ("stop", {"stop": ["ok", ""]}),
         ("stop_token_ids", {"stop_token_ids": [-5]}),
         ("seed", {"seed": 1.5}),
+        ("seed", {"seed": 2**70}),
+        ("repetition_penalty", {"repetition_penalty": 1e-45}),
+        ("repetition_penalty", {"repetition_penalty": 2e4}),
+        ("repetition_penalty", {"repetition_penalty": "2"}),
+        ("repetition_penalty", {"repetition_penalty": None}),
+        ("presence_penalty", {"presence_penalty": "1"}),
+        ("frequency_penalty", {"frequency_penalty": True}),
     ],
 )
 def test_each_rule_names_its_parameter(name, kwargs):
@@ -79,6 +86,11 @@ def test_each_rule_names_its_parameter(name, kwargs):
         {"presence_penalty": -2.0, "frequency_penalty": 2.0},
         {"min_tokens": 16, "max_tokens": 16},
         {"temperature": 0.0},
+        {"repetition_penalty": 1e-4},
+        {"repetition_penalty": 1e4},
+        {"seed": -(2**63)},
+        {"seed": 2**63 - 1},
+        {"max_tokens": None, "min_tokens": 5},
     ],
 )
 def test_boundaries_are_accepted(kwargs):
@@ -112,3 +124,13 @@ def test_context_errors_are_context_length_exceeded_and_keep_the_renamed_param()
     assert (error.param, error.code) == ("max_completion_tokens", "context_length_exceeded")
     error = invalid_request(ValueError("max_tokens must be >= 0, got -1"))
     assert (error.param, error.code) == ("max_tokens", "invalid_value")
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs"),
+    [("stop", {"stop": 5}), ("stop_token_ids", {"stop_token_ids": 7})],
+)
+def test_a_stop_of_the_wrong_type_is_refused_at_construction(name, kwargs):
+    with pytest.raises(ValueError) as info:
+        SamplingParams(**kwargs)
+    assert str(info.value).startswith(name)

@@ -1,0 +1,112 @@
+"""The offline API under bad input and failures: a clear ``ValueError`` naming the parameter,
+nothing left queued, and the ``LLM`` usable afterwards; an implicit ``max_tokens`` sized to the
+pool; usage that does not depend on speculation."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from sparsekv.config import CompressionConfig, SpeculativeConfig
+from sparsekv.errors import PoolTooSmallError
+from sparsekv.kv_cache.policy import resolve_policy
+from sparsekv.llm import LLM
+from sparsekv.sampling_params import SamplingParams
+from tests.conftest import tiny_checkpoint, tiny_llama_config
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
+
+
+@pytest.fixture
+def tiny(smollm2_tokenizer):
+    return tiny_checkpoint(tiny_llama_config(), smollm2_tokenizer, seed=1)[0]
+
+
+def _llm(engine) -> LLM:
+    llm = LLM.__new__(LLM)  # the offline API around a test engine
+    llm.engine, llm.tokenizer, llm._ids = engine, engine.tokenizer, itertools.count()
+    return llm
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda llm: llm.generate(None, GREEDY), "^prompts: expected text, .* got NoneType$"),
+        (lambda llm: llm.generate(5, GREEDY), "^prompts: expected text, .* got int$"),
+        (lambda llm: llm.generate("a", {"max_tokens": 2}), "^sampling_params: expected a Sam"),
+        (
+            lambda llm: llm.generate("word " * 40, GREEDY, kv_compression={"budget": 40.5}),
+            r"^kv_compression\.budget must be an integer, got 40\.5$",
+        ),
+        (
+            lambda llm: llm.generate([{"role": "robot", "content": "hi"}], GREEDY),
+            r"^messages\[0\]\.role: 'robot' is not one of system, developer, user",
+        ),
+        (
+            lambda llm: llm.generate("hi", SamplingParams(n=10**6, max_tokens=1)),
+            r"^n must be <= max_num_seqs \(64\), got 1000000$",
+        ),
+    ],
+)
+def test_bad_input_is_a_value_error_and_leaves_the_llm_usable(make_engine, tiny, call, match):
+    llm = _llm(make_engine(tiny, compression=CompressionConfig(budget=40, window=4)))
+    with pytest.raises(ValueError, match=match):
+        call(llm)
+    assert not llm.engine.has_unfinished_requests()
+    assert len(llm.generate("hello there", GREEDY)[0].outputs[0].token_ids) == 4
+
+
+def test_a_failing_step_aborts_the_call_s_requests(make_engine, tiny, monkeypatch):
+    engine = make_engine(tiny)
+    llm = _llm(engine)
+    step = engine.step
+
+    def failing_step():
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(engine, "step", failing_step)
+    with pytest.raises(RuntimeError, match="injected"):
+        llm.generate(["one prompt", "another prompt"], GREEDY)
+    assert not engine.has_unfinished_requests()  # nothing left to fail the next call
+    monkeypatch.setattr(engine, "step", step)
+    outputs = llm.generate(["one prompt", "another prompt"], GREEDY)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [4, 4]
+
+
+def test_an_implicit_max_tokens_is_the_most_the_pool_holds(make_engine, tiny):
+    engine = make_engine(tiny, num_pages=40)  # 640 slots over 3 layers: ~213 tokens of a full cache
+    prompt = list(range(100, 150))
+    chosen = engine._implicit_max_tokens(len(prompt), None, 0)
+    assert chosen < engine.max_model_len - len(prompt)  # the context would allow more
+
+    def policy(max_tokens):
+        return resolve_policy(engine.config, None, engine.kv, len(prompt), max_tokens, 0)
+
+    policy(chosen)  # fits
+    with pytest.raises(PoolTooSmallError, match="^max_tokens: the request needs"):
+        policy(chosen + 1)
+    params = SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True)
+    output = _llm(engine).generate(prompt, params)[0].outputs[0]
+    assert (len(output.token_ids), output.finish_reason) == (chosen, "length")
+
+
+def test_speculation_does_not_change_the_usage_past_a_stop(make_engine, smollm2_checkpoint):
+    # A stop inside an accepted draft: the verification step also wrote the draft tokens past
+    # it, which are no part of the request's usage.
+    engine = make_engine(
+        smollm2_checkpoint,
+        speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4),
+    )
+    llm = _llm(engine)
+    doc = "The pass key is 48213. " + "The grass is green. The sky is blue. " * 30
+    doc += "What is the pass key? The pass key is"
+    stats = {}
+    for spec in (None, {"method": None}):
+        params = SamplingParams(max_tokens=20, temperature=0.0, stop=["."], speculative=spec)
+        out = llm.generate(doc, params)[0]
+        expected = len(out.prompt_token_ids) + len(out.outputs[0].token_ids) - 1
+        assert out.kv_stats.num_tokens == expected
+        assert out.kv_stats.tokens_kept == expected  # a full cache
+        stats[spec is None] = (out.outputs[0].text, out.kv_stats.num_tokens)
+    assert stats[True] == stats[False]
