@@ -52,8 +52,9 @@ class AsyncEngine:
 
     Args:
         engine: the engine to drive; no other thread may call it once ``start`` ran.
-        max_waiting: most requests queued before admission (``EngineOverloadedError`` past it);
-            defaults to the engine's ``SchedulerConfig.max_waiting``.
+        max_waiting: most requests queued beyond the free running slots
+            (``EngineOverloadedError`` past it); defaults to the engine's
+            ``SchedulerConfig.max_waiting``.
     """
 
     def __init__(self, engine: LLMEngine, max_waiting: int | None = None) -> None:
@@ -136,7 +137,12 @@ class AsyncEngine:
         """
         if not self.is_alive:
             raise EngineDeadError("the engine is not running")
-        if self._snapshot.num_waiting + self._num_pending_adds >= self.max_waiting:
+        # Requests that free running slots will take at the next step are not kept waiting:
+        # a burst fills them before it counts against max_waiting.
+        snapshot = self._snapshot
+        free_slots = max(0, self.engine.config.scheduler.max_num_seqs - snapshot.num_running)
+        queued = snapshot.num_waiting + self._num_pending_adds
+        if queued - free_slots >= self.max_waiting:
             raise EngineOverloadedError(
                 f"the server is overloaded: {self.max_waiting} requests are already waiting"
             )
