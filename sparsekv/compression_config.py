@@ -196,6 +196,10 @@ class CompressionConfig:
             raise ValueError(
                 f"kv_compression.decode_eviction must be true or false, got {self.decode_eviction!r}"
             )
+        for name in ("layer_budgets", "layer_fractions"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, list | tuple):
+                raise ValueError(f"kv_compression.{name} must be a list, got {value!r}")
         if self.layer_budgets is not None and not all(map(_is_int, self.layer_budgets)):
             raise ValueError(
                 f"kv_compression.layer_budgets must be integers, got {self.layer_budgets!r}"
@@ -224,10 +228,9 @@ class CompressionConfig:
             values["compression_ratio"] = None
         if "compression_ratio" in values and "budget" not in values:
             values["budget"] = None
-        if "layer_budgets" in values and values["layer_budgets"] is not None:
-            values["layer_budgets"] = tuple(values["layer_budgets"])
-        if "layer_fractions" in values and values["layer_fractions"] is not None:
-            values["layer_fractions"] = tuple(values["layer_fractions"])
+        for name in ("layer_budgets", "layer_fractions"):
+            if isinstance(values.get(name), list):  # JSON arrays; anything else: validate()
+                values[name] = tuple(values[name])
         merged = dataclasses.replace(self, **values)
         merged.validate()
         return merged

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from tqdm import tqdm
 
@@ -186,7 +186,7 @@ def _default_policy(kv_compression: CompressionConfig | dict | None) -> Compress
 def _as_prompt_list(prompts) -> list:
     if isinstance(prompts, str):
         return [prompts]
-    if not isinstance(prompts, Sequence):
+    if not isinstance(prompts, Iterable) or isinstance(prompts, bytes | Mapping):
         raise ValueError(
             "prompts: expected text, token ids, chat messages or a list of them, got "
             f"{type(prompts).__name__}"

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import numbers
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from sparsekv.errors import ContextLengthError
@@ -85,11 +87,11 @@ class SamplingParams:
             self.stop = []
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
-        elif isinstance(self.stop, list | tuple):
+        elif _is_collection(self.stop):
             self.stop = list(self.stop)
         else:
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
-        if not isinstance(self.stop_token_ids, list | tuple | type(None)):
+        if self.stop_token_ids is not None and not _is_collection(self.stop_token_ids):
             raise ValueError(
                 f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}"
             )
@@ -151,7 +153,7 @@ class SamplingParams:
     def _validate_distribution(self) -> None:
         for name in ("temperature", "top_p", "min_p"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float):
+            if not _is_number(value):
                 raise ValueError(f"{name} must be a number, got {value!r}")
             if not math.isfinite(value):
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
@@ -167,7 +169,7 @@ class SamplingParams:
     def _validate_penalties(self) -> None:
         for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float):
+            if not _is_number(value):
                 raise ValueError(f"{name} must be a number, got {value!r}")
         # Logits are divided (or multiplied) by it in fp32: far outside this range they
         # overflow to inf or underflow to 0, and the softmax turns them into NaN.
@@ -203,4 +205,13 @@ class SamplingParams:
 
 
 def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _is_collection(x: object) -> bool:
+    """A list-like of items: not a string, bytes or mapping (whose iteration is no list)."""
+    return isinstance(x, Iterable) and not isinstance(x, str | bytes | Mapping)

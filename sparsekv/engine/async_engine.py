@@ -67,7 +67,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queues: dict[str, asyncio.Queue] = {}
         self._active: set[str] = set()  # loop thread only: requests added and not finished
-        self._num_pending_adds = 0
+        self._num_pending_samples = 0  # as the snapshot counts: samples, n per request
         self._snapshot = EngineSnapshot()
         self.error: BaseException | None = None
 
@@ -137,11 +137,12 @@ class AsyncEngine:
         """
         if not self.is_alive:
             raise EngineDeadError("the engine is not running")
-        # Requests that free running slots will take at the next step are not kept waiting:
-        # a burst fills them before it counts against max_waiting.
+        # Samples that free running slots take at the next step are not kept waiting: a burst
+        # fills them before it counts against max_waiting. (Where pages, not slots, hold
+        # admission back, up to max_num_seqs - num_running more may wait.)
         snapshot = self._snapshot
         free_slots = max(0, self.engine.config.scheduler.max_num_seqs - snapshot.num_running)
-        queued = snapshot.num_waiting + self._num_pending_adds
+        queued = snapshot.num_waiting + self._num_pending_samples
         if queued - free_slots >= self.max_waiting:
             raise EngineOverloadedError(
                 f"the server is overloaded: {self.max_waiting} requests are already waiting"
@@ -182,7 +183,8 @@ class AsyncEngine:
 
     async def _add(self, request_id, prompt_token_ids, params, compression) -> None:
         added = self._loop.create_future()
-        self._num_pending_adds += 1
+        samples = params.n if isinstance(params.n, int) and params.n > 0 else 1  # checked later
+        self._num_pending_samples += samples
         try:
             self._put(("add", request_id, list(prompt_token_ids), params, compression, added))
             while not added.done():
@@ -192,7 +194,7 @@ class AsyncEngine:
                     raise EngineDeadError("the engine is not running")
             added.result()
         finally:
-            self._num_pending_adds -= 1
+            self._num_pending_samples -= samples
             added.cancel()  # no-op when answered; else the late answer is dropped
 
     def abort(self, request_id: str) -> None:

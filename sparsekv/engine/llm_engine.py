@@ -109,9 +109,12 @@ class LLMEngine:
             forced_token_ids: teacher forcing; sampled tokens are replaced by these.
             collect_logits: keep fp32 logits of every sampled position (fidelity metric).
 
+        ``params.max_tokens`` None is resolved here (``_implicit_max_tokens``).
+
         Raises:
-            ValueError: invalid parameters, an empty or out-of-vocabulary prompt, or a request
-                whose peak footprint exceeds the whole pool.
+            ValueError: invalid parameters, an empty or out-of-vocabulary prompt, ``n`` over
+                ``max_num_seqs``, or (``PoolTooSmallError``) a request whose peak footprint
+                exceeds the whole pool.
             ContextLengthError: (a ``ValueError``) a prompt of at least ``max_model_len``
                 tokens, or the prompt plus ``max_tokens`` over it.
         """
@@ -171,10 +174,26 @@ class LLMEngine:
             self.scheduler.add(state.request)
         self.stats.num_prompt_tokens += len(prompt_token_ids) * params.n
 
-    def _implicit_max_tokens(self, num_prompt_tokens: int, compression, draft_tokens: int) -> int:
-        """``max_tokens`` of a request that gave none: up to the end of the context, or the
-        most whose peak footprint the pool holds (at least 1: a prompt that does not fit even
-        then gets resolve_policy's error)."""
+    def _implicit_max_tokens(
+        self,
+        num_prompt_tokens: int,
+        compression: CompressionConfig | dict | None,
+        draft_tokens: int,
+    ) -> int:
+        """``max_tokens`` of a request that gave none (``SamplingParams(max_tokens=None)``).
+
+        Args:
+            num_prompt_tokens: the prompt's length.
+            compression: the request's policy override, as for ``add_request``.
+            draft_tokens: draft tokens a verification step holds (speculation).
+
+        Returns:
+            Up to the end of the context, or the most tokens whose peak KV footprint the pool
+            holds (``resolve_policy``'s check; the footprint grows with ``max_tokens``).
+
+        Raises:
+            PoolTooSmallError: (naming ``prompt``) not even one token fits after the prompt.
+        """
 
         def fits(max_tokens: int) -> bool:
             try:
@@ -196,7 +215,10 @@ class LLMEngine:
             return hi
         lo = 1
         if not fits(lo):
-            return lo
+            raise PoolTooSmallError(
+                f"prompt: {num_prompt_tokens} tokens need more KV pages than the pool holds; "
+                "shorten the prompt or raise --kv-cache-memory"
+            )
         while hi - lo > 1:  # fits(lo), not fits(hi): the footprint grows with max_tokens
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if fits(mid) else (lo, mid)
@@ -355,7 +377,7 @@ class LLMEngine:
             # an uncompressed request reports a ratio of exactly 0. A verification step that
             # finished the request inside its accepted draft also wrote the draft tokens past
             # the finish; they are no part of the request, and its newest slots in every layer.
-            logical = len(request.prompt_token_ids) + request.num_output_tokens - 1
+            logical = len(request.prompt_token_ids) + max(request.num_output_tokens - 1, 0)
             num_tokens = min(request.num_computed_tokens, logical)
             overshoot = request.num_computed_tokens - num_tokens
             state.kv_stats = KVStats(

@@ -9,7 +9,8 @@ from sparsekv.engine.token_bytes import TokenBytes
 Prompt = str | Sequence[int] | Sequence[dict]
 
 
-# The message roles of the OpenAI chat API (the server's request schema accepts the same).
+# The message roles of the OpenAI chat API (the server's request schema accepts the same);
+# "developer" reaches the template as "system", as OpenAI defines it.
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -79,6 +80,10 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
             )
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("messages: the model's tokenizer has no chat template")
+    messages = [
+        dict(message, role="system") if message["role"] == "developer" else message
+        for message in messages
+    ]
     text = tokenizer.apply_chat_template(
         messages, add_generation_prompt=add_generation_prompt, tokenize=False
     )

@@ -172,7 +172,7 @@ def resolve_policy(
     Raises:
         ValueError: invalid settings, scope ``context`` without a valid ``context_tokens``,
             a ``layer_budgets``/``layer_fractions`` list of the wrong length, a peak
-            footprint over the pool (naming ``max_tokens``), a reconstructing method
+            footprint over the pool (``PoolTooSmallError``, naming ``max_tokens``), a reconstructing method
             under tensor parallelism, or adaptive head budgets with a setting they do not
             support (``config.check_head_budgets``, attention-mass methods).
     """

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 
 import torch
@@ -48,19 +49,24 @@ def convert_gguf(
         ValueError: (message starts with ``model:``) the GGUF file is missing, malformed or
             unsupported; (``out_dir:``) the folder cannot be created.
     """
-    config, tokenizer, state_dict = load_gguf(gguf_path, dtype)
     out_dir = Path(out_dir)
-    try:
+    try:  # before the (slow) load: a folder it cannot write fails at once
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ValueError(f"out_dir: cannot create {out_dir}: {exc.strerror or exc}") from exc
-    save_file(state_dict, out_dir / "model.safetensors", metadata={"format": "pt"})
+    if not os.access(out_dir, os.W_OK):
+        raise ValueError(f"out_dir: {out_dir} is not writable")
+    config, tokenizer, state_dict = load_gguf(gguf_path, dtype)
     config = copy.deepcopy(config)
     config.architectures = [ARCHITECTURE_CLASSES.get(config.model_type, "AutoModelForCausalLM")]
     config.dtype = dtype
-    config.save_pretrained(out_dir)
-    _generation_config(config, tokenizer).save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
+    try:
+        save_file(state_dict, out_dir / "model.safetensors", metadata={"format": "pt"})
+        config.save_pretrained(out_dir)
+        _generation_config(config, tokenizer).save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
+    except OSError as exc:
+        raise ValueError(f"out_dir: cannot write into {out_dir}: {exc.strerror or exc}") from exc
     return out_dir
 
 

@@ -89,6 +89,24 @@ def test_an_implicit_max_tokens_is_the_most_the_pool_holds(make_engine, tiny):
     params = SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True)
     output = _llm(engine).generate(prompt, params)[0].outputs[0]
     assert (len(output.token_ids), output.finish_reason) == (chosen, "length")
+    # A prompt the pool cannot hold even with one token after it is the prompt's fault.
+    with pytest.raises(PoolTooSmallError, match="^prompt: 500 tokens need more KV pages"):
+        _llm(engine).generate(list(range(100, 600)), params)
+
+
+def test_a_prefill_only_request_reports_its_prompt(make_engine, tiny):
+    llm = _llm(make_engine(tiny))
+    prompt = list(range(100, 137))
+    out = llm.generate(prompt, SamplingParams(max_tokens=0, prompt_logprobs=1))[0]
+    assert out.outputs[0].token_ids == []
+    assert (out.kv_stats.num_tokens, out.kv_stats.tokens_kept) == (37, 37)
+
+
+def test_prompts_and_stops_may_be_any_collection(make_engine, tiny):
+    llm = _llm(make_engine(tiny))
+    params = SamplingParams(max_tokens=3, temperature=0.0, stop={"zzz"}, stop_token_ids=range(2))
+    outputs = llm.generate((p for p in ["one prompt", "another one"]), params)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [3, 3]
 
 
 def test_speculation_does_not_change_the_usage_past_a_stop(make_engine, smollm2_checkpoint):

@@ -178,6 +178,7 @@ def test_draft_tokens_count_in_the_peak():
         ({"decode_eviction": "no"}, {}, r"^kv_compression\.decode_eviction must be true or false"),
         ({"layer_budgets": (0, 64.0)}, {}, r"^kv_compression\.layer_budgets must be integers"),
         ({"layer_fractions": ("1",)}, {}, r"^kv_compression\.layer_fractions must be numbers"),
+        ({"layer_budgets": 5}, {}, r"^kv_compression\.layer_budgets must be a list, got 5"),
     ],
 )
 def test_invalid_requests_name_the_parameter(overrides, kw, match):
