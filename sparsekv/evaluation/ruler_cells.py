@@ -37,6 +37,9 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
     return method, parsed
 
 
+_BOOLEANS = {"on": True, "true": True, "1": True, "off": False, "false": False, "0": False}
+
+
 def _apply(policy: CompressionConfig, settings: dict[str, str], ratio: float,
            spec: str) -> CompressionConfig:  # fmt: skip
     fields = {f.name: f for f in dataclasses.fields(CompressionConfig)}
@@ -52,7 +55,12 @@ def _apply(policy: CompressionConfig, settings: dict[str, str], ratio: float,
         if key not in fields or key in ("method", "compression_ratio", "budget"):
             raise ValueError(f"methods: {spec!r}: {key!r} is not a setting a cell may change")
         default = getattr(CompressionConfig(), key)
-        changes[key] = type(default)(text) if default is not None else text
+        if isinstance(default, bool):  # bool("off") is True
+            if text.lower() not in _BOOLEANS:
+                raise ValueError(f"methods: {spec!r}: {key} is on or off, got {text!r}")
+            changes[key] = _BOOLEANS[text.lower()]
+        else:
+            changes[key] = type(default)(text) if default is not None else text
     policy = dataclasses.replace(policy, **changes)
     policy.validate()
     return policy

@@ -158,3 +158,7 @@ def test_cells_from_method_specs(tmp_path):
         ruler_cells.grid_cells(["snapkv:15"], [0.5], CompressionConfig(budget=None))
     with pytest.raises(ValueError, match="not a setting"):
         ruler_cells.grid_cells(["snapkv:budget=3"], [0.5], CompressionConfig(budget=None))
+    [off] = ruler_cells.grid_cells(["snapkv:decode_eviction=off"], [0.5], CompressionConfig())
+    assert off.policy.decode_eviction is False  # not bool("off")
+    with pytest.raises(ValueError, match="decode_eviction is on or off, got 'maybe'"):
+        ruler_cells.grid_cells(["snapkv:decode_eviction=maybe"], [0.5], CompressionConfig())
