@@ -19,10 +19,11 @@ from sparsekv.engine.detokenizer import IncrementalDetokenizer
 from sparsekv.engine.engine_setup import EngineParts, build_engine_parts
 from sparsekv.engine.request import Request
 from sparsekv.engine.stats import EngineStats
-from sparsekv.errors import ContextLengthError, PoolTooSmallError
+from sparsekv.errors import ContextLengthError
 from sparsekv.kv_cache.policy import (
     CompressionPolicy,
     check_head_budget_method,
+    implicit_max_tokens,
     merge_settings,
     resolve_policy,
 )
@@ -109,7 +110,7 @@ class LLMEngine:
             forced_token_ids: teacher forcing; sampled tokens are replaced by these.
             collect_logits: keep fp32 logits of every sampled position (fidelity metric).
 
-        ``params.max_tokens`` None is resolved here (``_implicit_max_tokens``).
+        ``params.max_tokens`` None is resolved here (``policy.implicit_max_tokens``).
 
         Raises:
             ValueError: invalid parameters, an empty or out-of-vocabulary prompt, ``n`` over
@@ -133,7 +134,15 @@ class LLMEngine:
         speculative = self.resolve_speculative(params.speculative)
         draft_tokens = speculative.num_speculative_tokens if speculative is not None else 0
         if params.max_tokens is None:
-            max_tokens = self._implicit_max_tokens(len(prompt_token_ids), compression, draft_tokens)
+            max_tokens = implicit_max_tokens(
+                self.config,
+                compression,
+                self.kv,
+                len(prompt_token_ids),
+                self.max_model_len,
+                draft_tokens,
+                self.tokenizer,
+            )
             params = dataclasses.replace(params, max_tokens=max_tokens)
             params.validate(self.max_model_len, len(prompt_token_ids))  # min_tokens against it
         policy = resolve_policy(
@@ -173,56 +182,6 @@ class LLMEngine:
         for state in samples:
             self.scheduler.add(state.request)
         self.stats.num_prompt_tokens += len(prompt_token_ids) * params.n
-
-    def _implicit_max_tokens(
-        self,
-        num_prompt_tokens: int,
-        compression: CompressionConfig | dict | None,
-        draft_tokens: int,
-    ) -> int:
-        """``max_tokens`` of a request that gave none (``SamplingParams(max_tokens=None)``).
-
-        Args:
-            num_prompt_tokens: the prompt's length.
-            compression: the request's policy override, as for ``add_request``.
-            draft_tokens: draft tokens a verification step holds (speculation).
-
-        Returns:
-            Up to the end of the context, or the most tokens whose peak KV footprint the pool
-            holds (``resolve_policy``'s check; the footprint grows with ``max_tokens``).
-
-        Raises:
-            PoolTooSmallError: (naming ``prompt``) not even one token fits after the prompt.
-        """
-
-        def fits(max_tokens: int) -> bool:
-            try:
-                resolve_policy(
-                    self.config,
-                    compression,
-                    self.kv,
-                    num_prompt_tokens,
-                    max_tokens,
-                    draft_tokens,
-                    self.tokenizer,
-                )
-            except PoolTooSmallError:
-                return False
-            return True
-
-        hi = max(1, self.max_model_len - num_prompt_tokens)
-        if fits(hi):
-            return hi
-        lo = 1
-        if not fits(lo):
-            raise PoolTooSmallError(
-                f"prompt: {num_prompt_tokens} tokens need more KV pages than the pool holds; "
-                "shorten the prompt or raise --kv-cache-memory"
-            )
-        while hi - lo > 1:  # fits(lo), not fits(hi): the footprint grows with max_tokens
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-        return lo
 
     def _check_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:

@@ -226,6 +226,55 @@ def resolve_policy(
     )
 
 
+def implicit_max_tokens(
+    config: EngineConfig,
+    overrides: CompressionConfig | dict | None,
+    kv: KVCacheManager,
+    num_prompt_tokens: int,
+    max_model_len: int,
+    draft_tokens: int = 0,
+    tokenizer=None,
+) -> int:
+    """``max_tokens`` of a request that gave none (``SamplingParams(max_tokens=None)``).
+
+    Args:
+        config, overrides, kv, num_prompt_tokens, draft_tokens, tokenizer: as for
+            :func:`resolve_policy`.
+        max_model_len: the context length in tokens.
+
+    Returns:
+        Up to the end of the context, or the most tokens whose peak footprint the pool holds
+        (:func:`resolve_policy`'s check; the footprint grows with ``max_tokens``, so a binary
+        search finds it in ``log2(max_model_len)`` checks).
+
+    Raises:
+        PoolTooSmallError: (naming ``prompt``) not even one token fits after the prompt.
+    """
+
+    def fits(max_tokens: int) -> bool:
+        try:
+            resolve_policy(
+                config, overrides, kv, num_prompt_tokens, max_tokens, draft_tokens, tokenizer
+            )
+        except PoolTooSmallError:
+            return False
+        return True
+
+    hi = max(1, max_model_len - num_prompt_tokens)
+    if fits(hi):
+        return hi
+    lo = 1
+    if not fits(lo):
+        raise PoolTooSmallError(
+            f"prompt: {num_prompt_tokens} tokens need more KV pages than the pool holds; "
+            "shorten the prompt or raise --kv-cache-memory"
+        )
+    while hi - lo > 1:  # fits(lo), not fits(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
 def _side_pages(
     kv: KVCacheManager,
     budgets: list[int | None],

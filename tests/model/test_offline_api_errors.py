@@ -10,7 +10,7 @@ import pytest
 
 from sparsekv.config import CompressionConfig, SpeculativeConfig
 from sparsekv.errors import PoolTooSmallError
-from sparsekv.kv_cache.policy import resolve_policy
+from sparsekv.kv_cache.policy import implicit_max_tokens, resolve_policy
 from sparsekv.llm import LLM
 from sparsekv.sampling_params import SamplingParams
 from tests.conftest import tiny_checkpoint, tiny_llama_config
@@ -77,7 +77,7 @@ def test_a_failing_step_aborts_the_call_s_requests(make_engine, tiny, monkeypatc
 def test_an_implicit_max_tokens_is_the_most_the_pool_holds(make_engine, tiny):
     engine = make_engine(tiny, num_pages=40)  # 640 slots over 3 layers: ~213 tokens of a full cache
     prompt = list(range(100, 150))
-    chosen = engine._implicit_max_tokens(len(prompt), None, 0)
+    chosen = implicit_max_tokens(engine.config, None, engine.kv, len(prompt), engine.max_model_len)
     assert chosen < engine.max_model_len - len(prompt)  # the context would allow more
 
     def policy(max_tokens):
