@@ -70,21 +70,6 @@ class StepTrace:
 
 
 # --------------------------------------------------------------------------- engine
-def int_at_least(minimum: int) -> Callable[[str], int]:
-    """An argparse ``type`` for integers >= ``minimum`` (a clear ``error:`` line otherwise)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-        return value
-
-    return parse
-
-
 def resolved_dtype(config: EngineConfig):
     """The torch dtype ``--dtype`` resolves to on this machine (``auto``: fp32 without AMX)."""
     from sparsekv.engine.engine_setup import resolve_dtype

@@ -21,6 +21,7 @@ import torch
 from tqdm import tqdm
 
 from sparsekv.bench import common
+from sparsekv.bench.arg_types import int_at_least
 from sparsekv.cli_args import add_engine_args, engine_config_from_args
 from sparsekv.config import COMPRESSION_METHODS, CompressionConfig
 from sparsekv.evaluation import ruler_cells
@@ -37,9 +38,13 @@ COLUMNS = ("method", "ratio", "agreement", "kl", "agreement_min", "compression_r
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sparsekv bench fidelity", description=__doc__)
-    parser.add_argument("--num-texts", type=int, default=None, help="default 20 (quick 4)")
-    parser.add_argument("--input-len", type=int, default=None, help="default 3000 (quick 1500)")
-    parser.add_argument("--output-len", type=int, default=64, help="compared positions")
+    parser.add_argument(
+        "--num-texts", type=int_at_least(1), default=None, help="default 20 (quick 4)"
+    )
+    parser.add_argument(
+        "--input-len", type=int_at_least(1), default=None, help="default 3000 (quick 1500)"
+    )
+    parser.add_argument("--output-len", type=int_at_least(1), default=64, help="compared positions")
     parser.add_argument("--methods", default=None, help="comma list (default: all seven)")
     parser.add_argument("--ratios", default=None, help="comma list (default: 0.5,0.75,0.9)")
     parser.add_argument("--quick", action="store_true", help="a small grid for a first look")
@@ -87,8 +92,8 @@ def run_fidelity(args: argparse.Namespace, checkpoint=None) -> dict:
     common.apply_threads(args.threads)
     load_start = common.load_average()
     defaults = QUICK_GRID if args.quick else FULL_GRID
-    num_texts = args.num_texts or defaults[0]
-    input_len = args.input_len or defaults[1]
+    num_texts = defaults[0] if args.num_texts is None else args.num_texts
+    input_len = defaults[1] if args.input_len is None else args.input_len
     config = engine_config_from_args(args)
     checkpoint = common.load_checkpoint(config, checkpoint)
     cells = grid(args, config.compression)

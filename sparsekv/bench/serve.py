@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 
 from sparsekv.bench import metrics
+from sparsekv.bench.arg_types import int_at_least
 from sparsekv.bench.datasets import DATASETS, PROMPT_FORMATS, BenchPrompt, build_prompts
 
 ERROR_TEXT_LIMIT = 300  # characters of an error body kept per failure
@@ -220,8 +221,13 @@ def measure(prompts: Sequence[BenchPrompt], settings: ClientSettings, slos, desc
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
     """Dataset and request-shape flags shared with ``bench sweep``."""
     parser.add_argument("--dataset", choices=DATASETS, default="random")
-    parser.add_argument("--input-len", type=int, default=None, help="prompt tokens (default 4000)")
-    parser.add_argument("--output-len", type=int, default=None, help="output tokens (default 500)")
+    at_least_1 = int_at_least(1)
+    parser.add_argument(
+        "--input-len", type=at_least_1, default=None, help="prompt tokens (default 4000)"
+    )
+    parser.add_argument(
+        "--output-len", type=at_least_1, default=None, help="output tokens (default 500)"
+    )
     parser.add_argument("--prefix-len", type=int, default=0, help="shared-prefix: shared tokens")
     parser.add_argument(
         "--num-prefixes", type=int, default=1, help="shared-prefix: distinct prefixes, in turn"

@@ -35,6 +35,7 @@ from typing import Any
 import httpx
 
 from sparsekv.bench import metrics, serve
+from sparsekv.bench.arg_types import int_at_least
 from sparsekv.bench.datasets import BenchPrompt, build_prompts, load_tokenizer
 
 DEFAULT_CONFIGS = ("full:--kv-compression none", "snapkv1024:--kv-compression snapkv")
@@ -230,11 +231,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="sparsekv servers to start, e.g. 'snapkv512:--kv-compression snapkv --kv-budget 512'",
     )  # fmt: skip
     parser.add_argument("--external", nargs="+", default=[], metavar="NAME=URL")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=None)
+    at_least_1 = int_at_least(1)
+    parser.add_argument("--concurrency", type=at_least_1, nargs="+", default=None)
     sizes = parser.add_mutually_exclusive_group()
-    sizes.add_argument("--num-prompts-per-level", type=int, default=None, help="requests per level")
     sizes.add_argument(
-        "--prompts-per-slot", type=int, default=None, help="requests per level = N x concurrency"
+        "--num-prompts-per-level", type=at_least_1, default=None, help="requests per level"
+    )
+    sizes.add_argument(
+        "--prompts-per-slot",
+        type=at_least_1,
+        default=None,
+        help="requests per level = N x concurrency",
     )
     parser.add_argument("--quick", action="store_true", help="1, 5, 10 with 2 requests per level")
     parser.add_argument("--model", default="smollm2-135m-instruct", help="every sparsekv side")
@@ -301,14 +308,15 @@ def write_sweep_report(
     """JSON + Markdown + throughput PNG (``evaluation.report``), the TTFT PNG, the levels file.
 
     Raises:
-        RuntimeError: no configuration produced a level (the errors are in the message).
+        ValueError: (``configs:``) no configuration produced a level (the errors are in the
+            message).
     """
     from sparsekv.evaluation.provenance import provenance
     from sparsekv.evaluation.report import write_line_plot, write_report
 
     rows = [level["row"] for levels in results.values() for level in levels]
     if not rows:
-        raise RuntimeError(f"no configuration could be measured: {errors}")
+        raise ValueError(f"configs: no configuration could be measured: {errors}")
     prov = provenance(settings) | {"load_average": list(os.getloadavg()), "errors": errors}
     shape = f"{settings['input_len']} in / {settings['output_len']} out"
     files = write_report(

@@ -16,6 +16,7 @@ import gc
 import time
 
 from sparsekv.bench import common
+from sparsekv.bench.arg_types import int_at_least
 from sparsekv.cli_args import add_engine_args, engine_config_from_args
 from sparsekv.models.quant.apply import weight_bytes
 from sparsekv.sampling_params import SamplingParams
@@ -25,19 +26,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sparsekv bench throughput", description=__doc__)
     parser.add_argument(
         "--input-len",
-        type=common.int_at_least(1),
+        type=int_at_least(1),
         default=2000,
         help="prompt tokens per request (default %(default)s)",
     )
     parser.add_argument(
         "--output-len",
-        type=common.int_at_least(1),
+        type=int_at_least(1),
         default=128,
         help="generated tokens each (default %(default)s)",
     )
     parser.add_argument(
         "--num-prompts",
-        type=common.int_at_least(0),
+        type=int_at_least(0),
         default=16,
         help="requests in the batch (default %(default)s; 0: skip the batch)",
     )
@@ -47,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--hf-baseline", action="store_true", help="also run Hugging Face generate")
     parser.add_argument(
         "--single-ttft",
-        type=common.int_at_least(0),
+        type=int_at_least(0),
         default=0,
         metavar="N",
         help="TTFT of one N-token prompt",
@@ -57,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--decode-input-len",
-        type=common.int_at_least(1),
+        type=int_at_least(1),
         default=512,
         help="prompt tokens of the batch-1 decode (default %(default)s)",
     )

@@ -137,6 +137,13 @@ class TensorParallelRunner(ModelRunner):
         if dist.is_initialized():
             dist.destroy_process_group()
 
+    def check_workers(self) -> None:
+        """Fail the group now if a worker exited (between steps: an idle engine's health
+        check, so that ``/health`` reports a dead rank before a request finds it)."""
+        if self.fatal_error is None and any(not p.is_alive() for p in self.workers):
+            dead = [p.pid for p in self.workers if not p.is_alive()]
+            self._fail(TensorParallelError(f"tensor-parallel worker(s) {dead} exited"))
+
     def _send(self, plan: StepBroadcast) -> None:
         dead = [p.pid for p in self.workers if not p.is_alive()]
         if dead:

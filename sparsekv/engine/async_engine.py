@@ -216,6 +216,12 @@ class AsyncEngine:
                     self._publish_snapshot()
                     self._wakeup.wait(IDLE_WAIT_S)
                     self._wakeup.clear()
+                    check = getattr(self.engine, "check_health", None)
+                    if check is not None:  # a rank that died while idle ends the loop
+                        check()
+                    fatal = getattr(self.engine, "fatal_error", None)
+                    if fatal is not None:
+                        raise RuntimeError(fatal)
                     continue
                 outputs = self.engine.step()
                 self._publish_snapshot()

@@ -243,6 +243,13 @@ class LLMEngine:
         ``None``; every step's requests then fail with this error."""
         return getattr(self.runner, "fatal_error", None)
 
+    def check_health(self) -> None:
+        """Between steps: let the runner notice a failed tensor-parallel rank
+        (``fatal_error`` is set then); a no-op for one process."""
+        check = getattr(self.runner, "check_workers", None)
+        if check is not None:
+            check()
+
     def shutdown(self) -> None:
         """Stop the engine's other processes (tensor-parallel ranks); a no-op for one process."""
         stop = getattr(self.runner, "shutdown", None)

@@ -105,16 +105,24 @@ def _split(text: str, kind=str) -> list:
 def resolve_grid(args: argparse.Namespace) -> dict[str, Any]:
     """The grid after the preset's defaults (``--quick`` or full) are filled in."""
     tasks, lengths, samples, methods, ratios = QUICK_PRESET if args.quick else FULL_PRESET
+
+    # A flag given (even empty or 0) replaces the preset: only an absent one takes its value.
+    def given(value, preset):
+        return preset if value is None else value
+
     grid = {
-        "tasks": _split(args.tasks or tasks),
-        "lengths": _split(args.lengths or lengths, int),
-        "samples": args.samples or samples,
-        "methods": _split(args.methods or methods),
-        "ratios": _split(args.ratios or ratios, float),
+        "tasks": _split(given(args.tasks, tasks)),
+        "lengths": _split(given(args.lengths, lengths), int),
+        "samples": given(args.samples, samples),
+        "methods": _split(given(args.methods, methods)),
+        "ratios": _split(given(args.ratios, ratios), float),
         "depths": _split(args.depths, float) if args.depths else None,
     }
     if grid["samples"] < 1 or not grid["lengths"] or min(grid["lengths"]) < 1:
         raise ValueError("samples and lengths must be >= 1")
+    for name in ("tasks", "methods", "ratios"):
+        if not grid[name]:
+            raise ValueError(f"{name}: the list is empty")
     return grid
 
 

@@ -215,8 +215,17 @@ def resolve_policy(
     )
     peaks = kv.peak_pages(budgets, compressed_len, later_tokens, kv_policy)
     peaks[0] += kv_policy.side_pages
-    for peak, size in zip(peaks, kv.pool.kind_sizes):
+    for kind, (peak, size) in enumerate(zip(peaks, kv.pool.kind_sizes)):
         if peak > size:
+            # With one output token instead: when even that overflows, the prompt is at fault.
+            alone = kv.peak_pages(budgets, compressed_len, later_tokens - max_tokens + 1, kv_policy)
+            alone[0] += kv_policy.side_pages
+            if alone[kind] > size:
+                raise PoolTooSmallError(
+                    f"prompt: its {num_prompt_tokens} tokens need {alone[kind]} KV pages at the "
+                    f"peak with one output token but the pool has {size}; shorten the prompt "
+                    "or raise --kv-cache-memory"
+                )
             raise PoolTooSmallError(
                 f"max_tokens: the request needs {peak} KV pages at its peak but the pool "
                 f"has {size}; shorten the prompt or max_tokens, or raise --kv-cache-memory"
@@ -264,11 +273,8 @@ def implicit_max_tokens(
     if fits(hi):
         return hi
     lo = 1
-    if not fits(lo):
-        raise PoolTooSmallError(
-            f"prompt: {num_prompt_tokens} tokens need more KV pages than the pool holds; "
-            "shorten the prompt or raise --kv-cache-memory"
-        )
+    if not fits(lo):  # resolve_policy names the prompt then
+        resolve_policy(config, overrides, kv, num_prompt_tokens, lo, draft_tokens, tokenizer)
     while hi - lo > 1:  # fits(lo), not fits(hi)
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)

@@ -78,6 +78,35 @@ def test_killed_rank_fails_generate(tmp_path, smollm2_tokenizer):
     assert not llm.engine.runner.workers
 
 
+def test_a_rank_that_dies_while_idle_is_noticed_between_steps(tmp_path, smollm2_tokenizer):
+    _, hf_model = tiny(smollm2_tokenizer)
+    hf_model.save_pretrained(tmp_path)
+    smollm2_tokenizer.save_pretrained(tmp_path)
+    llm = LLM(
+        model=str(tmp_path),
+        dtype="float32",
+        kv_cache_memory=0.02,
+        kv_compression={"method": "none"},
+        tensor_parallel_size=2,
+        tensor_parallel_timeout=TIMEOUT_S,
+    )
+    try:
+        engine = llm.engine
+        engine.check_health()
+        assert engine.fatal_error is None  # all ranks alive: nothing to report
+        (pid,) = engine.runner.worker_pids
+        os.kill(pid, signal.SIGKILL)
+
+        def noticed() -> bool:
+            engine.check_health()  # what the server's idle loop runs every 0.5 s
+            return engine.fatal_error is not None
+
+        assert wait_for(noticed, 10)
+        assert f"[{pid}] exited" in engine.fatal_error
+    finally:
+        llm.shutdown()
+
+
 def test_raising_rank_fails_the_request_and_the_server_stays_up(monkeypatch, smollm2_tokenizer):
     checkpoint, _ = tiny(smollm2_tokenizer)
     monkeypatch.setenv(FAULT_AFTER_STEPS_ENV, "4")  # warm-up = step 1, the request's prefill 2

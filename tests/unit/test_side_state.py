@@ -97,8 +97,9 @@ def test_a_reset_request_takes_its_side_pages_again_with_its_next_step():
 
 def test_the_peak_counts_the_side_pages_against_the_pool():
     config = EngineConfig(compression=CompressionConfig(budget=64, window=32, full_layers=0))
-    # 4 layers x 5 pages (64 + 10 slots) fit 25 pages; the side state's 24 pages do not.
-    with pytest.raises(ValueError, match=r"needs 44 KV pages at its peak but the pool has 25"):
+    # 4 layers x 5 pages (64 + 10 slots) fit 25 pages; the side state's 24 pages do not (nor
+    # with one output token: the prompt is named).
+    with pytest.raises(ValueError, match=r"^prompt: its 300 tokens need 44 KV pages at the peak"):
         resolve_policy(config, None, manager(num_pages=25), 300, 10)
     # A full cache of 64 slots: 4 x 4 pages, nothing else.
     assert resolve_policy(FULL_CACHE, None, manager(num_pages=25), 60, 4).peak_pages == (16,)
