@@ -197,6 +197,10 @@ class AsyncEngine:
             self._num_pending_samples -= samples
             added.cancel()  # no-op when answered; else the late answer is dropped
 
+    def drop_queue(self, request_id: str) -> None:
+        """Stop delivering the request's outputs (its stream finished or gave up)."""
+        self._queues.pop(request_id, None)
+
     def abort(self, request_id: str) -> None:
         """Abort a request (non-blocking; done by the loop thread before its next step)."""
         self._put(("abort", request_id))

@@ -84,7 +84,7 @@ class RequestStream:
             raise item
         if item.finished:
             self.finished = True
-            self.engine._queues.pop(self.request_id, None)
+            self.engine.drop_queue(self.request_id)
         return item
 
     async def _next(self):
@@ -101,7 +101,7 @@ class RequestStream:
 
     def abort(self) -> None:
         """Stop the request (if still running) and its deliveries; idempotent."""
-        self.engine._queues.pop(self.request_id, None)
+        self.engine.drop_queue(self.request_id)
         if not self.finished:
             self.finished = True
             self.engine.abort(self.request_id)

@@ -260,24 +260,25 @@ def implicit_max_tokens(
         PoolTooSmallError: (naming ``prompt``) not even one token fits after the prompt.
     """
 
-    def fits(max_tokens: int) -> bool:
+    def overflow(max_tokens: int) -> PoolTooSmallError | None:
         try:
             resolve_policy(
                 config, overrides, kv, num_prompt_tokens, max_tokens, draft_tokens, tokenizer
             )
-        except PoolTooSmallError:
-            return False
-        return True
+        except PoolTooSmallError as exc:
+            return exc
+        return None
 
     hi = max(1, max_model_len - num_prompt_tokens)
-    if fits(hi):
+    if overflow(hi) is None:
         return hi
     lo = 1
-    if not fits(lo):  # resolve_policy names the prompt then
-        resolve_policy(config, overrides, kv, num_prompt_tokens, lo, draft_tokens, tokenizer)
-    while hi - lo > 1:  # fits(lo), not fits(hi)
+    error = overflow(lo)
+    if error is not None:  # resolve_policy names the prompt then
+        raise error
+    while hi - lo > 1:  # lo fits, hi does not
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        lo, hi = (mid, hi) if overflow(mid) is None else (lo, mid)
     return lo
 
 

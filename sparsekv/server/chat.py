@@ -36,8 +36,7 @@ def _message_dicts(messages: list[ChatMessage]) -> list[dict]:
                     400, "only text content parts are supported", param=f"messages.{i}.content"
                 )
             content = "".join(part.text for part in content)
-        role = "system" if message.role == "developer" else message.role
-        result.append({"role": role, "content": content})
+        result.append({"role": message.role, "content": content})
     return result
 
 

@@ -23,6 +23,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from sparsekv.engine.prompts import CHAT_ROLES
+
 
 def _encodable(text: str) -> str:
     try:
@@ -224,7 +226,7 @@ class ChatMessage(BaseModel):
 
     model_config = ConfigDict(extra="ignore", strict=True)
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal[CHAT_ROLES]
     # OpenAI allows a null (or absent) content only on an assistant message that carries
     # tool_calls, a function_call or a refusal instead. This server takes none of those (they
     # would be dropped, changing the conversation the model sees), so content is required and

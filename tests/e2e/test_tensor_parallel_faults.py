@@ -40,11 +40,12 @@ def tiny(tokenizer):
     return tiny_checkpoint(config, tokenizer, seed=5)
 
 
-def test_killed_rank_fails_generate(tmp_path, smollm2_tokenizer):
-    _, hf_model = tiny(smollm2_tokenizer)
+def tensor_parallel_llm(tmp_path, tokenizer) -> LLM:
+    """``LLM(tensor_parallel_size=2)`` over the tiny model saved as a Hugging Face folder."""
+    _, hf_model = tiny(tokenizer)
     hf_model.save_pretrained(tmp_path)
-    smollm2_tokenizer.save_pretrained(tmp_path)
-    llm = LLM(
+    tokenizer.save_pretrained(tmp_path)
+    return LLM(
         model=str(tmp_path),
         dtype="float32",
         kv_cache_memory=0.02,
@@ -52,6 +53,10 @@ def test_killed_rank_fails_generate(tmp_path, smollm2_tokenizer):
         tensor_parallel_size=2,
         tensor_parallel_timeout=TIMEOUT_S,
     )
+
+
+def test_killed_rank_fails_generate(tmp_path, smollm2_tokenizer):
+    llm = tensor_parallel_llm(tmp_path, smollm2_tokenizer)
     try:
         greedy = dict(temperature=0.0, ignore_eos=True)
         first = llm.generate([PROMPT], SamplingParams(max_tokens=4, **greedy))[0]
@@ -79,17 +84,7 @@ def test_killed_rank_fails_generate(tmp_path, smollm2_tokenizer):
 
 
 def test_a_rank_that_dies_while_idle_is_noticed_between_steps(tmp_path, smollm2_tokenizer):
-    _, hf_model = tiny(smollm2_tokenizer)
-    hf_model.save_pretrained(tmp_path)
-    smollm2_tokenizer.save_pretrained(tmp_path)
-    llm = LLM(
-        model=str(tmp_path),
-        dtype="float32",
-        kv_cache_memory=0.02,
-        kv_compression={"method": "none"},
-        tensor_parallel_size=2,
-        tensor_parallel_timeout=TIMEOUT_S,
-    )
+    llm = tensor_parallel_llm(tmp_path, smollm2_tokenizer)
     try:
         engine = llm.engine
         engine.check_health()
