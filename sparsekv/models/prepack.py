@@ -154,14 +154,17 @@ class PackedLinear(nn.Module):
 
 def _native_ops():
     """(GEMV, small-M GEMM): the native bf16 kernels (``torch.ops.sparsekv_fused.gemv_bf16``,
-    ``gemm_bf16_small``), each ``None`` where this CPU (or the build) does not run it."""
+    ``gemm_bf16_small``), each ``None`` where this CPU (or the build) does not run it or
+    ``SPARSEKV_KERNEL_ISA`` rules it out (``fused.ops.bf16_matmul_kernels_allowed``)."""
     from sparsekv.models.fused import build
+    from sparsekv.models.fused import ops as fused_ops
 
     ext = build.load_extension()
     if ext is None:
         return None, None
-    gemv = ext.gemv_bf16.default if ext.has_gemv_bf16() else None
-    small_gemm = ext.gemm_bf16_small.default if ext.has_gemm_bf16_small() else None
+    gemv_allowed, gemm_allowed = fused_ops.bf16_matmul_kernels_allowed()
+    gemv = ext.gemv_bf16.default if gemv_allowed and ext.has_gemv_bf16() else None
+    small_gemm = ext.gemm_bf16_small.default if gemm_allowed and ext.has_gemm_bf16_small() else None
     return gemv, small_gemm
 
 

@@ -307,3 +307,93 @@ def test_modules_match_eager(dtype):
 def test_gated_mlp_rejects_unknown_activation():
     with pytest.raises(ValueError, match="activation"):
         GatedMLP(8, 16, "relu")
+
+
+@pytest.mark.parametrize(
+    "setting, wanted",
+    [
+        ("avx2", "avx2"),
+        ("AVX2_W16", "avx2"),
+        ("generic", "generic"),
+        ("avx512_amx", "avx512"),
+        ("avx512_bf16", "avx512"),
+        ("avx512", "avx512"),
+        ("no_such_variant", ""),
+        ("", ""),
+    ],
+)
+def test_kernel_isa_setting_caps_the_variant(monkeypatch, setting, wanted):
+    available = _ext().available_isas().split(",")
+    monkeypatch.setenv("SPARSEKV_KERNEL_ISA", setting)
+    expected = wanted if wanted in available else available[0]
+    assert ops.fused_isa() == expected
+    with ops.native_scope():
+        assert ops.fused_isa() == expected
+    # Unset inside the scope: the scope keeps what it resolved on entry.
+    with ops.native_scope():
+        monkeypatch.delenv("SPARSEKV_KERNEL_ISA")
+        assert ops.fused_isa() == expected
+    assert ops.fused_isa() == available[0]
+
+
+class _RecordingExtension:
+    """Stands in for the operator namespace: records the variant each op is called with and
+    runs the real kernel with it."""
+
+    def __init__(self, ext):
+        self.ext, self.calls = ext, []
+
+    def available_isas(self):
+        return self.ext.available_isas()
+
+    def __getattr__(self, name):
+        def call(*args):
+            self.calls.append((name, args[-1]))
+            return getattr(self.ext, name)(*args)
+
+        return call
+
+
+def test_every_op_runs_the_variant_the_setting_names(monkeypatch):
+    recorder = _RecordingExtension(_ext())
+    monkeypatch.setattr(build, "load_extension", lambda: recorder)
+    monkeypatch.setenv("SPARSEKV_KERNEL_ISA", "generic")
+    x = torch.randn(3, 64)
+    expected = reference.rms_norm(x, torch.ones(64), 1e-6)
+    with ops.native_scope():
+        assert_matches(ops.rms_norm(x, torch.ones(64), 1e-6), expected)
+        ops.add_rms_norm(x, x, torch.ones(64), 1e-6)
+        ops.silu_mul(x)
+        ops.gelu_tanh_mul(x)
+        ops.rotary_(x.view(3, 2, 32), torch.ones(3, 1, 32), torch.zeros(3, 1, 32))
+    assert recorder.calls == [
+        ("rms_norm", "generic"),
+        ("add_rms_norm", "generic"),
+        ("silu_mul", "generic"),
+        ("gelu_tanh_mul", "generic"),
+        ("rotary_", "generic"),
+    ]
+
+
+@pytest.mark.parametrize(
+    "setting, allowed",
+    [
+        ("", (True, True)),
+        ("no_such_variant", (True, True)),
+        ("avx512_amx", (True, True)),
+        ("avx512_bf16", (True, False)),
+        ("avx512_vnni", (False, False)),
+        ("avx512", (False, False)),
+        ("avx2", (False, False)),
+        ("generic", (False, False)),
+    ],
+)
+def test_kernel_isa_setting_caps_the_bf16_matmul_kernels(monkeypatch, setting, allowed):
+    from sparsekv.models import prepack
+
+    monkeypatch.setenv("SPARSEKV_KERNEL_ISA", setting)
+    assert ops.bf16_matmul_kernels_allowed() == allowed
+    ext = _ext()
+    gemv, small_gemm = prepack._native_ops()
+    assert (gemv is not None) == (allowed[0] and ext.has_gemv_bf16())
+    assert (small_gemm is not None) == (allowed[1] and ext.has_gemm_bf16_small())

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from sparsekv.attention.cpu import variants
 from sparsekv.attention.cpu.memory import huge_page_setting
+from sparsekv.env_flags import KERNEL_ISA, kernel_isa_setting
 from sparsekv.models.fused import build as fused_build
+from sparsekv.models.fused import ops as fused_ops
 from sparsekv.models.quant import build as quant_build
 from sparsekv.models.quant import int8_rows
 from sparsekv.models.quant import ops as quant_ops
@@ -21,10 +23,18 @@ def _fused_lines() -> list[str]:
     if ext is None:
         return ["fused        PyTorch (the fused ops failed to build)"]
     runs = str(ext.available_isas()).split(",")
-    gemv = "AVX512-BF16 GEMV" if ext.has_gemv_bf16() else "no bf16 GEMV (needs AVX512-BF16)"
-    gemm = "AMX small-M GEMM" if ext.has_gemm_bf16_small() else "no small-M GEMM (needs AMX)"
+    chosen, forced = fused_ops.fused_isa(), kernel_isa_setting()
+    why = f"{KERNEL_ISA}={forced}" if forced else "the fastest this CPU runs"
+    gemv_allowed, gemm_allowed = fused_ops.bf16_matmul_kernels_allowed()
+    off = f"off ({KERNEL_ISA}={forced})"
+    gemv = "no bf16 GEMV (needs AVX512-BF16)"
+    if ext.has_gemv_bf16():
+        gemv = "AVX512-BF16 GEMV" if gemv_allowed else f"bf16 GEMV {off}"
+    gemm = "no small-M GEMM (needs AMX)"
+    if ext.has_gemm_bf16_small():
+        gemm = "AMX small-M GEMM" if gemm_allowed else f"small-M GEMM {off}"
     return [
-        f"fused        {runs[0]} (the fastest this CPU runs; runs {', '.join(runs)})",
+        f"fused        {chosen} ({why}; runs {', '.join(runs)})",
         f"fused_gemm   batch 1: {gemv}; 2-64 rows: {gemm}",
     ]
 

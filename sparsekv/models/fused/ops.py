@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from sparsekv.attention import paging
+from sparsekv.env_flags import kernel_isa_setting
 from sparsekv.models.fused import build, reference
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
@@ -38,18 +39,67 @@ class native_scope:
     __slots__ = ("_saved",)
 
     def __enter__(self) -> native_scope:
-        global _scope_active, _scope_ext
-        self._saved = (_scope_active, _scope_ext)
-        _scope_ext, _scope_active = build.load_extension(), True
+        global _scope_active, _scope_ext, _scope_isa
+        self._saved = (_scope_active, _scope_ext, _scope_isa)
+        _scope_ext = build.load_extension()
+        _scope_isa = _variant_for(_scope_ext, kernel_isa_setting())
+        _scope_active = True
         return self
 
     def __exit__(self, *exc) -> None:
-        global _scope_active, _scope_ext
-        _scope_active, _scope_ext = self._saved
+        global _scope_active, _scope_ext, _scope_isa
+        _scope_active, _scope_ext, _scope_isa = self._saved
 
 
 _scope_active = False
 _scope_ext = None
+_scope_isa = ""
+
+
+def fused_isa() -> str:
+    """The variant the fused ops run now (``avx512``, ``avx2`` or ``generic``), ``""`` without
+    the extension; see the module docstring for how ``SPARSEKV_KERNEL_ISA`` picks it."""
+    ext = _extension()
+    if ext is None:
+        return ""
+    return _variant() or str(ext.available_isas()).split(",")[0]
+
+
+def _variant_for(ext, setting: str) -> str:
+    """The variant name passed to the kernels for a ``SPARSEKV_KERNEL_ISA`` setting: ``""``
+    (the fastest) unless the setting caps it below what this CPU runs."""
+    if ext is None or not setting:
+        return ""
+    family = (
+        "avx512"
+        if setting.startswith("avx512")
+        else "avx2"
+        if setting.startswith("avx2")
+        else setting
+    )
+    return family if family in str(ext.available_isas()).split(",") else ""
+
+
+# Variant names (of any kernel family) at or above which the bf16 GEMV / small-M GEMM may run.
+_GEMV_SETTINGS = ("avx512_bf16", "avx512_amx")
+_SMALL_GEMM_SETTINGS = ("avx512_amx",)
+
+
+def bf16_matmul_kernels_allowed() -> tuple[bool, bool]:
+    """``(gemv, small_gemm)``: whether ``SPARSEKV_KERNEL_ISA`` lets the bf16 GEMV (needs
+    AVX512-BF16) and small-M GEMM (needs AMX) run, where the CPU has them: both when unset or
+    naming no variant; the GEMV for ``avx512_bf16`` and ``avx512_amx``; the GEMM for
+    ``avx512_amx`` only. Read when a model's linears are prepacked."""
+    setting = kernel_isa_setting()
+    known = ("avx512", "avx2", "generic")
+    if not setting or not (setting.startswith(known[:2]) or setting == known[2]):
+        return True, True
+    return setting in _GEMV_SETTINGS, setting in _SMALL_GEMM_SETTINGS
+
+
+def _variant() -> str:
+    """The enclosing :class:`native_scope`'s variant, else the environment's, read now."""
+    return _scope_isa if _scope_active else _variant_for(_extension(), kernel_isa_setting())
 
 
 def _extension():
@@ -88,7 +138,7 @@ def rms_norm(
     ext = _native(x, weight)
     if ext is None:
         return reference.rms_norm(x, weight, eps, unit_offset)
-    return ext.rms_norm(x, weight, eps, unit_offset)
+    return ext.rms_norm(x, weight, eps, unit_offset, _variant())
 
 
 def add_rms_norm(
@@ -111,7 +161,7 @@ def add_rms_norm(
     ext = _native(hidden, delta, weight)
     if ext is None:
         return reference.add_rms_norm(hidden, delta, weight, eps, unit_offset)
-    return ext.add_rms_norm(hidden, delta, weight, eps, unit_offset)
+    return ext.add_rms_norm(hidden, delta, weight, eps, unit_offset, _variant())
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -120,7 +170,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     ext = _native(gate_up)
     if ext is None:
         return reference.silu_mul(gate_up)
-    return ext.silu_mul(gate_up)
+    return ext.silu_mul(gate_up, _variant())
 
 
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -128,7 +178,7 @@ def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     ext = _native(gate_up)
     if ext is None:
         return reference.gelu_tanh_mul(gate_up)
-    return ext.gelu_tanh_mul(gate_up)
+    return ext.gelu_tanh_mul(gate_up, _variant())
 
 
 def rotary_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -147,7 +197,7 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
         or signed_sin.dtype != x.dtype
     ):
         return x.copy_(reference.apply_rotary(x, cos, signed_sin))
-    ext.rotary_(x, cos, signed_sin)
+    ext.rotary_(x, cos, signed_sin, _variant())
     return x
 
 
