@@ -39,6 +39,7 @@ __all__ = [
     "EngineSnapshot",
     "RequestStream",
     "RequestTimeoutError",
+    "admits_request",
 ]
 
 logger = logging.getLogger(__name__)
@@ -67,7 +68,11 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queues: dict[str, asyncio.Queue] = {}
         self._active: set[str] = set()  # loop thread only: requests added and not finished
-        self._num_pending_samples = 0  # as the snapshot counts: samples, n per request
+        # Samples (n per request) of the adds sent to the loop thread (event-loop side) and of
+        # those it has handled, added or refused (loop-thread side, published in the snapshot
+        # together with the waiting count it changed): their difference is in neither count.
+        self._samples_sent = 0
+        self._samples_handled = 0
         self._snapshot = EngineSnapshot()
         self.error: BaseException | None = None
 
@@ -141,9 +146,13 @@ class AsyncEngine:
         # fills them before it counts against max_waiting. (Where pages, not slots, hold
         # admission back, up to max_num_seqs - num_running more may wait.)
         snapshot = self._snapshot
-        free_slots = max(0, self.engine.config.scheduler.max_num_seqs - snapshot.num_running)
-        queued = snapshot.num_waiting + self._num_pending_samples
-        if queued - free_slots >= self.max_waiting:
+        if not admits_request(
+            num_running=snapshot.num_running,
+            num_waiting=snapshot.num_waiting,
+            num_pending=self._samples_sent - snapshot.samples_handled,
+            max_num_seqs=self.engine.config.scheduler.max_num_seqs,
+            max_waiting=self.max_waiting,
+        ):
             raise EngineOverloadedError(
                 f"the server is overloaded: {self.max_waiting} requests are already waiting"
             )
@@ -184,9 +193,11 @@ class AsyncEngine:
     async def _add(self, request_id, prompt_token_ids, params, compression) -> None:
         added = self._loop.create_future()
         samples = params.n if isinstance(params.n, int) and params.n > 0 else 1  # checked later
-        self._num_pending_samples += samples
+        self._samples_sent += samples
         try:
-            self._put(("add", request_id, list(prompt_token_ids), params, compression, added))
+            self._put(
+                ("add", request_id, list(prompt_token_ids), params, compression, samples, added)
+            )
             while not added.done():
                 # A loop that dies between our check and its last drain never answers.
                 await asyncio.wait({added}, timeout=IDLE_WAIT_S)
@@ -194,7 +205,6 @@ class AsyncEngine:
                     raise EngineDeadError("the engine is not running")
             added.result()
         finally:
-            self._num_pending_samples -= samples
             added.cancel()  # no-op when answered; else the late answer is dropped
 
     def drop_queue(self, request_id: str) -> None:
@@ -265,7 +275,10 @@ class AsyncEngine:
         if handled:
             self._publish_snapshot()
 
-    def _handle_add(self, request_id, prompt_token_ids, params, compression, added) -> None:
+    def _handle_add(
+        self, request_id, prompt_token_ids, params, compression, samples, added
+    ) -> None:
+        self._samples_handled += samples  # published with the waiting count it changes
         try:
             self.engine.add_request(request_id, prompt_token_ids, params, compression)
         except Exception as exc:  # noqa: BLE001 - handed back to the caller
@@ -315,6 +328,7 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if command[0] == "add":
+                self._samples_handled += command[-2]
                 self._call_soon(_resolve, command[-1], exc)
 
     def _call_soon(self, callback, *args) -> None:
@@ -333,7 +347,35 @@ class AsyncEngine:
             num_pages_total=int(usage["pages_total"]),
             compression_ratio=float(usage["compression_ratio"]),
             stats=copy.deepcopy(engine.stats),  # nested counters too
+            samples_handled=self._samples_handled,
         )
+
+
+def admits_request(
+    *, num_running: int, num_waiting: int, num_pending: int, max_num_seqs: int, max_waiting: int
+) -> bool:
+    """``AsyncEngine``'s admission rule: whether a new request may join the queue (pure).
+
+    Samples count, not requests: a request of ``n`` samples counts ``n``. The queued samples
+    are those waiting in the engine's published snapshot plus those of requests whose add the
+    loop thread has not confirmed yet (``num_pending``); the free running slots,
+    ``max_num_seqs - num_running`` (at least 0), take as many of them at the next step, so
+    only the rest wait. A new request is admitted while fewer than ``max_waiting`` samples are
+    left waiting; its own samples are not counted, so it may take the queue up to ``n - 1``
+    samples past ``max_waiting``.
+
+    Args:
+        num_running: samples running (the snapshot's ``num_running``).
+        num_waiting: samples waiting or preempted (the snapshot's ``num_waiting``).
+        num_pending: samples of requests sent to the loop thread and not yet confirmed added.
+        max_num_seqs: the most samples running at once.
+        max_waiting: the most samples waiting beyond the free running slots.
+
+    Returns:
+        True to admit the request; False: the server is overloaded (503).
+    """
+    free_slots = max(0, max_num_seqs - num_running)
+    return num_waiting + num_pending - free_slots < max_waiting
 
 
 def _resolve(future: asyncio.Future, exc: BaseException | None) -> None:

@@ -41,6 +41,9 @@ class EngineSnapshot:
         compression_ratio: engine-wide effective ratio over running requests
             (``1 - held slots / (layers x tokens)``).
         stats: a copy of the engine's monotonic counters.
+        samples_handled: samples of all the adds the loop thread has handled so far (added or
+            refused); the admission check counts those sent beyond it as pending, so that a
+            request is counted once, in ``num_waiting`` or pending, never twice or not at all.
     """
 
     num_running: int = 0
@@ -49,6 +52,7 @@ class EngineSnapshot:
     num_pages_total: int = 0
     compression_ratio: float = 0.0
     stats: EngineStats = field(default_factory=EngineStats)
+    samples_handled: int = 0
 
 
 class RequestStream:

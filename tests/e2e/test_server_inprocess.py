@@ -113,6 +113,27 @@ def test_waiting_queue_limit_answers_503(limited):
     assert wait_for(lambda: read_metrics(url)["sparsekv_kv_pages_used"] == 0, 2.0)
 
 
+def test_a_burst_fills_the_free_running_slots_before_the_waiting_queue(limited):
+    # max_num_seqs 1, max_waiting 1, idle: of two requests sent together one takes the free
+    # slot and one waits; neither is refused, whenever the engine loop publishes its state.
+    url = limited.url
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+
+            async def first_line():
+                async with client.stream(
+                    "POST", "/v1/completions", json=dict(LONG, max_tokens=40, stream=True)
+                ) as response:
+                    assert response.status_code == 200, await response.aread()
+                    return [line async for line in response.aiter_lines() if line][-1]
+
+            return await asyncio.gather(first_line(), first_line())
+
+    assert asyncio.run(scenario()) == ["data: [DONE]", "data: [DONE]"]
+    assert wait_for(lambda: read_metrics(url)["sparsekv_kv_pages_used"] == 0, 2.0)
+
+
 def test_a_chat_without_max_tokens_runs_on_a_pool_smaller_than_the_context(limited):
     # 0.1 GiB of fp32 KV holds far fewer pages than a whole context: the implicit max_tokens
     # (up to the end of the context) is capped to what the pool holds, not refused.
