@@ -1,42 +1,37 @@
 """The KV manager: the facade the scheduler talks to (check/act pairs over the page pool).
 
 It owns the page storage (``kv_cache.storage``: one ``KVStorage`` per page kind, full
-precision or quantized) and the ``BlockPool``, and keeps one ``RequestKV`` per live request. For every step it plans, per layer, how many slots are held, how many new tokens are
-written and whether the layer compresses (docs/design.md, "KV memory"), allocates exactly the pages
-that plan needs, and after the step trims what compression or a sliding window released.
+precision or quantized) and the ``BlockPool`` (both through ``KVPageStore``), and keeps one
+``RequestKV`` per live request. For every step it plans, per layer, how many slots are held, how
+many new tokens are written and whether the layer compresses (docs/design.md, "KV memory"),
+allocates exactly the pages that plan needs (``step_allocation``), and after the step trims what
+compression or a sliding window released (``commit``). Prefix and context sharing, freeing and
+swapping run through ``prefix_sharing``, ``context_sharing`` and ``release``.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import torch
 
 from sparsekv.attention.backends.base import AttentionBackend
 from sparsekv.kv_cache import context_sharing as contexts
-from sparsekv.kv_cache import head_pages
 from sparsekv.kv_cache import prefix_sharing as sharing
-from sparsekv.kv_cache.block_pool import BlockPool
-from sparsekv.kv_cache.budget import may_compact, peak_request_pages
+from sparsekv.kv_cache import release
+from sparsekv.kv_cache import step_allocation as allocation
+from sparsekv.kv_cache.budget import may_compact
 from sparsekv.kv_cache.commit import commit_layers
-from sparsekv.kv_cache.plan import (
-    KVPolicy,
-    LayerPlan,
-    LayerStep,
-    StepPlan,
-    pages_needed,
-    plan_layers,
-)
+from sparsekv.kv_cache.page_store import KVPageStore
+from sparsekv.kv_cache.plan import KVPolicy, LayerStep, StepPlan, pages_needed, plan_layers
 from sparsekv.kv_cache.prefix_cache import PrefixCache
 from sparsekv.kv_cache.request_kv import LayerKV, RequestKV
-from sparsekv.kv_cache.spec import LayerSpec, cdiv
-from sparsekv.kv_cache.storage import KVStorage, make_storage
+from sparsekv.kv_cache.spec import LayerSpec
 
 __all__ = ["KVCacheManager", "KVPolicy", "LayerStep", "StepPlan"]
 
 
-class KVCacheManager:
+class KVCacheManager(KVPageStore):
     """Allocate, plan, compact, swap and free the paged KV cache of every request.
 
     Args:
@@ -81,88 +76,28 @@ class KVCacheManager:
         backend: AttentionBackend | None = None,
         num_heads: int | None = None,
     ) -> None:
-        self.layer_specs = layer_specs
-        self.block_size = block_size
-        self.num_kv_heads = num_kv_heads
+        super().__init__(
+            layer_specs,
+            num_pages,
+            block_size,
+            num_kv_heads,
+            head_dim,
+            dtype,
+            device,
+            max_num_batched_tokens,
+            kv_cache_dtype,
+            full_precision_layers,
+            backend,
+        )
         self.num_heads = num_heads if num_heads is not None else num_kv_heads
-        self.head_dim = head_dim
-        full = sorted(set(full_precision_layers)) if kv_cache_dtype != "auto" else []
-        if any(not 0 <= layer < len(layer_specs) for layer in full):
-            raise ValueError(
-                f"kv_cache_full_precision_layers: {full} out of range for {len(layer_specs)} layers"
-            )
-        formats = [kv_cache_dtype] + (["auto"] if full else [])
-        sizes = [num_pages] if isinstance(num_pages, int) else list(num_pages)
-        if len(sizes) != len(formats):
-            raise ValueError(f"num_pages: {len(formats)} page kinds need {len(formats)} sizes")
-        self.pool = BlockPool(sizes)
-        self.storages: list[KVStorage] = [
-            make_storage(
-                fmt, size, start, num_kv_heads, block_size, head_dim, dtype, device, backend
-            )
-            for fmt, size, start in zip(formats, sizes, self.pool.kind_starts)
-        ]
-        self.layer_kinds = [int(layer in full) for layer in range(len(layer_specs))]
         # Per layer, the sliding window whose leading pages ``commit`` frees, else None.
         self._windows = [spec.sliding_window if spec.is_sliding else None for spec in layer_specs]
-        self.kv_cache_dtype = kv_cache_dtype
-        self.max_num_batched_tokens = max_num_batched_tokens
         self._requests: dict[str, RequestKV] = {}
         self._policies: dict[str, KVPolicy] = {}
         self.prefix_cache = PrefixCache(self.pool, block_size) if enable_prefix_caching else None
         self.prefix_cache_uncompressed = prefix_cache_uncompressed
-        self._scratch: list[int] | None = None
 
     # ----------------------------------------------------------------- registration
-    @property
-    def num_layers(self) -> int:
-        return len(self.layer_specs)
-
-    @property
-    def num_free_pages(self) -> int:
-        """Pages an allocation can get: free ones plus cached pages nobody holds (evictable)."""
-        return self.pool.num_free_pages + self.pool.num_reclaimable_pages
-
-    @property
-    def num_total_pages(self) -> int:
-        """Pages requests can hold: the pool less its scratch pages."""
-        return self.pool.num_pages - len(self._scratch or ())
-
-    def storage(self, layer: int) -> KVStorage:
-        """The page storage a layer's block table indexes."""
-        return self.storages[self.layer_kinds[layer]]
-
-    @property
-    def page_bytes(self) -> int:
-        """Bytes of one page of the main kind (codes and scales)."""
-        return self.storages[0].page_bytes
-
-    def scratch_pages(self) -> list[int]:
-        """One page per kind that no request ever holds, taken from the pool on the first
-        call: the padding rows of a static-shape decode batch write their K/V there.
-
-        Returns:
-            Per page kind, the global id of its scratch page.
-        """
-        if self._scratch is None:
-            self._scratch = [self.pool.allocate(1, kind)[0] for kind in range(self.pool.num_kinds)]
-        return self._scratch
-
-    def fits(self, needed: list[int], watermark: int = 0) -> bool:
-        """Whether every kind has ``needed[k] + watermark`` free or reclaimable pages."""
-        return all(
-            need == 0 or need + watermark <= self.pool.num_available(kind)
-            for kind, need in enumerate(needed)
-        )
-
-    def _by_kind(self, per_layer: Sequence[int]) -> list[int]:
-        if self.pool.num_kinds == 1:
-            return [sum(per_layer)]
-        totals = [0] * self.pool.num_kinds
-        for kind, count in zip(self.layer_kinds, per_layer):
-            totals[kind] += count
-        return totals
-
     def register(self, request_id: str, budgets: list[int | None], policy: KVPolicy) -> None:
         """Create empty per-layer state; ``budgets[l]`` is None for never-compressed layers."""
         layers = [LayerKV(budget=b) for b in budgets]
@@ -176,29 +111,6 @@ class KVCacheManager:
         return request_id in self._requests
 
     # ----------------------------------------------------------------- footprint
-    def peak_pages(
-        self, budgets: list[int | None], num_prompt_tokens: int, max_tokens: int, policy: KVPolicy
-    ) -> list[int]:
-        """Peak pages a request can hold per page kind, for the never-fits
-        check against ``pool.kind_sizes``."""
-        peaks = []
-        for kind in range(self.pool.num_kinds):
-            layers = [i for i, k in enumerate(self.layer_kinds) if k == kind]
-            peaks.append(
-                peak_request_pages(
-                    [self.layer_specs[i] for i in layers],
-                    [budgets[i] for i in layers],
-                    num_prompt_tokens,
-                    max_tokens,
-                    self.block_size,
-                    self.max_num_batched_tokens,
-                    decode_eviction=policy.decode_eviction,
-                    bounded_chunks=policy.bounded_chunks,
-                    head_slack=self.num_kv_heads if policy.head_wise else 0,
-                )
-            )
-        return peaks
-
     def may_compact(self, request_id: str, num_prompt_tokens: int, max_tokens: int) -> bool:
         """Whether any budgeted layer of the request can ever compact (``budget.may_compact``)."""
         budgets = [state.budget for state in self._requests[request_id].layers]
@@ -216,21 +128,8 @@ class KVCacheManager:
         plans = plan_layers(kv.layers, policy, *step, self.pool.any_shared, self.num_kv_heads)
         layer_pages = pages_needed(plans, kv.layers, self.block_size)
         num_pages = self._by_kind(layer_pages)
-        num_pages[0] += self._side_pages_due(kv, policy)
+        num_pages[0] += allocation.side_pages_due(kv, policy)
         return StepPlan(plans, num_pages, layer_pages)
-
-    @staticmethod
-    def _side_pages_due(kv: RequestKV, policy: KVPolicy | None) -> int:
-        """Side-state pages the request's next step takes (all of them on its first step, or
-        back from a swap); ``None``: a caller registered no policy (none)."""
-        return 0 if kv.side_pages or policy is None else policy.side_pages
-
-    def _take_side_pages(self, request_id: str) -> None:
-        """Take the side pages the request does not hold yet (its plan counted them)."""
-        kv = self._requests[request_id]
-        due = self._side_pages_due(kv, self._policies[request_id])
-        if due:
-            kv.side_pages = self.pool.allocate(due)
 
     def num_pages_needed(
         self, request_id: str, num_new: int, completes_prompt: bool, in_prefill: bool
@@ -250,33 +149,6 @@ class KVCacheManager:
         (``plan_step`` then ``fits``)."""
         plan = self.plan_step(request_id, num_new, completes_prompt, in_prefill)
         return self.fits(plan.num_pages, watermark)
-
-    def _widened(
-        self, request_id: str, plan: StepPlan, num_new: int, completes_prompt: bool
-    ) -> StepPlan:
-        """The act half's plan of a prefill step: with ``prefix_cache_uncompressed``, a
-        compressing last prefill chunk also keeps its uncompressed prompt for the cache, but
-        only when those extra pages leave a reserve of one page per layer and live request:
-        the check half counts the plain plan, so the act half never needs more than the check
-        allowed, and a short pool falls back silently.
-        """
-        kv = self._requests[request_id]
-        policy = self._policies[request_id]
-        widen = self.prefix_cache is not None and self.prefix_cache_uncompressed
-        widen = widen and completes_prompt and not policy.bounded_chunks
-        widen = widen and not policy.context_only
-        plans = plan.layers
-        if widen and sharing.may_keep_uncompressed(self.pool, kv, plans, num_new, self.block_size):
-            wide = [
-                p if p.compress_to is None else p.keeping_uncompressed(s.num_held + num_new)
-                for p, s in zip(plans, kv.layers)
-            ]
-            reserve = self.num_layers * len(self._requests)
-            layer_pages = pages_needed(wide, kv.layers, self.block_size)
-            num_pages = self._by_kind(layer_pages)
-            if self.fits(num_pages, reserve):
-                return StepPlan(wide, num_pages, layer_pages)
-        return plan
 
     def allocate(
         self,
@@ -299,30 +171,18 @@ class KVCacheManager:
             RuntimeError: the pool lacks pages (the scheduler checks ``fits(plan.num_pages)``
                 first).
         """
-        kv = self._requests[request_id]
+        kv, policy = self._requests[request_id], self._policies[request_id]
         if plan is None:
             plan = self.plan_step(request_id, num_new, completes_prompt, in_prefill)
-        self._take_side_pages(request_id)
-        if in_prefill:
-            plan = self._widened(request_id, plan, num_new, completes_prompt)
-        per_layer = zip(self.layer_kinds, kv.layers, plan.layers, plan.layer_pages)
-        for kind, state, layer, num_pages in per_layer:
-            if layer.head_growth is not None:
-                if num_pages:
-                    allocate = functools.partial(self.pool.allocate, kind=kind)
-                    head_pages.grow(state, layer.head_growth, allocate)
-            elif num_pages or layer.fresh_compact:  # most decode steps add no page to a layer
-                self._allocate_layer(kind, state, layer)
+        allocation.take_side_pages(self.pool, kv, policy)
+        widen = self.prefix_cache is not None and self.prefix_cache_uncompressed
+        if in_prefill and widen and completes_prompt:
+            # A reserve of one page per layer and live request.
+            reserve = self.num_layers * len(self._requests)
+            step = (num_new, self.block_size, self._by_kind, self.fits, reserve)
+            plan = allocation.keeping_uncompressed(self.pool, kv, policy, plan, *step)
+        allocation.allocate_layers(self.pool, self.layer_kinds, kv.layers, plan, self.block_size)
         return [layer.step(state, num_new) for layer, state in zip(plan.layers, kv.layers)]
-
-    def _allocate_layer(self, kind: int, state: LayerKV, layer: LayerPlan) -> None:
-        """Extend a layer's table to its plan's capacity and take its fresh compaction pages."""
-        extra = cdiv(layer.capacity, self.block_size) - len(state.block_table)
-        if extra > 0:
-            state.block_table.extend(self.pool.allocate(extra, kind))
-        if layer.fresh_compact:
-            num = cdiv(layer.compress_to, self.block_size) + layer.compact_slack
-            state.compact_table = self.pool.allocate(num, kind)
 
     def commit(
         self, request_id: str, steps: list[LayerStep], cache_token_ids: Sequence[int] | None = None
@@ -397,10 +257,7 @@ class KVCacheManager:
 
     def _release(self, tables: list[list[int]]) -> None:
         """Drop a request's reference on each page of ``tables`` (cached groups: tail first)."""
-        if self.prefix_cache is not None:
-            self.prefix_cache.release(tables)
-        for table in tables:
-            self.pool.free(table)
+        release.release_tables(self.pool, self.prefix_cache, tables)
 
     def check_invariants(self) -> None:
         """Refcount of every page = block tables holding it (+1 if cached); held pages are not
@@ -418,56 +275,32 @@ class KVCacheManager:
             self.prefix_cache.check_invariants()
 
     # ----------------------------------------------------------------- free / swap
-    def _drop_tables(self, kv: RequestKV) -> None:
-        tables = [state.block_table for state in kv.layers]
-        tables += [state.compact_table for state in kv.layers if state.compact_table]
-        self._release(tables)
-        for state in kv.layers:
-            state.block_table, state.compact_table = [], None
-
     def free(self, request_id: str) -> None:
         """Return every page of the request to the pool and forget its state."""
         kv = self._requests.pop(request_id, None)
         self._policies.pop(request_id, None)
         if kv is not None:
-            self._drop_tables(kv)
-            self._drop_side_pages(kv)
-
-    def _drop_side_pages(self, kv: RequestKV) -> None:
-        self.pool.free(kv.side_pages)
-        kv.side_pages = []
+            release.drop_tables(self._release, kv)
+            release.drop_side_pages(self.pool, kv)
 
     def reset(self, request_id: str) -> None:
         """Drop all cached K/V but keep the registration (recompute preemption, or undoing
         ``attach_prefix``)."""
         kv = self._requests[request_id]
-        self._drop_tables(kv)
-        self._drop_side_pages(kv)
-        for state in kv.layers:
-            state.num_slots = state.first_slot = state.num_evicted = 0
-            state.recent_queries = state.accumulated = state.residual = None
-            state.head_lens = state.head_pages = None
+        release.drop_tables(self._release, kv)
+        release.drop_side_pages(self.pool, kv)
+        release.clear_layers(kv)
 
     def swap_out(self, request_id: str) -> None:
         """Copy the request's pages to host memory and drop its references (bit-exact round
         trip, codes and scales; shared pages are copied like any other and stay with their
         other holders; int4 residuals stay in the layer state)."""
-        kv = self._requests[request_id]
-        copies = [
-            self.storage(layer).read_pages(state.block_table)
-            for layer, state in enumerate(kv.layers)
-        ]
-        self._drop_tables(kv)
-        # The side state goes to host memory with the K/V copies (it stays in the layer state;
-        # host memory is not the pool's): a swapped request holds no page, so the request at
-        # the head of the queue always fits an idle engine.
-        self._drop_side_pages(kv)
-        kv.swapped_pages = copies
+        release.swap_out(self.pool, self._release, self._requests[request_id], self.storage)
 
     def _swap_in_needed(self, request_id: str) -> list[int]:
         kv = self._requests[request_id]
-        needed = self._by_kind([copy[0].shape[0] for copy in kv.swapped_pages or []])
-        needed[0] += self._side_pages_due(kv, self._policies[request_id])
+        needed = self._by_kind(release.swapped_layer_pages(kv))
+        needed[0] += allocation.side_pages_due(kv, self._policies[request_id])
         return needed
 
     def num_swap_in_pages(self, request_id: str) -> int:
@@ -485,8 +318,5 @@ class KVCacheManager:
         """Restore a swapped request's pages into freshly allocated (private) pages, and take
         its side pages again."""
         kv = self._requests[request_id]
-        self._take_side_pages(request_id)
-        for layer, (state, copy) in enumerate(zip(kv.layers, kv.swapped_pages)):
-            state.block_table = self.pool.allocate(copy[0].shape[0], self.layer_kinds[layer])
-            self.storage(layer).write_pages(state.block_table, copy)
-        kv.swapped_pages = None
+        allocation.take_side_pages(self.pool, kv, self._policies[request_id])
+        release.swap_in(self.pool, kv, self.storage, self.layer_kinds)

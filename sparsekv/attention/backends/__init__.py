@@ -12,7 +12,8 @@ import importlib
 
 import torch
 
-from sparsekv.attention.backends.base import AttentionBackend, DecodeParams, DecodeResult
+from sparsekv.attention.backends.base import AttentionBackend
+from sparsekv.attention.backends.decode_ops import DecodeParams, DecodeResult
 
 __all__ = [
     "BACKENDS",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from sparsekv.attention.backends import cpu_window
-from sparsekv.attention.backends.base import DecodeParams, DecodeResult
+from sparsekv.attention.backends.decode_ops import DecodeParams, DecodeResult
 from sparsekv.attention.backends.torch_backend import TorchBackend
 from sparsekv.attention.cpu import (
     build,

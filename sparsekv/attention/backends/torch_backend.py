@@ -12,7 +12,8 @@ import dataclasses
 import torch
 
 from sparsekv.attention import reference, selection, torch_ref
-from sparsekv.attention.backends.base import AttentionBackend, DecodeParams, DecodeResult
+from sparsekv.attention.backends.base import AttentionBackend
+from sparsekv.attention.backends.decode_ops import DecodeParams, DecodeResult
 
 
 class TorchBackend(AttentionBackend):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from sparsekv.attention.backends.base import DecodeParams, DecodeResult
+from sparsekv.attention.backends.decode_ops import DecodeParams, DecodeResult
 from sparsekv.attention.backends.torch_backend import TorchBackend
 from sparsekv.attention.triton import decode, kv_write, prefill, prefill_paged, window_scores
 from sparsekv.attention.triton.common import interpreted
