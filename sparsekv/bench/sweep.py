@@ -20,108 +20,50 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
-import signal
-import socket
-import subprocess
 import sys
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
-
-import httpx
 
 from sparsekv.bench import metrics, serve
 from sparsekv.bench.arg_types import int_at_least
 from sparsekv.bench.datasets import BenchPrompt, build_prompts, load_tokenizer
+from sparsekv.bench.sweep_report import row_of, write_sweep_report
+from sparsekv.bench.sweep_servers import (
+    HIT_TOKENS_METRIC,
+    Target,
+    free_port,
+    parse_targets,
+    prefix_hit_tokens,
+    server_flags,
+    sparsekv_server,
+    wait_healthy,
+)
+
+__all__ = [
+    "DEFAULT_CONFIGS",
+    "FULL_LEVELS",
+    "HIT_TOKENS_METRIC",
+    "QUICK_LEVELS",
+    "Target",
+    "build_parser",
+    "build_pools",
+    "free_port",
+    "level_sizes",
+    "main",
+    "parse_targets",
+    "prefix_hit_tokens",
+    "row_of",
+    "run_sweep",
+    "server_flags",
+    "sparsekv_server",
+    "sweep_target",
+    "wait_healthy",
+    "write_sweep_report",
+]
 
 DEFAULT_CONFIGS = ("full:--kv-compression none", "snapkv1024:--kv-compression snapkv")
 FULL_LEVELS, QUICK_LEVELS = (1, 2, 5, 10, 20), (1, 5, 10)
-
-
-@dataclass(frozen=True)
-class Target:
-    """One configuration of the sweep: a server to start (``flags``) or a running one (``url``)."""
-
-    name: str
-    flags: tuple[str, ...] = ()
-    url: str | None = None
-
-
-def parse_targets(configs: list[str], externals: list[str]) -> list[Target]:
-    """``NAME:FLAGS`` and ``NAME=URL`` strings -> targets.
-
-    Raises:
-        ValueError: a malformed entry or a repeated name.
-    """
-    targets = []
-    for entry in configs:
-        name, sep, flags = entry.partition(":")
-        if not sep or not name.strip():
-            raise ValueError(f"configs: expected NAME:FLAGS, got {entry!r}")
-        targets.append(Target(name.strip(), tuple(shlex.split(flags))))
-    for entry in externals:
-        name, sep, url = entry.partition("=")
-        if not sep or not name.strip() or not url.startswith("http"):
-            raise ValueError(f"external: expected NAME=http://HOST:PORT, got {entry!r}")
-        targets.append(Target(name.strip(), url=url.strip()))
-    names = [t.name for t in targets]
-    if len(set(names)) != len(names):
-        raise ValueError(f"configs: names must be distinct, got {names}")
-    return targets
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_healthy(url: str, process: subprocess.Popen | None, timeout_s: float, log: Path) -> None:
-    """Poll ``url/health`` until it answers 200.
-
-    Raises:
-        RuntimeError: the process exited or ``timeout_s`` passed (with the log's tail).
-    """
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process is not None and process.poll() is not None:
-            break
-        try:
-            if httpx.get(f"{url}/health", timeout=5.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
-    state = "exited" if process is not None and process.poll() is not None else "timed out"
-    raise RuntimeError(f"server at {url} {state} before /health answered 200:\n{tail}")
-
-
-@contextmanager
-def sparsekv_server(flags: list[str], log: Path, timeout_s: float) -> Iterator[str]:
-    """Run ``sparsekv serve FLAGS`` on a free local port; yield its URL; SIGTERM it at exit."""
-    port = free_port()
-    command = [sys.executable, "-m", "sparsekv.cli", "serve", "--host", "127.0.0.1"]
-    command += ["--port", str(port), *flags]
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "w") as log_file:
-        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            wait_healthy(url, process, timeout_s, log)
-            yield url
-        finally:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
 
 
 def level_sizes(args: argparse.Namespace, levels: list[int]) -> list[int]:
@@ -131,57 +73,6 @@ def level_sizes(args: argparse.Namespace, levels: list[int]) -> list[int]:
     if args.prompts_per_slot is not None:
         return [args.prompts_per_slot * c for c in levels]
     return [2] * len(levels) if args.quick else [2 * c for c in levels]
-
-
-HIT_TOKENS_METRIC = "sparsekv_prefix_cache_hit_tokens_total"
-
-
-def prefix_hit_tokens(url: str) -> float | None:
-    """Prompt tokens the server's prefix cache has served so far, summed over its replicas
-    (``/metrics``), or ``None`` where the server does not export the counter (another
-    engine) or does not answer."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    try:
-        text = httpx.get(f"{url}/metrics", timeout=30).text
-        samples = [
-            sample.value
-            for family in text_string_to_metric_families(text)
-            for sample in family.samples
-            if sample.name == HIT_TOKENS_METRIC
-        ]
-    except (httpx.HTTPError, ValueError):
-        return None
-    return sum(samples) if samples else None
-
-
-def row_of(
-    name: str, concurrency: int, summary: metrics.Summary, hit_tokens: float | None = None
-) -> dict[str, Any]:
-    """The report row of one level (latencies in ms). ``hit_tokens``: prompt tokens served by
-    the prefix cache during the level, reported as a fraction of the prompt tokens sent."""
-    prompt_tokens = summary.total_input_tokens
-    hit_rate = hit_tokens / prompt_tokens if hit_tokens is not None and prompt_tokens else None
-    return {
-        "config": name,
-        "concurrency": concurrency,
-        "num_prompts": summary.num_completed + summary.num_failed,
-        "failed": summary.num_failed,
-        "peak_concurrency": summary.peak_concurrency,
-        "req_per_s": summary.request_throughput,
-        "output_tok_per_s": summary.output_throughput,
-        "total_tok_per_s": summary.total_token_throughput,
-        "goodput": summary.goodput,
-        "ttft_p50_ms": summary.ttft.p50,
-        "ttft_p99_ms": summary.ttft.p99,
-        "tpot_p50_ms": summary.tpot.p50,
-        "tpot_p99_ms": summary.tpot.p99,
-        "itl_p50_ms": summary.itl.p50,
-        "itl_p99_ms": summary.itl.p99,
-        "e2el_p50_ms": summary.e2el.p50,
-        "kv_ratio": summary.mean_kv_compression_ratio,
-        "prefix_hit_rate": hit_rate,
-    }
 
 
 def sweep_target(
@@ -216,12 +107,6 @@ def sweep_target(
             {"row": row, "summary": summary.to_dict(), "requests": [asdict(t) for t in timelines]}
         )
     return results
-
-
-def server_flags(target: Target, args: argparse.Namespace) -> list[str]:
-    """The flags of one sparsekv side: the shared ones first, the configuration's last."""
-    flags = ["--model", args.model, "--kv-cache-memory", str(args.kv_cache_memory)]
-    return flags + shlex.split(args.server_args or "") + list(target.flags)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -300,42 +185,6 @@ def run_sweep(args: argparse.Namespace, tokenizer=None) -> dict[str, Any]:
     settings = {k: v for k, v in vars(args).items() if k != "api_key"}
     settings |= {"levels": levels, "num_prompts": sizes, "load_average_start": load_start}
     return write_sweep_report(out, results, errors, settings)
-
-
-def write_sweep_report(
-    out: Path, results: dict[str, list[dict]], errors: dict[str, str], settings: dict[str, Any]
-) -> dict[str, Any]:
-    """JSON + Markdown + throughput PNG (``evaluation.report``), the TTFT PNG, the levels file.
-
-    Raises:
-        ValueError: (``configs:``) no configuration produced a level (the errors are in the
-            message).
-    """
-    from sparsekv.evaluation.provenance import provenance
-    from sparsekv.evaluation.report import write_line_plot, write_report
-
-    rows = [level["row"] for levels in results.values() for level in levels]
-    if not rows:
-        raise ValueError(f"configs: no configuration could be measured: {errors}")
-    prov = provenance(settings) | {"load_average": list(os.getloadavg()), "errors": errors}
-    shape = f"{settings['input_len']} in / {settings['output_len']} out"
-    files = write_report(
-        out.parent, out.stem, rows,
-        title=f"Serving sweep ({settings['dataset']}, {shape}): output tokens/s",
-        x="concurrency", y="output_tok_per_s", group="config", provenance=prov,
-    )  # fmt: skip
-    ttft = out.with_name(f"{out.stem}_ttft.png")
-    write_line_plot(
-        ttft, rows, title=f"TTFT P50 ({shape})", x="concurrency", y="ttft_p50_ms", group="config"
-    )
-    with open(files.markdown, "a") as md:
-        md.write(f"\n![TTFT P50]({ttft.name})\n")
-        for name, message in errors.items():
-            md.write(f"\n**{name} failed:** `{message.splitlines()[0]}`\n")
-    serve.write_document(
-        out.with_name(f"{out.stem}_levels.json"), {"levels": results, "errors": errors}, settings
-    )
-    return {"rows": rows, "errors": errors, "files": files}
 
 
 def main(argv: list[str] | None = None, *, tokenizer=None, **_: Any) -> int:

@@ -2,32 +2,24 @@
 
 ``step()`` = schedule -> execute -> commit -> append tokens and detokenize -> outputs. An
 exception inside a step fails only that step's requests (their pages are freed) and the engine
-goes on.
+goes on. A request's checks and per-sample ``Request`` objects come from ``engine.admission``;
+what a step appends and what a finished request reports, from ``engine.step_results``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 
-import torch
-
 from sparsekv.config import CompressionConfig, EngineConfig, SpeculativeConfig
+from sparsekv.engine import admission, step_results
 from sparsekv.engine import output_processor as op
 from sparsekv.engine.detokenizer import IncrementalDetokenizer
 from sparsekv.engine.engine_setup import EngineParts, build_engine_parts
-from sparsekv.engine.request import Request
 from sparsekv.engine.stats import EngineStats
-from sparsekv.errors import ContextLengthError
-from sparsekv.kv_cache.policy import (
-    CompressionPolicy,
-    check_head_budget_method,
-    implicit_max_tokens,
-    merge_settings,
-    resolve_policy,
-)
-from sparsekv.outputs import KVStats, RequestOutput
+from sparsekv.kv_cache.policy import resolve_policy
+from sparsekv.kv_cache.policy_settings import check_head_budget_method, merge_settings
+from sparsekv.outputs import RequestOutput
 from sparsekv.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -81,15 +73,9 @@ class LLMEngine:
                 method never reads (``SpeculativeConfig.check_request_fields``), or
                 speculation over int4 pages.
         """
-        base = self.config.speculative
-        spec = base if overrides is None else base.merged(dict(overrides))
-        if overrides is not None:
-            spec.check_request_fields(overrides)
-        if not spec.enabled:
-            return None
-        if self.kv.kv_cache_dtype == "int4":
-            raise ValueError("speculative: int4 pages cannot roll draft tokens back")
-        return spec
+        return admission.resolve_speculative(
+            self.config.speculative, overrides, self.kv.kv_cache_dtype
+        )
 
     def add_request(
         self,
@@ -121,35 +107,23 @@ class LLMEngine:
         """
         if request_id in self._groups:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        self._check_prompt(prompt_token_ids)
-        params.validate(max_model_len=self.max_model_len, num_prompt_tokens=len(prompt_token_ids))
-        bad_stops = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
-        if bad_stops:
-            raise ValueError(
-                f"stop_token_ids: token id {bad_stops[0]} is outside [0, {self.vocab_size})"
-            )
-        max_seqs = self.config.scheduler.max_num_seqs
-        if params.n > max_seqs:  # as the server's check: the samples run side by side
-            raise ValueError(f"n must be <= max_num_seqs ({max_seqs}), got {params.n}")
+        num_prompt = len(prompt_token_ids)
+        admission.check_prompt(prompt_token_ids, self.max_model_len, self.vocab_size)
+        admission.check_sampling_params(
+            params, num_prompt, self.max_model_len, self.vocab_size,
+            self.config.scheduler.max_num_seqs,
+        )  # fmt: skip
         speculative = self.resolve_speculative(params.speculative)
         draft_tokens = speculative.num_speculative_tokens if speculative is not None else 0
-        if params.max_tokens is None:
-            max_tokens = implicit_max_tokens(
-                self.config,
-                compression,
-                self.kv,
-                len(prompt_token_ids),
-                self.max_model_len,
-                draft_tokens,
-                self.tokenizer,
-            )
-            params = dataclasses.replace(params, max_tokens=max_tokens)
-            params.validate(self.max_model_len, len(prompt_token_ids))  # min_tokens against it
+        params = admission.with_max_tokens(
+            params, self.config, compression, self.kv, num_prompt, self.max_model_len,
+            draft_tokens, self.tokenizer,
+        )  # fmt: skip
         policy = resolve_policy(
             self.config,
             compression,
             self.kv,
-            len(prompt_token_ids),
+            num_prompt,
             params.max_tokens,
             draft_tokens,
             self.tokenizer,
@@ -161,9 +135,10 @@ class LLMEngine:
         samples = []
         for index in range(params.n):
             sample_id = request_id if params.n == 1 else f"{request_id}#{index}"
-            request = self._make_request(
-                sample_id, prompt_token_ids, params, policy, index, forced_token_ids
-            )
+            request = admission.make_request(
+                sample_id, prompt_token_ids, params, policy, index, forced_token_ids,
+                self.eos_token_ids, self.parts.runner.device, self.config.model.seed,
+            )  # fmt: skip
             request.collect_logits = collect_logits
             request.speculative = speculative
             request.context_key = context_key
@@ -181,48 +156,7 @@ class LLMEngine:
         self._groups[request_id] = group
         for state in samples:
             self.scheduler.add(state.request)
-        self.stats.num_prompt_tokens += len(prompt_token_ids) * params.n
-
-    def _check_prompt(self, prompt_token_ids: list[int]) -> None:
-        if not prompt_token_ids:
-            raise ValueError("prompt: the prompt is empty")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ContextLengthError(
-                f"prompt: {len(prompt_token_ids)} tokens leave no room in the context of "
-                f"{self.max_model_len} tokens"
-            )
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt: token id {bad[0]} is outside [0, {self.vocab_size})")
-
-    def _make_request(
-        self,
-        sample_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        policy: CompressionPolicy,
-        index: int,
-        forced_token_ids: list[int] | None,
-    ) -> Request:
-        generator = None
-        if params.seed is not None:
-            # On the engine's device: a seeded row draws its uniforms where the logits are.
-            device = self.parts.runner.device
-            generator = torch.Generator(device=device).manual_seed(params.seed + index)
-        kv_generator = torch.Generator().manual_seed(
-            (params.seed if params.seed is not None else self.config.model.seed) + index
-        )
-        return Request(
-            request_id=sample_id,
-            prompt_token_ids=list(prompt_token_ids),
-            sampling_params=params,
-            policy=policy,
-            eos_token_ids=self.eos_token_ids,
-            generator=generator,
-            forced_token_ids=forced_token_ids,
-            kv_generator=kv_generator,
-            sample_index=index,
-        )
+        self.stats.num_prompt_tokens += num_prompt * params.n
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its pages; returns its final output (or None)."""
@@ -302,7 +236,7 @@ class LLMEngine:
                 self._finish(state, "length")
                 touched[group.request_id] = group
                 continue
-            reason = self._append_tokens(state, result)
+            reason = step_results.append_step_tokens(state, result, self.max_model_len, self.stats)
             if reason is not None:
                 if reason == "length" or request.stop_reason is None:
                     op.flush(state)
@@ -312,45 +246,11 @@ class LLMEngine:
             touched[group.request_id] = group
         return self._emit(touched)
 
-    def _append_tokens(self, state: op.SampleState, result) -> str | None:
-        """Append the step's token (or a verifying request's accepted tokens, up to the first
-        that finishes it); returns the finish reason or ``None``."""
-        request = state.request
-        verified = result.verified.get(request.request_id)
-        if verified is not None:
-            logprobs = verified.logprobs or [None] * len(verified.token_ids)
-            for token, logprob in zip(verified.token_ids, logprobs):
-                reason = op.append_token(state, token, logprob, self.max_model_len)
-                self.stats.num_generation_tokens += 1
-                if reason is not None:
-                    return reason
-            return None
-        token = result.token_ids[request.request_id]
-        if request.forced_token_ids is not None:
-            forced = request.forced_token_ids
-            token = forced[min(request.num_output_tokens, len(forced) - 1)]
-        if request.request_id in result.logits:
-            request.logits.append(result.logits[request.request_id])
-        logprob = result.logprobs.get(request.request_id)
-        self.stats.num_generation_tokens += 1
-        return op.append_token(state, token, logprob, self.max_model_len)
-
     def _finish(self, state: op.SampleState, reason: str) -> None:
         request = state.request
         request_kv = self.kv.get(request.request_id) if self.kv.has(request.request_id) else None
         if request_kv is not None:
-            # Tokens whose K/V were computed: the last sampled token never enters the cache, so
-            # an uncompressed request reports a ratio of exactly 0. A verification step that
-            # finished the request inside its accepted draft also wrote the draft tokens past
-            # the finish; they are no part of the request, and its newest slots in every layer.
-            logical = len(request.prompt_token_ids) + max(request.num_output_tokens - 1, 0)
-            num_tokens = min(request.num_computed_tokens, logical)
-            overshoot = request.num_computed_tokens - num_tokens
-            state.kv_stats = KVStats(
-                kept_per_layer=[max(0, k - overshoot) for k in request_kv.kept_per_layer()],
-                evicted_per_layer=request_kv.evicted_per_layer(),
-                num_tokens=num_tokens,
-            )
+            state.kv_stats = step_results.finished_kv_stats(request, request_kv)
             self.stats.num_evicted_tokens += sum(request_kv.evicted_per_layer())
             # Never after an abort or a failed step.
             if reason in ("stop", "length") and self.kv.prefix_cache is not None:
@@ -390,15 +290,6 @@ class LLMEngine:
     def kv_usage(self) -> dict[str, float]:
         """Pool occupancy and the fraction of the running requests' full caches removed by
         compression (slots evicted over ``num_layers * tokens``; sliding-window layers dropping
-        pages past their window do not count)."""
-        evicted = full = 0
-        for request in self.scheduler.running:
-            if self.kv.has(request.request_id):
-                request_kv = self.kv.get(request.request_id)
-                evicted += sum(request_kv.evicted_per_layer())
-                full += len(request_kv.layers) * request.num_computed_tokens
-        return {
-            "pages_used": self.kv.num_total_pages - self.kv.num_free_pages,
-            "pages_total": self.kv.num_total_pages,
-            "compression_ratio": 0.0 if full == 0 else min(1.0, evicted / full),
-        }
+        pages past their window do not count): ``pages_used``, ``pages_total``,
+        ``compression_ratio``."""
+        return step_results.kv_usage(self.scheduler.running, self.kv)

@@ -1,149 +1,40 @@
 """A request's compression policy, resolved once at admission into one value object.
 
-``resolve_policy`` merges the request's overrides over the engine's settings, applies the scope,
-computes every layer's budget and the request's peak footprint, builds the compressor and reads
-its capabilities. Everything downstream (scheduler, KV manager, runner and attention) reads the
-resulting ``CompressionPolicy``; none of them names a method (docs/compression.md, "Adding a
-method"; docs/internals.md, "Compression policy").
+``resolve_policy`` merges the request's overrides over the engine's settings
+(``kv_cache.policy_settings``), applies the scope, computes every layer's budget and the
+request's peak footprint, builds the compressor and reads its capabilities. Everything
+downstream (scheduler, KV manager, runner and attention) reads the resulting
+``CompressionPolicy`` (``kv_cache.compression_policy``); none of them names a method
+(docs/compression.md, "Adding a method"; docs/internals.md, "Compression policy").
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-from array import array
-from dataclasses import dataclass, field
 
 from sparsekv.compression.base import Compressor
-from sparsekv.compression.registry import compressor_class, get_compressor
+from sparsekv.compression.registry import get_compressor
 from sparsekv.config import CompressionConfig, EngineConfig, check_head_budgets
 from sparsekv.errors import PoolTooSmallError
 from sparsekv.kv_cache.budget import layer_budgets
+from sparsekv.kv_cache.compression_policy import CompressionPolicy, full_cache_kv
 from sparsekv.kv_cache.manager import KVCacheManager
 from sparsekv.kv_cache.plan import KVPolicy
+from sparsekv.kv_cache.policy_settings import (
+    check_full_layers,
+    check_head_budget_method,
+    context_length,
+    merge_settings,
+)
 from sparsekv.kv_cache.side_state import side_pages, side_state_bytes
 
-
-def _full_cache_kv() -> KVPolicy:
-    """The KV manager's behaviour for a request without compression (its defaults)."""
-    return KVPolicy(decode_eviction=True, bounded_chunks=False)
-
-
-@dataclass(frozen=True)
-class CompressionPolicy:
-    """How one request's KV cache is compressed, resolved once (``resolve_policy``).
-
-    A request with a full cache in every layer (method ``none``, ratio 0, or no layer
-    budgeted) has ``settings = compressor = None`` and all-``None`` budgets.
-
-    Attributes:
-        settings: the request's merged, validated settings (window, pooling, kernel, scope,
-            chunked mode, ...), or ``None`` for a full cache.
-        compressor: the method's compressor (bound to the engine's tokenizer), or ``None``.
-        layer_budgets: ``[num_layers]`` slots each layer keeps, window included; ``None``: a
-            full cache (full-first-N and sliding-window layers, policy off). Empty on a
-            tensor-parallel worker's mirror, whose budgets arrive with every step.
-        kv: how the budgeted layers behave in the KV manager (decode eviction, bounded
-            chunks, context-only compression).
-        peak_pages: the most pages the request ever holds, per page kind (checked against
-            the pool at admission).
-        context_len: scope ``context``: the prompt's first ``context_len`` tokens are
-            compressed once at their end; ``None``: the whole prompt is.
-    """
-
-    settings: CompressionConfig | None = None
-    compressor: Compressor | None = None
-    layer_budgets: tuple[int | None, ...] = ()
-    kv: KVPolicy = field(default_factory=_full_cache_kv)
-    peak_pages: tuple[int, ...] = ()
-    context_len: int | None = None
-
-    @property
-    def enabled(self) -> bool:
-        """Some layer of the request is compressed."""
-        return self.compressor is not None
-
-    @property
-    def window(self) -> int:
-        """Observation window in tokens (1 without compression: no window to protect)."""
-        return self.settings.window if self.settings is not None else 1
-
-    @property
-    def needs_attention_mass(self) -> bool:
-        """The attention accumulates every query's attention mass (``Compressor`` docs)."""
-        return self.compressor is not None and self.compressor.needs_attention_mass
-
-    @property
-    def evicts_randomly(self) -> bool:
-        """The kept set depends on the request's random stream."""
-        return self.compressor is not None and self.compressor.evicts_randomly
-
-    @property
-    def reconstructs(self) -> bool:
-        """A compressing prefill step appends the compressor's reconstruction rows."""
-        return self.compressor is not None and self.compressor.reconstructs
-
-    @property
-    def bounded_chunks(self) -> bool:
-        """A chunked prefill is compressed after every chunk."""
-        return self.kv.bounded_chunks
-
-    def with_compressor(self, compressor: Compressor | None) -> CompressionPolicy:
-        """The same policy run by another compressor object (a tensor-parallel rank's
-        wrapper of the same method)."""
-        return dataclasses.replace(self, compressor=compressor)
-
-    def context_key(self, token_ids: list[int]) -> bytes | None:
-        """Key of the compressed context shared between requests: its tokens, the per-layer
-        budgets and every setting that changes which tokens are kept.
-
-        Returns:
-            The key, or ``None`` (never shared) without scope ``context``, for a randomly
-            evicting method (the kept set depends on the seed) and for a context that is the
-            whole prompt (the last prompt token must run to sample).
-        """
-        context_len, settings = self.context_len, self.settings
-        if context_len is None or settings is None:
-            return None
-        if self.evicts_randomly or context_len >= len(token_ids):
-            return None
-        values = (
-            settings.method,
-            self.layer_budgets,
-            settings.window,
-            settings.pooling,
-            settings.kernel_size,
-            settings.gqa_agg,
-            settings.chunked_mode,
-            settings.head_budgets,
-            settings.layer_scores,
-        )
-        hasher = hashlib.blake2b(repr(values).encode(), digest_size=16)
-        hasher.update(array("q", token_ids[:context_len]).tobytes())
-        return b"context:" + hasher.digest()
-
-
-def merge_settings(
-    base: CompressionConfig, overrides: CompressionConfig | dict | None
-) -> CompressionConfig | None:
-    """A request's settings: its overrides merged over the engine's, field by field (budget and
-    ratio are one choice: giving either replaces the other); a whole ``CompressionConfig``
-    replaces them.
-
-    Returns:
-        The merged settings, or ``None`` when they compress nothing (method ``none``, ratio 0).
-
-    Raises:
-        ValueError: an unknown field or invalid merged settings (naming the field).
-    """
-    if overrides is None:
-        settings = base
-    elif isinstance(overrides, CompressionConfig):
-        overrides.validate()
-        settings = overrides
-    else:
-        settings = base.merged(dict(overrides))
-    return settings if settings.enabled else None
+__all__ = [
+    "CompressionPolicy",
+    "check_head_budget_method",
+    "implicit_max_tokens",
+    "merge_settings",
+    "resolve_policy",
+]
 
 
 def resolve_policy(
@@ -177,8 +68,8 @@ def resolve_policy(
             support (``config.check_head_budgets``, attention-mass methods).
     """
     settings = merge_settings(config.compression, overrides)
-    _check_full_layers(overrides, settings, kv.num_layers)
-    context_len = _context_len(settings, num_prompt_tokens)
+    check_full_layers(overrides, settings, kv.num_layers)
+    context_len = context_length(settings, num_prompt_tokens)
     compressed_len = num_prompt_tokens if context_len is None else context_len
     specs = kv.layer_specs
     budgets: list[int | None] = [None] * len(specs)
@@ -187,7 +78,7 @@ def resolve_policy(
         budgets = layer_budgets(settings, len(specs), compressed_len, compressible)
     if all(budget is None for budget in budgets):
         settings = context_len = None
-    kv_policy = _full_cache_kv()
+    kv_policy = full_cache_kv()
     # One KV head has nothing to share: such a model (Gemma 3 270M) keeps the flat layout.
     head_wise = settings is not None and settings.head_budgets == "adaptive"
     head_wise = head_wise and kv.num_kv_heads > 1
@@ -324,64 +215,3 @@ def _compressor(settings: CompressionConfig | None, config: EngineConfig, tokeni
     if tokenizer is not None:
         compressor.bind(tokenizer)
     return compressor
-
-
-def _check_full_layers(
-    overrides: CompressionConfig | dict | None, settings: CompressionConfig | None, num_layers: int
-) -> None:
-    """Reject a request that sets ``full_layers`` to the model's layer count or more: every
-    layer would stay full, its compression silently off. Only a field dict naming
-    ``full_layers`` is checked (a whole ``CompressionConfig`` or the engine default may carry
-    the default of 2 on a model of two layers or fewer); explicit ``layer_budgets`` /
-    ``layer_fractions`` override ``full_layers``.
-
-    Raises:
-        ValueError: naming ``kv_compression.full_layers`` and the model's layer count.
-    """
-    if not isinstance(overrides, dict) or "full_layers" not in overrides or settings is None:
-        return
-    if settings.layer_budgets is not None or settings.layer_fractions is not None:
-        return
-    if settings.full_layers >= num_layers:
-        raise ValueError(
-            f"kv_compression.full_layers ({settings.full_layers}) must be < the model's "
-            f"{num_layers} layers"
-        )
-
-
-def check_head_budget_method(settings: CompressionConfig) -> None:
-    """Adaptive head budgets need a method scored at prefill (checked at engine start for the
-    default policy, and per request).
-
-    Raises:
-        ValueError: naming ``kv_compression.head_budgets`` for a method that accumulates
-            attention mass (H2O), whose per-slot state assumes equal-length heads.
-    """
-    if settings.head_budgets != "adaptive" or not settings.enabled:
-        return
-    if compressor_class(settings.method).needs_attention_mass:
-        raise ValueError(
-            f"kv_compression.head_budgets: {settings.method} accumulates attention mass per "
-            "slot of equal-length heads; adaptive budgets take a method scored at prefill"
-        )
-
-
-def _context_len(settings: CompressionConfig | None, num_prompt: int) -> int | None:
-    """The shared context's length for scope ``context`` (else ``None``).
-
-    Raises:
-        ValueError: scope ``context`` without ``context_tokens``, or more context than prompt.
-    """
-    if settings is None or settings.scope != "context":
-        return None
-    if settings.context_tokens is None:
-        raise ValueError(
-            "kv_compression.context_tokens: scope 'context' needs the context length (chat "
-            "requests get it from the messages before the last user message)"
-        )
-    if settings.context_tokens > num_prompt:
-        raise ValueError(
-            f"kv_compression.context_tokens: {settings.context_tokens} exceeds the prompt's "
-            f"{num_prompt} tokens"
-        )
-    return settings.context_tokens

@@ -2,7 +2,7 @@
 
 A step with several verifying requests (speculative decoding: K + 1 rows each) or several
 prefill chunks puts each of them on the general path; those whose chunk reads its earlier keys
-from the pages in place (``PagedAttention._chunk_from_pages``) need nothing but attention over
+from the pages in place (``general_attention.chunk_from_pages``) need nothing but attention over
 held slots plus themselves, so they are handed together as a ragged batch to the backend's
 ``prefill_attention_paged_batch`` (``CpuNativeBackend``: one native call per layer instead of
 one per request). The rest, and every request where the backend has no batched route
@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from sparsekv.runner.block_tables import padded_tables
+from sparsekv.runner.general_attention import chunk_from_pages
 from sparsekv.runner.metadata import RequestSlice
 
 
@@ -116,9 +117,7 @@ def attend_chunk_batch(
         return requests
     storage = attention.storages[layer]
     chosen = [
-        r
-        for r in requests
-        if attention._chunk_from_pages(r, r.layers[layer], r.kv.layers[layer], storage)
+        r for r in requests if chunk_from_pages(r, r.layers[layer], r.kv.layers[layer], storage)
     ]
     if len(chosen) < 2:
         return requests

@@ -9,7 +9,7 @@
   request's compacting layers are scored together as one view with their heads stacked, one
   selection instead of one per layer (the layer's pages are not read again in the step);
 - general path (prefill chunks, steps that compress, layers with head-wise pages:
-  ``runner.headwise``): earlier K/V are gathered, the new K/V
+  ``runner.headwise``; ``runner.general_attention``): earlier K/V are gathered, the new K/V
   appended as activations, attention returns each row's log-sum-exp, and a compressing layer
   scores the slots with the observation window (reusing that LSE), keeps the top ``budget``
   per KV head and writes only the kept K/V into its pages. A single-shot prefill therefore never
@@ -39,13 +39,12 @@ from collections.abc import Callable
 import torch
 
 from sparsekv.attention.backends.base import AttentionBackend, DecodeParams
-from sparsekv.compression.base import ReconstructionRows
-from sparsekv.compression.scoring import prefill_attention_mass
-from sparsekv.kv_cache.request_kv import LayerKV
 from sparsekv.kv_cache.spec import LayerSpec
 from sparsekv.kv_cache.storage import KVStorage
 from sparsekv.runner import headwise, step_compression
+from sparsekv.runner.attention_mass import accumulate_mass
 from sparsekv.runner.chunk_batch import attend_chunk_batch
+from sparsekv.runner.general_attention import attend_general
 from sparsekv.runner.metadata import AttentionMetadata, RequestSlice
 from sparsekv.runner.row_exit import drop_finished_rows
 
@@ -149,7 +148,9 @@ class PagedAttention:
             general = attend_chunk_batch(self, general, layer, q, k, v, scale, window, out)
         for request in general:
             rows = slice(request.start, request.start + request.num_rows)
-            out[rows] = self._general(request, layer, q[rows], k[rows], v[rows], scale, window)
+            out[rows] = attend_general(
+                self, request, layer, q[rows], k[rows], v[rows], scale, window
+            )
         return out
 
     def rows_after(self, layer: int) -> torch.Tensor | None:
@@ -225,7 +226,7 @@ class PagedAttention:
             for i, (request, state) in enumerate(zip(batch.slices, states)):
                 if state.budget is not None and request.needs_attention_mass:
                     held = request.layers[layer].num_held + 1
-                    _accumulate(state, mass[i, :, :held])
+                    accumulate_mass(state, mass[i, :, :held])
         self._pending.extend((request, layer, scale) for request in batch.compacting)
         return result
 
@@ -258,122 +259,6 @@ class PagedAttention:
             for row, request in enumerate(slices):
                 request.kv.log_decode_queries(stacked, row, layer_ids, request.window)
 
-    def _general(
-        self,
-        request: RequestSlice,
-        layer: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        scale: float,
-        window: int | None,
-    ) -> torch.Tensor:
-        step = request.layers[layer]
-        state = request.kv.layers[layer]
-        storage = self.storages[layer]
-        if step.head_lens is not None:
-            softcap = self.logit_softcap
-            return headwise.chunk_heads(storage, step, state, q, k, v, scale, window, softcap)
-        held = step.num_held
-        if self._chunk_from_pages(request, step, state, storage):
-            # A chunk after earlier ones that keeps every slot: the earlier keys are read from
-            # the pages in place, no gathered copy.
-            new_k, new_v = (t.transpose(0, 1).to(storage.dtype) for t in (k, v))
-            out, _ = storage.chunk_attention(
-                step.block_table, held, q.transpose(0, 1), new_k, new_v, scale, window,
-                self.logit_softcap,
-            )  # fmt: skip
-            if state.budget is not None:
-                state.remember_queries(q, request.window)
-            storage.write_slots(state, step.block_table, held, new_k, new_v)
-            return out.transpose(0, 1)
-        num_new = request.num_new
-        cached_k, cached_v = storage.gather(state, step.block_table, held)
-        keys = torch.cat([cached_k, k[:num_new].transpose(0, 1).to(storage.dtype)], dim=1)
-        values = torch.cat([cached_v, v[:num_new].transpose(0, 1).to(storage.dtype)], dim=1)
-        queries = q[:num_new].transpose(0, 1)  # [H, n, d]
-        out, lse = self.backend.prefill_attention(
-            queries, keys, values, scale, sliding_window=window, logit_softcap=self.logit_softcap
-        )
-        out = out.transpose(0, 1)
-        reconstruction: tuple[ReconstructionRows, ...] = ()
-        if request.segments:
-            rows = slice(num_new, None)
-            recon_out, reconstruction = self._reconstruct(
-                request.segments, q[rows], k[rows], v[rows], keys, values, scale, window
-            )
-            out = torch.cat([out, recon_out])
-            if step.compress_to is None:
-                reconstruction = ()
-        if state.budget is not None:
-            state.remember_queries(q[:num_new], request.window)
-        if request.needs_attention_mass and state.budget is not None:
-            mass = prefill_attention_mass(keys, queries, lse, scale, self.logit_softcap)
-            _accumulate(state, mass)
-            if request.draft_mass is not None:
-                request.draft_mass[layer] = _row_masses(
-                    keys, queries, lse, scale, self.logit_softcap
-                )
-        if step.compress_to is None or step.keep_uncompressed:
-            storage.write_slots(state, step.block_table, held, keys[:, held:], values[:, held:])
-        if step.compress_to is not None:
-            # Shared pages are never written: a compaction then goes to fresh pages.
-            target = step.compact_table if step.compact_table is not None else step.block_table
-            step_compression.compress(
-                self, request, layer, state, target, keys, values, lse, scale, reconstruction, True
-            )
-        return out
-
-    def _reconstruct(
-        self,
-        segments: tuple[int, ...],
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        scale: float,
-        window: int | None,
-    ) -> tuple[torch.Tensor, tuple[ReconstructionRows, ...]]:
-        """Attention of the reconstruction rows (KVzip): each segment's rows ``q``/``k``/``v``
-        ``[m, heads, d]`` (the segments one after another) attend over the layer's held and
-        new ``keys``/``values`` ``[num_kv_heads, n, d]`` and their own segment, causally.
-        Returns their outputs ``[rows, num_heads, d]`` and each segment's rows for scoring;
-        their K/V go nowhere else."""
-        outs, rows = [], []
-        start = 0
-        for length in segments:
-            part = slice(start, start + length)
-            start += length
-            seg_q = q[part].transpose(0, 1)
-            seg_k = k[part].transpose(0, 1).to(keys.dtype)
-            seg_v = v[part].transpose(0, 1).to(values.dtype)
-            out, lse = self.backend.prefill_attention(
-                seg_q,
-                torch.cat([keys, seg_k], dim=1),
-                torch.cat([values, seg_v], dim=1),
-                scale,
-                sliding_window=window,
-                logit_softcap=self.logit_softcap,
-            )
-            outs.append(out.transpose(0, 1))
-            rows.append(ReconstructionRows(seg_q, seg_k, lse))
-        return torch.cat(outs), tuple(rows)
-
-    @staticmethod
-    def _chunk_from_pages(request: RequestSlice, step, state: LayerKV, storage) -> bool:
-        """True when a general-path chunk needs no dense copy of its keys: earlier slots are
-        held, the layer neither compresses nor accumulates attention mass this step, the step
-        carries no reconstruction rows (KVzip), and the pages hold full precision."""
-        return (
-            step.num_held > 0
-            and step.head_lens is None
-            and not request.segments
-            and step.compress_to is None
-            and not (request.needs_attention_mass and state.budget is not None)
-            and storage.reads_chunks_in_place()
-        )
-
     def finish(self) -> None:
         """Log the step's decode queries for the recent-query windows, then run the step's
         decode-time compactions (call once after the model's forward;
@@ -381,36 +266,3 @@ class PagedAttention:
         self._log_decode_queries()
         pending, self._pending = self._pending, []
         step_compression.compact_pending(self, pending)
-
-
-def _accumulate(state: LayerKV, mass: torch.Tensor) -> None:
-    """Add ``[num_kv_heads, num_slots]`` attention mass, growing the accumulator."""
-    acc = state.accumulated
-    if acc is None:
-        state.accumulated = mass.float().clone()
-        return
-    grown = mass.float().clone()
-    grown[:, : acc.shape[1]] += acc
-    state.accumulated = grown
-
-
-def _row_masses(
-    keys: torch.Tensor,
-    queries: torch.Tensor,
-    lse: torch.Tensor | None,
-    scale: float,
-    logit_softcap: float | None,
-) -> list[torch.Tensor]:
-    """Each chunk row's own attention mass (row ``j`` of ``n`` sees the first
-    ``len - n + j + 1`` slots): ``n`` tensors ``[num_kv_heads, len - n + j + 1]``."""
-    num_rows, num_slots = queries.shape[1], keys.shape[1]
-    return [
-        prefill_attention_mass(
-            keys[:, : num_slots - num_rows + j + 1],
-            queries[:, j : j + 1],
-            None if lse is None else lse[:, j : j + 1],
-            scale,
-            logit_softcap,
-        )
-        for j in range(num_rows)
-    ]

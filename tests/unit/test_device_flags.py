@@ -12,7 +12,7 @@ from sparsekv.attention import torch_ref
 from sparsekv.attention.backends.torch_backend import TorchBackend
 from sparsekv.cli_args import add_engine_args, engine_config_from_args
 from sparsekv.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from sparsekv.engine import engine_setup
+from sparsekv.engine import engine_setup, pool_sizing
 from sparsekv.engine.device_memory import GIB, ProfilingContext, kv_cache_gib
 
 
@@ -92,12 +92,12 @@ def test_cpu_default_is_two_gib_and_keeps_the_free_ram_check(monkeypatch):
     config = EngineConfig()
     assert kv_cache_gib(config, "cpu") == 2.0
     geometry = (4, 3, 64, torch.float32)
-    unset = engine_setup.num_pool_pages(config, *geometry)
-    given = engine_setup.num_pool_pages(EngineConfig(cache=CacheConfig(kv_cache_memory=2.0)), *geometry)  # fmt: skip
+    unset = pool_sizing.num_pool_pages(config, *geometry)
+    given = pool_sizing.num_pool_pages(EngineConfig(cache=CacheConfig(kv_cache_memory=2.0)), *geometry)  # fmt: skip
     assert unset == given > 0
-    monkeypatch.setattr(engine_setup, "available_memory_bytes", lambda: 2 * GIB)
+    monkeypatch.setattr(pool_sizing, "available_memory_bytes", lambda: 2 * GIB)
     with pytest.raises(ValueError, match="kv_cache_memory: 2 GiB exceeds 80%"):
-        engine_setup.num_pool_pages(config, *geometry)
+        pool_sizing.num_pool_pages(config, *geometry)
 
 
 def test_cuda_pool_is_utilization_minus_used_minus_peak_activations():
