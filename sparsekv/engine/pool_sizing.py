@@ -6,7 +6,8 @@ pages, each counted at its stored size (codes and scales of a quantized
 queries, attention masses, int4 residuals) is paid for with pool pages it holds while it
 lives (``kv_cache.side_state``), so a full-cache request has the whole size. With
 full-precision layers beside quantized ones the page bytes are split between the two pools in
-proportion to their layer counts, so both run out together. A size above 80% of the available
+proportion to their layer counts, so both run out together, and the side state is paid with
+pages of the pool that holds the most bytes. A size above 80% of the available
 RAM is refused.
 """
 
@@ -18,6 +19,7 @@ import torch
 
 from sparsekv.config import EngineConfig
 from sparsekv.engine.device_memory import GIB, kv_cache_gib
+from sparsekv.kv_cache.page_store import every_layer_full_precision
 from sparsekv.kv_cache.storage import page_bytes
 
 
@@ -36,7 +38,7 @@ def full_precision_layers(config: EngineConfig, num_layers: int) -> list[int]:
     """Layers kept at full precision (none unless the format is quantized).
 
     Raises:
-        ValueError: a layer index past the model's layers.
+        ValueError: a layer index past the model's layers, or every layer listed.
     """
     layers = sorted(set(config.cache.kv_cache_full_precision_layers or ()))
     if config.cache.kv_cache_dtype == "auto":
@@ -45,6 +47,8 @@ def full_precision_layers(config: EngineConfig, num_layers: int) -> list[int]:
         raise ValueError(
             f"kv_cache_full_precision_layers: layer {layers[-1]} but the model has {num_layers}"
         )
+    if len(layers) == num_layers:
+        raise ValueError(every_layer_full_precision(num_layers, config.cache.kv_cache_dtype))
     return layers
 
 

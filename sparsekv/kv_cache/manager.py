@@ -128,7 +128,7 @@ class KVCacheManager(KVPageStore):
         plans = plan_layers(kv.layers, policy, *step, self.pool.any_shared, self.num_kv_heads)
         layer_pages = pages_needed(plans, kv.layers, self.block_size)
         num_pages = self._by_kind(layer_pages)
-        num_pages[0] += allocation.side_pages_due(kv, policy)
+        num_pages[self.side_kind] += allocation.side_pages_due(kv, policy)
         return StepPlan(plans, num_pages, layer_pages)
 
     def num_pages_needed(
@@ -174,7 +174,7 @@ class KVCacheManager(KVPageStore):
         kv, policy = self._requests[request_id], self._policies[request_id]
         if plan is None:
             plan = self.plan_step(request_id, num_new, completes_prompt, in_prefill)
-        allocation.take_side_pages(self.pool, kv, policy)
+        allocation.take_side_pages(self.pool, kv, policy, self.side_kind)
         widen = self.prefix_cache is not None and self.prefix_cache_uncompressed
         if in_prefill and widen and completes_prompt:
             # A reserve of one page per layer and live request.
@@ -300,7 +300,7 @@ class KVCacheManager(KVPageStore):
     def _swap_in_needed(self, request_id: str) -> list[int]:
         kv = self._requests[request_id]
         needed = self._by_kind(release.swapped_layer_pages(kv))
-        needed[0] += allocation.side_pages_due(kv, self._policies[request_id])
+        needed[self.side_kind] += allocation.side_pages_due(kv, self._policies[request_id])
         return needed
 
     def num_swap_in_pages(self, request_id: str) -> int:
@@ -318,5 +318,5 @@ class KVCacheManager(KVPageStore):
         """Restore a swapped request's pages into freshly allocated (private) pages, and take
         its side pages again."""
         kv = self._requests[request_id]
-        allocation.take_side_pages(self.pool, kv, self._policies[request_id])
+        allocation.take_side_pages(self.pool, kv, self._policies[request_id], self.side_kind)
         release.swap_in(self.pool, kv, self.storage, self.layer_kinds)

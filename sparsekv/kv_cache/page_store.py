@@ -22,6 +22,14 @@ from sparsekv.kv_cache.spec import LayerSpec
 from sparsekv.kv_cache.storage import KVStorage, make_storage
 
 
+def every_layer_full_precision(num_layers: int, kv_cache_dtype: str) -> str:
+    """The error message for a quantized format with no quantized layer left."""
+    return (
+        f"kv_cache_full_precision_layers: lists every layer ({num_layers}), so no layer is "
+        f"{kv_cache_dtype}; use --kv-cache-dtype auto for a full-precision cache"
+    )
+
+
 def page_kinds(
     num_layers: int,
     num_pages: int | Sequence[int],
@@ -41,14 +49,16 @@ def page_kinds(
         Per kind its page format and its pool size, and the kind of every layer.
 
     Raises:
-        ValueError: a full-precision layer out of range, or ``num_pages`` that does not match
-            the number of kinds.
+        ValueError: a full-precision layer out of range, every layer in full precision, or
+            ``num_pages`` that does not match the number of kinds.
     """
     full = sorted(set(full_precision_layers)) if kv_cache_dtype != "auto" else []
     if any(not 0 <= layer < num_layers for layer in full):
         raise ValueError(
             f"kv_cache_full_precision_layers: {full} out of range for {num_layers} layers"
         )
+    if full and len(full) == num_layers:
+        raise ValueError(every_layer_full_precision(num_layers, kv_cache_dtype))
     formats = [kv_cache_dtype] + (["auto"] if full else [])
     sizes = [num_pages] if isinstance(num_pages, int) else list(num_pages)
     if len(sizes) != len(formats):
@@ -74,9 +84,13 @@ class KVPageStore:
         backend: the engine's attention backend every storage runs on (``None``: the
             ``auto`` backend of ``device``).
 
+    Attributes:
+        side_kind: the page kind whose pages stand for requests' side state
+            (``kv_cache.side_state``): the one whose pool holds the most bytes.
+
     Raises:
-        ValueError: an unknown format, a layer index out of range, or ``num_pages`` that does
-            not match the number of page kinds.
+        ValueError: an unknown format, a layer index out of range, every layer in full
+            precision, or ``num_pages`` that does not match the number of page kinds.
     """
 
     def __init__(
@@ -110,6 +124,11 @@ class KVPageStore:
         self.kv_cache_dtype = kv_cache_dtype
         self.max_num_batched_tokens = max_num_batched_tokens
         self._scratch: list[int] | None = None
+        # The page kind whose pages stand for requests' side state (kv_cache.side_state): the
+        # one whose pool holds the most bytes. With most layers kept in full precision, the
+        # quantized pool is small while a request's side state is not.
+        held = [size * storage.page_bytes for size, storage in zip(sizes, self.storages)]
+        self.side_kind = max(range(len(held)), key=lambda kind: (held[kind], -kind))
 
     @property
     def num_layers(self) -> int:
@@ -133,6 +152,11 @@ class KVPageStore:
     def page_bytes(self) -> int:
         """Bytes of one page of the main kind (codes and scales)."""
         return self.storages[0].page_bytes
+
+    @property
+    def side_page_bytes(self) -> int:
+        """Bytes of one page of :attr:`side_kind`."""
+        return self.storages[self.side_kind].page_bytes
 
     def scratch_pages(self) -> list[int]:
         """One page per kind that no request ever holds, taken from the pool on the first

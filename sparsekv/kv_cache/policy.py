@@ -105,12 +105,13 @@ def resolve_policy(
         side_pages=_side_pages(kv, budgets, settings, compressor, compressed_len + later_tokens),
     )
     peaks = kv.peak_pages(budgets, compressed_len, later_tokens, kv_policy)
-    peaks[0] += kv_policy.side_pages
+    side_kind = kv.side_kind
+    peaks[side_kind] += kv_policy.side_pages
     for kind, (peak, size) in enumerate(zip(peaks, kv.pool.kind_sizes)):
         if peak > size:
             # With one output token instead: when even that overflows, the prompt is at fault.
             alone = kv.peak_pages(budgets, compressed_len, later_tokens - max_tokens + 1, kv_policy)
-            alone[0] += kv_policy.side_pages
+            alone[side_kind] += kv_policy.side_pages
             if alone[kind] > size:
                 raise PoolTooSmallError(
                     f"prompt: its {num_prompt_tokens} tokens need {alone[kind]} KV pages at the "
@@ -180,7 +181,8 @@ def _side_pages(
     compressor: Compressor | None,
     num_slots: int,
 ) -> int:
-    """Pool pages the request holds for its side state (``kv_cache.side_state``): window
+    """Pool pages (of ``kv.side_kind``) the request holds for its side state
+    (``kv_cache.side_state``): window
     queries of its budgeted layers, attention masses over up to ``num_slots`` slots where
     the method keeps them, int4 residuals."""
     int4 = kv.kv_cache_dtype == "int4"
@@ -194,7 +196,7 @@ def _side_pages(
         num_int4_layers=kv.layer_kinds.count(0) if int4 else 0,
         mass_slots=num_slots if compressor is not None and compressor.needs_attention_mass else 0,
     )
-    return side_pages(num_bytes, kv.page_bytes)
+    return side_pages(num_bytes, kv.side_page_bytes)
 
 
 def _compressor(settings: CompressionConfig | None, config: EngineConfig, tokenizer):

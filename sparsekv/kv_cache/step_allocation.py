@@ -30,11 +30,12 @@ def side_pages_due(kv: RequestKV, policy: KVPolicy | None) -> int:
     return 0 if kv.side_pages or policy is None else policy.side_pages
 
 
-def take_side_pages(pool: BlockPool, kv: RequestKV, policy: KVPolicy | None) -> None:
-    """Take the side pages the request does not hold yet (its plan counted them)."""
+def take_side_pages(pool: BlockPool, kv: RequestKV, policy: KVPolicy | None, kind: int) -> None:
+    """Take the side pages (of page kind ``kind``) the request does not hold yet (its plan
+    counted them)."""
     due = side_pages_due(kv, policy)
     if due:
-        kv.side_pages = pool.allocate(due)
+        kv.side_pages = pool.allocate(due, kind)
 
 
 def keeping_uncompressed(

@@ -131,3 +131,44 @@ def test_swapped_requests_hold_no_page_so_the_queue_head_fits_an_idle_pool():
     kv.swap_in("a")
     assert len(kv.get("a").side_pages) == 6
     kv.check_invariants()
+
+
+def test_side_pages_come_from_the_pool_that_holds_the_most_bytes():
+    # fp8 pages with 3 of 4 layers in full precision: the quantized pool (1 layer's share) is
+    # small, the side state is paid with full-precision pages instead.
+    kv = manager(num_pages=(60, 180), kv_cache_dtype="fp8", full_precision_layers=(1, 2, 3))
+    assert kv.side_kind == 1 and kv.side_page_bytes == 12288
+    config = EngineConfig(compression=CompressionConfig(budget=64, window=32, full_layers=0))
+    policy = resolve_policy(config, None, kv, 300, 10)
+    # 4 budgeted layers x [9, 32, 64] fp32 = 294912 B over 12288-byte pages: 24 pages.
+    assert policy.kv.side_pages == 24
+    # Per kind: 1 layer x 5 pages; 3 layers x 5 pages + the side pages.
+    assert policy.peak_pages == (5, 3 * 5 + 24)
+    kv.register("c", list(policy.layer_budgets), policy.kv)
+    assert kv.plan_step("c", 128, False, True).num_pages == [8, 3 * 8 + 24]
+    kv.allocate("c", 128, False, True)
+    assert kv.pool.num_available(0) == 60 - 8 and kv.pool.num_available(1) == 180 - 24 - 24
+    kv.check_invariants()
+    kv.free("c")
+    assert kv.pool.num_available(1) == 180
+    # Mostly quantized: the quantized pool holds the most bytes and pays.
+    mostly = manager(num_pages=(180, 60), kv_cache_dtype="fp8", full_precision_layers=(3,))
+    assert mostly.side_kind == 0
+
+
+def test_a_prompt_fits_a_mostly_full_precision_cache_it_fits_in_full_precision():
+    config = EngineConfig(compression=CompressionConfig(budget=64, window=32, full_layers=0))
+    full = manager(num_pages=240)
+    quantized = manager(num_pages=(60, 180), kv_cache_dtype="fp8", full_precision_layers=(1, 2, 3))
+    for kv in (full, quantized):
+        assert sum(resolve_policy(config, None, kv, 750, 2).peak_pages) <= 240
+
+
+def test_every_layer_in_full_precision_is_named():
+    with pytest.raises(ValueError, match="^kv_cache_full_precision_layers: lists every layer"):
+        manager(num_pages=(10, 10), kv_cache_dtype="int8", full_precision_layers=(0, 1, 2, 3))
+    config = EngineConfig(
+        cache=CacheConfig(kv_cache_dtype="int4", kv_cache_full_precision_layers=(0, 1, 2))
+    )
+    with pytest.raises(ValueError, match="lists every layer \\(3\\), so no layer is int4"):
+        engine_setup.num_pool_pages(config, 3, KV_HEADS, HEAD_DIM, torch.bfloat16)
