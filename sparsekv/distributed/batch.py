@@ -3,7 +3,7 @@
 The prompts become a ``ray.data`` dataset; ``map_batches`` runs one actor per replica, each
 holding a whole ``LLM`` (engine, page pool, prefix cache), and each batch is generated with
 continuous batching inside its actor. Results come back as plain rows, in prompt order.
-``ray.data`` needs pyarrow: ``pip install 'sparsekv[ray-data]'``.
+``ray.data`` needs pyarrow: ``pip install 'ray[data]>=2.40'`` (the ``ray-data`` extra).
 """
 
 from __future__ import annotations
@@ -91,7 +91,8 @@ def generate_with_replicas(
         import ray.data
     except ImportError:
         raise ValueError(
-            "data_parallel_size > 1 needs ray.data: pip install 'sparsekv[ray-data]'"
+            "data_parallel_size > 1 needs ray.data: pip install 'ray[data]>=2.40' "
+            "(the ray-data extra of the sparsekv checkout)"
         ) from None
     parallel = config.parallel
     num_replicas = parallel.data_parallel_size

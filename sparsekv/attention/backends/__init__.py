@@ -48,7 +48,8 @@ def backend_class(name: str) -> type[AttentionBackend]:
     except ImportError as error:
         raise ValueError(
             f"attention_backend {name!r} is not available: {error} "
-            "(install the extra it needs, e.g. `pip install sparsekv[gpu]` for triton)"
+            "(install what it needs, e.g. `pip install triton==3.6.0` for triton: the `gpu` "
+            "extra of the sparsekv checkout)"
         ) from error
     return getattr(module, class_name)
 
