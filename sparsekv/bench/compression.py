@@ -18,6 +18,7 @@ from pathlib import Path
 
 from sparsekv.bench import common
 from sparsekv.cli_args import add_engine_args, engine_config_from_args
+from sparsekv.cli_help import doc_parser
 from sparsekv.config import CompressionConfig, EngineConfig
 from sparsekv.evaluation.report import write_report
 from sparsekv.sampling_params import SamplingParams
@@ -42,7 +43,7 @@ COLUMNS = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sparsekv bench compression", description=__doc__)
+    parser = doc_parser("sparsekv bench compression", __doc__)
     parser.add_argument("--num-prompts", type=int, default=None, help="default 20 (quick 6)")
     parser.add_argument("--input-len", type=int, default=None, help="default 4000 (quick 1500)")
     parser.add_argument("--output-len", type=int, default=None, help="default 256 (quick 64)")

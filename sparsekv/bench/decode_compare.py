@@ -31,6 +31,7 @@ from torch import nn
 from sparsekv.bench import common
 from sparsekv.bench.llama_bench import gguf_shape, run_llama_bench
 from sparsekv.cli_args import add_engine_args, engine_config_from_args
+from sparsekv.cli_help import doc_parser
 
 COLUMNS = (
     "engine",
@@ -50,7 +51,7 @@ KV_FORMAT_BYTES = {"int8": 1.0, "fp8": 1.0, "int4": 0.5}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sparsekv bench decode-compare", description=__doc__)
+    parser = doc_parser("sparsekv bench decode-compare", __doc__)
     parser.add_argument("--llama-bench", default=None, help="llama-bench binary (none: skip)")
     parser.add_argument("--context", type=int, default=512, help="tokens before decode (-d)")
     parser.add_argument("--output-len", type=int, default=128, help="tokens generated (-n)")

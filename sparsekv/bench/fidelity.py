@@ -23,6 +23,7 @@ from tqdm import tqdm
 from sparsekv.bench import common
 from sparsekv.bench.arg_types import int_at_least
 from sparsekv.cli_args import add_engine_args, engine_config_from_args
+from sparsekv.cli_help import doc_parser
 from sparsekv.config import COMPRESSION_METHODS, CompressionConfig
 from sparsekv.evaluation import ruler_cells
 from sparsekv.evaluation.fidelity import fidelity, long_texts
@@ -37,7 +38,7 @@ COLUMNS = ("method", "ratio", "agreement", "kl", "agreement_min", "compression_r
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sparsekv bench fidelity", description=__doc__)
+    parser = doc_parser("sparsekv bench fidelity", __doc__)
     parser.add_argument(
         "--num-texts", type=int_at_least(1), default=None, help="default 20 (quick 4)"
     )

@@ -26,6 +26,7 @@ import time
 
 from sparsekv.bench import common
 from sparsekv.cli_args import add_engine_args, engine_config_from_args
+from sparsekv.cli_help import doc_parser
 from sparsekv.config import CompressionConfig
 from sparsekv.evaluation.scoring import score_passkey
 from sparsekv.evaluation.tasks import passkey
@@ -60,7 +61,7 @@ SUMMARY_COLUMNS = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sparsekv bench gemma-paging", description=__doc__)
+    parser = doc_parser("sparsekv bench gemma-paging", __doc__)
     parser.add_argument("--num-requests", type=int, default=8, help="requests in the batch")
     parser.add_argument("--input-len", type=int, default=8192, help="prompt tokens per request")
     parser.add_argument("--output-len", type=int, default=128, help="generated tokens each")

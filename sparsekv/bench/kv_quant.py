@@ -32,6 +32,7 @@ from sparsekv.bench import common
 from sparsekv.bench.compression import run_policy
 from sparsekv.bench.fidelity import compressed_runs, full_runs
 from sparsekv.cli_args import add_engine_args, engine_config_from_args
+from sparsekv.cli_help import doc_parser
 from sparsekv.config import CompressionConfig, EngineConfig
 from sparsekv.evaluation.fidelity import long_texts
 from sparsekv.evaluation.report import write_report
@@ -94,7 +95,7 @@ def parse_cells(text: str, base: CompressionConfig) -> list[Cell]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sparsekv bench kv-quant", description=__doc__)
+    parser = doc_parser("sparsekv bench kv-quant", __doc__)
     parser.add_argument("--cells", default=DEFAULT_CELLS, help=f"default {DEFAULT_CELLS}")
     parser.add_argument("--num-prompts", type=int, default=None, help="default 20 (quick 6)")
     parser.add_argument("--input-len", type=int, default=None, help="default 4000 (quick 1500)")

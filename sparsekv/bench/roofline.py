@@ -26,6 +26,7 @@ from typing import Any
 
 from sparsekv.bench import common
 from sparsekv.cli_args import add_engine_args, engine_config_from_args
+from sparsekv.cli_help import doc_parser
 from sparsekv.models.prepack import PackedLinear
 from sparsekv.sampling_params import SamplingParams
 
@@ -94,7 +95,7 @@ class ModelShape:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sparsekv bench roofline", description=__doc__)
+    parser = doc_parser("sparsekv bench roofline", __doc__)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16], help="requests")
     parser.add_argument("--context", type=int, default=2000, help="prompt tokens per request")
     parser.add_argument("--steps", type=int, default=8, help="timed decode steps")

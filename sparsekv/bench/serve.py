@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import math
 import os
 import random
@@ -28,6 +29,7 @@ import httpx
 from sparsekv.bench import metrics
 from sparsekv.bench.arg_types import int_at_least
 from sparsekv.bench.datasets import DATASETS, PROMPT_FORMATS, BenchPrompt, build_prompts
+from sparsekv.cli_help import doc_parser
 
 ERROR_TEXT_LIMIT = 300  # characters of an error body kept per failure
 
@@ -220,7 +222,9 @@ def measure(prompts: Sequence[BenchPrompt], settings: ClientSettings, slos, desc
 # ------------------------------------------------------------------------------------ CLI
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
     """Dataset and request-shape flags shared with ``bench sweep``."""
-    parser.add_argument("--dataset", choices=DATASETS, default="random")
+    parser.add_argument(
+        "--dataset", choices=DATASETS, default="random", help="where the prompts come from"
+    )
     at_least_1 = int_at_least(1)
     parser.add_argument(
         "--input-len", type=at_least_1, default=None, help="prompt tokens (default 4000)"
@@ -232,9 +236,14 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--num-prefixes", type=int, default=1, help="shared-prefix: distinct prefixes, in turn"
     )
-    parser.add_argument("--prompt-format", choices=PROMPT_FORMATS, default="token-ids")
+    parser.add_argument(
+        "--prompt-format",
+        choices=PROMPT_FORMATS,
+        default="token-ids",
+        help="send token ids or decoded text",
+    )
     parser.add_argument("--tokenizer", default=None, help="for the prompts (default: --model)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompt sampling")
     parser.add_argument(
         "--goodput",
         nargs="+",
@@ -249,15 +258,24 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sparsekv bench serve", description=__doc__)
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser = doc_parser("sparsekv bench serve", __doc__)
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server under test")
     parser.add_argument("--model", default=None, help="default: the server's first model")
-    parser.add_argument("--num-prompts", type=int, default=10)
-    parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--num-prompts", type=int, default=10, help="requests to send")
+    parser.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="requests in flight at most (default: all)",
+    )
     parser.add_argument(
         "--request-rate", type=float, default=math.inf, help="Poisson arrivals per second"
     )
-    parser.add_argument("--output", default="reports/bench_serve.json")
+    parser.add_argument(
+        "--output",
+        default="reports/bench_serve.json",
+        help="the JSON report (Markdown beside it)",
+    )
     add_workload_args(parser)
     return parser
 
@@ -303,6 +321,7 @@ def main(argv: list[str] | None = None, *, tokenizer: Any = None, **_: Any) -> i
     from sparsekv.bench.datasets import load_tokenizer
 
     args = build_parser().parse_args(argv)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
     api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
     model = args.model or served_model(args.base_url, api_key)
     input_len, output_len = args.input_len or 4000, args.output_len or 500

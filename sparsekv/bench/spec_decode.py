@@ -32,6 +32,7 @@ import time
 
 from sparsekv.bench import common, spec_bytes
 from sparsekv.cli_args import add_engine_args, engine_config_from_args
+from sparsekv.cli_help import doc_parser
 from sparsekv.engine.prompts import render_chat
 from sparsekv.sampling_params import SamplingParams
 from sparsekv.spec_decode import self_draft
@@ -90,7 +91,7 @@ BYTES_COLUMNS = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sparsekv bench spec-decode", description=__doc__)
+    parser = doc_parser("sparsekv bench spec-decode", __doc__)
     parser.add_argument(
         "--batch-sizes", default="1,4,16", help="comma-separated batch sizes (default: 1,4,16)"
     )

@@ -39,6 +39,7 @@ from sparsekv.bench.sweep_servers import (
     sparsekv_server,
     wait_healthy,
 )
+from sparsekv.cli_help import doc_parser
 
 __all__ = [
     "DEFAULT_CONFIGS",
@@ -110,7 +111,7 @@ def sweep_target(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sparsekv bench sweep", description=__doc__)
+    parser = doc_parser("sparsekv bench sweep", __doc__)
     parser.add_argument(
         "--configs", nargs="*", default=list(DEFAULT_CONFIGS), metavar="NAME:FLAGS",
         help="sparsekv servers to start, e.g. 'snapkv512:--kv-compression snapkv --kv-budget 512'",

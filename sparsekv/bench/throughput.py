@@ -18,12 +18,13 @@ import time
 from sparsekv.bench import common
 from sparsekv.bench.arg_types import int_at_least
 from sparsekv.cli_args import add_engine_args, engine_config_from_args
+from sparsekv.cli_help import doc_parser
 from sparsekv.models.quant.apply import weight_bytes
 from sparsekv.sampling_params import SamplingParams
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sparsekv bench throughput", description=__doc__)
+    parser = doc_parser("sparsekv bench throughput", __doc__)
     parser.add_argument(
         "--input-len",
         type=int_at_least(1),

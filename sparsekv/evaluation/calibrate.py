@@ -27,6 +27,7 @@ import torch
 
 from sparsekv.bench import common
 from sparsekv.cli_args import add_engine_args, engine_config_from_args
+from sparsekv.cli_help import doc_parser
 from sparsekv.compression.budgets_file import LayerBudgets, save_budgets
 from sparsekv.evaluation.fidelity import long_texts
 
@@ -116,7 +117,7 @@ def allocate(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sparsekv calibrate", description=__doc__)
+    parser = doc_parser("sparsekv calibrate", __doc__)
     parser.add_argument("--output", required=True, metavar="PATH", help="budgets file to write")
     parser.add_argument("--ratio", type=float, default=0.75, help="fraction removed (0.75)")
     parser.add_argument("--texts", type=int, default=4, help="calibration texts (4)")

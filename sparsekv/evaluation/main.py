@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from sparsekv.bench import common
 from sparsekv.cli_args import add_engine_args, engine_config_from_args
+from sparsekv.cli_help import doc_parser
 from sparsekv.evaluation import ruler_cells, runner
 from sparsekv.evaluation.report import markdown_table, write_heatmap, write_line_plot
 
@@ -37,7 +38,7 @@ QUICK_PRESET = ("passkey,niah_single", "1024", 2, "none,snapkv", "0.75")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sparsekv eval", description=__doc__)
+    parser = doc_parser("sparsekv eval", __doc__)
     parser.add_argument("--tasks", default=None, help="comma list (default niah_single,passkey)")
     parser.add_argument("--lengths", default=None, help="tokens, comma list (default 4096,8192)")
     parser.add_argument(

@@ -51,12 +51,13 @@ from sparsekv.bench.kernels.probe import DTYPES, measure_machine, native_isa
 from sparsekv.bench.kernels.variants import print_variants
 from sparsekv.bench.kernels.window import bench_window
 from sparsekv.bench.kernels.window_fused import bench_window_fused
+from sparsekv.cli_help import doc_parser
 from sparsekv.evaluation.provenance import provenance as report_provenance
 from sparsekv.evaluation.report import markdown_table
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sparsekv bench kernels", description=__doc__)
+    parser = doc_parser("sparsekv bench kernels", __doc__)
     parser.add_argument("--batch", type=int, default=16, help="requests per decode step")
     parser.add_argument("--tokens", type=int, default=2000, help="cached tokens per request")
     parser.add_argument("--layers", type=int, default=30, help="layers per step")

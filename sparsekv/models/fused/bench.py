@@ -16,12 +16,12 @@ oneDNN and the native kernels alternating; best of 6 passes in milliseconds.
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 
 import torch
 
+from sparsekv.cli_help import doc_parser
 from sparsekv.models.fused import build, reference
 from sparsekv.models.prepack import GEMV_MAX_WEIGHT_BYTES
 
@@ -148,7 +148,7 @@ def gemm_stream_table(ext, layers: int = 30) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Print a Markdown table: op, eager ms, fused ms, speed-up (or ``gemm_table``)."""
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = doc_parser(None, __doc__)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--rows", type=int, nargs="+", default=[4000, 8], help="token rows")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
