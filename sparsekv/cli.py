@@ -10,7 +10,7 @@ import socket
 import sys
 from pathlib import Path
 
-from sparsekv.cli_args import OnOffFlag, add_engine_args, engine_config_from_args
+from sparsekv.cli_args import OnOffFlag, add_engine_args, engine_config_from_args, flag_of_error
 
 DEFAULT_PROMPT = "Explain in two sentences why the KV cache limits LLM serving."
 
@@ -40,12 +40,13 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
-    """The ``--prompt`` values, then the non-empty lines of ``--prompts-file``.
+    """The prompts given as arguments, the ``--prompt`` values, then the non-empty lines of
+    ``--prompts-file``.
 
     Raises:
         ValueError: ``--prompts-file`` names a file that cannot be read.
     """
-    prompts = list(args.prompt or [])
+    prompts = list(getattr(args, "texts", None) or []) + list(args.prompt or [])
     if args.prompts_file:
         path = Path(args.prompts_file)
         try:
@@ -192,7 +193,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser(
         "generate",
         help="generate offline for one or more prompts",
-        description="Generate offline for one or more prompts (continuous batching, no server).",
+        description="Generate offline for one or more prompts (continuous batching, no server). "
+        "Prints each prompt after '### ', its completion, and why it ended in brackets ([stop]: "
+        "an end-of-sequence token or stop string, [length]: --max-tokens or the context); "
+        "--json prints token ids and KV usage too.",
+    )
+    gen.add_argument(
+        "texts", nargs="*", metavar="PROMPT", help="prompts as arguments (as --prompt TEXT)"
     )
     prompts = gen.add_argument_group("prompts and output")
     prompts.add_argument(
@@ -294,6 +301,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def error_line(exc: ValueError) -> str:
+    """``error: <message>``, plus the flag that sets the field the message names, if any
+    (config errors name fields: ``kv_compression.budget`` is ``--kv-budget``)."""
+    flag = flag_of_error(str(exc))
+    return f"error: {exc}" + (f" [{flag}]" if flag else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one ``sparsekv`` command; returns its exit status (2 for invalid input)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -311,14 +325,14 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return handler(args)
         except ValueError as exc:
-            print(f"error: {exc}", file=sys.stderr)
+            print(error_line(exc), file=sys.stderr)
             return 2
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return args.func(args)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return 2
 
 

@@ -208,6 +208,24 @@ def _metavar(key: tuple[str, str], kind: type) -> str | None:
     return {int: "N", float: "X"}.get(kind, key[1].upper())
 
 
+_MESSAGE_FIELD = re.compile(r"(kv_compression\.|compression\.)?([a-z][a-z0-9_]*)\b")
+
+
+def flag_of_error(message: str) -> str | None:
+    """The ``--flag`` that sets the field an error message starts with (``kv_compression.budget
+    (16) must be ...`` -> ``--kv-budget``), or ``None`` where it names no engine flag."""
+    match = _MESSAGE_FIELD.match(message)
+    if match is None:
+        return None
+    compression, name = match.groups()
+    sections = ["compression"] if compression else list(SECTIONS)
+    for section in sections:
+        names = {f.name for f in dataclasses.fields(SECTIONS[section])}
+        if name in names and (section, name) not in SKIPPED:
+            return "--" + flag_name(section, name)
+    return None
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Add one flag per config field, grouped by section; defaults are the dataclass defaults."""
     for section, cls in SECTIONS.items():

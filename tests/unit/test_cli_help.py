@@ -39,3 +39,50 @@ def test_bench_help_has_no_rest_markup(module):
     assert isinstance(parser, argparse.ArgumentParser)
     text = parser.format_help()
     assert "``" not in text and ":mod:`" not in text and ":func:`" not in text
+
+
+@pytest.mark.parametrize(
+    "message, flag",
+    [
+        ("kv_compression.budget (16) must be >= window + 1 (33)", "--kv-budget"),
+        ("kv_compression.method: unknown 'x'", "--kv-compression"),
+        ("compression_ratio must be in (0, 1)", "--kv-compression-ratio"),
+        ("kv_cache_memory: 3 GiB exceeds 80%", "--kv-cache-memory"),
+        ("watermark_pages must be >= 0", "--watermark-pages"),
+        ("model: built-in 'x' needs the package y", "--model"),
+        ("prompt: its 751 tokens need 458 KV pages", None),
+        ("max_tokens: the request needs 9 pages", None),
+        ("something else entirely", None),
+    ],
+)
+def test_an_error_names_the_flag_of_its_field(message, flag):
+    from sparsekv.cli import error_line
+    from sparsekv.cli_args import flag_of_error
+
+    assert flag_of_error(message) == flag
+    assert error_line(ValueError(message)) == f"error: {message}" + (f" [{flag}]" if flag else "")
+
+
+def test_the_cli_names_the_flag_of_a_bad_compression_setting(capsys):
+    from sparsekv import cli
+
+    # Refused while the config is resolved, before any model loads.
+    status = cli.main(["generate", "--prompt", "hi", "--kv-budget", "16"])
+    assert status == 2
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith("error: kv_compression.budget (16) must be >= window + 1 (33) [--kv-budget]")
+    )
+
+
+def test_generate_takes_prompts_as_arguments(tmp_path):
+    from sparsekv import cli
+
+    file = tmp_path / "p.txt"
+    file.write_text("c\n\nd\n", encoding="utf-8")
+    args = cli.build_parser().parse_args(
+        ["generate", "a b", "e", "--prompt", "x", "--prompts-file", str(file), "--max-tokens", "4"]
+    )
+    assert cli.read_prompts(args) == ["a b", "e", "x", "c", "d"]
+    assert cli.read_prompts(cli.build_parser().parse_args(["generate"])) == [cli.DEFAULT_PROMPT]
