@@ -117,6 +117,11 @@ class RequestOutput:
         prompt_logprobs: when ``SamplingParams.prompt_logprobs`` was set, one entry per prompt
             token: ``None`` for the first, then the token's ``Logprob`` given the tokens
             before it (filled as the prefill runs).
+        num_cached_tokens: prompt tokens served from the prefix cache instead of computed
+            (whole pages, never the last prompt token; under ``scope: context``, the shared
+            compressed context's tokens on a context hit), counted once per request: its
+            first sample's hit when first admitted (the other samples of ``n > 1`` take that
+            sample's pages). 0 with prefix caching off, and before the request is admitted.
     """
 
     request_id: str
@@ -127,3 +132,4 @@ class RequestOutput:
     error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     prompt_logprobs: list[Logprob | None] | None = None
+    num_cached_tokens: int = 0

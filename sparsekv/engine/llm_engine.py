@@ -14,6 +14,7 @@ import time
 from sparsekv.config import CompressionConfig, EngineConfig, SpeculativeConfig
 from sparsekv.engine import admission, step_results
 from sparsekv.engine import output_processor as op
+from sparsekv.engine.config_summary import engine_summary
 from sparsekv.engine.detokenizer import IncrementalDetokenizer
 from sparsekv.engine.engine_setup import EngineParts, build_engine_parts
 from sparsekv.engine.stats import EngineStats
@@ -50,6 +51,8 @@ class LLMEngine:
         self.stats = EngineStats()
         self._groups: dict[str, op.RequestGroup] = {}
         self._sample_owner: dict[str, str] = {}
+        # One line of what the flags resolved to, so users can check they took effect.
+        logger.info("%s", engine_summary(config, parts))
 
     # ----------------------------------------------------------------- requests
     def resolve_compression(

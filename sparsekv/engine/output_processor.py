@@ -144,6 +144,8 @@ def build_output(group: RequestGroup) -> RequestOutput:
         error=group.error,
         metrics=metrics,
         prompt_logprobs=list(group.prompt_logprobs) if group.prompt_logprobs is not None else None,
+        # Once per request: the first sample's hit (the others take its pages).
+        num_cached_tokens=group.samples[0].request.num_cached_tokens or 0,
     )
 
 

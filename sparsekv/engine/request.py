@@ -48,6 +48,9 @@ class Request:
         prefill_leader: the first sample of this ``n > 1`` request, whose prompt pages this
             sample takes from the prefix cache once they are computed; cleared when the
             sample is admitted (``None``: it prefills its own prompt).
+        num_cached_tokens: prompt tokens served from the prefix cache (or a shared compressed
+            context) when the request was first admitted; ``None`` before that or where no
+            lookup ran (prefix caching off). Later admissions (after a preemption) keep it.
     """
 
     request_id: str
@@ -71,6 +74,7 @@ class Request:
     context_key: bytes | None = None
     speculative: SpeculativeConfig | None = None
     prefill_leader: Request | None = field(default=None, repr=False, compare=False)
+    num_cached_tokens: int | None = None
 
     @property
     def compression(self) -> CompressionConfig | None:

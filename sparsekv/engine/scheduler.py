@@ -213,6 +213,8 @@ class Scheduler:
             self.running.append(request)
             if num_hit is not None:
                 out.prefix_hits.append(num_hit)
+                if request.num_cached_tokens is None:  # the first admission's hit is reported
+                    request.num_cached_tokens = num_hit
             if plan is not None:
                 out.scheduled.append(self._allocate(request, num_new, plan))
                 token_budget -= num_new

@@ -283,6 +283,10 @@ def response_headers(body: SamplingBody) -> dict[str, str]:
 def usage(output: RequestOutput) -> dict:
     """OpenAI usage plus the request's KV footprint at its end, per token.
 
+    ``prompt_tokens_details.cached_tokens``: prompt tokens served from the prefix cache
+    (``RequestOutput.num_cached_tokens``: once per request, as ``prompt_tokens``); always
+    present, 0 with prefix caching off.
+
     ``kv_tokens_kept``: slots the cache held, averaged over layers; ``kv_tokens_full``: the
     slots a full cache holds per layer (the request's computed tokens);
     ``kv_compression_ratio``: the fraction of the full cache that compression removed;
@@ -296,6 +300,7 @@ def usage(output: RequestOutput) -> dict:
         "prompt_tokens": num_prompt,
         "completion_tokens": num_completion,
         "total_tokens": num_prompt + num_completion,
+        "prompt_tokens_details": {"cached_tokens": output.num_cached_tokens},
         "kv_tokens_kept": round(stats.tokens_kept, 4) if stats is not None else 0.0,
         "kv_tokens_full": stats.tokens_full if stats is not None else 0,
         "kv_compression_ratio": stats.compression_ratio if stats is not None else 0.0,

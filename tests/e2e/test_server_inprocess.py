@@ -223,6 +223,45 @@ def test_prompt_over_the_context_in_tokens_is_context_length_exceeded(limited):
     assert error["code"] == "invalid_value" and "KV pages" in error["message"]
 
 
+def _streamed_usage(url: str, path: str, body: dict) -> dict:
+    """The usage of the ``include_usage`` chunk (the last before ``[DONE]``)."""
+    body = dict(body, stream=True, stream_options={"include_usage": True})
+    with httpx.stream("POST", f"{url}{path}", json=body, timeout=120) as stream:
+        events = [e for e in stream.read().decode().split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    return json.loads(events[-2][6:])["usage"]
+
+
+def test_a_repeated_prompt_reports_its_cached_tokens(limited):
+    """``usage.prompt_tokens_details.cached_tokens``: the prompt tokens taken from the prefix
+    cache, every whole page (16 tokens here) short of the last prompt token, which is always
+    recomputed; in the response and in the streamed usage chunk of both endpoints."""
+    url = limited.url
+    # 96 tokens no other test sends: 6 pages, the last holding the last token: 5 pages hit.
+    body = {"prompt": list(range(1000, 1096)), "max_tokens": 2, "temperature": 0}
+    first = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["usage"]
+    assert first["prompt_tokens"] == 96
+    assert first["prompt_tokens_details"] == {"cached_tokens": 0}
+    second = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["usage"]
+    assert (96 - 1) // 16 * 16 == 80
+    assert second["prompt_tokens_details"] == {"cached_tokens": 80}
+    assert second["kv_tokens_full"] == 97  # the KV fields stay
+    streamed = _streamed_usage(url, "/v1/completions", body)
+    assert streamed["prompt_tokens_details"] == {"cached_tokens": 80}
+    # Chat: the template's first pages are shared with every chat prompt, so the first
+    # request may hit them already; the repeat hits the whole prompt but its last token.
+    text = "Count the pages of the cached prompt, one by one, slowly. " * 8
+    chat = {"messages": [{"role": "user", "content": text}], "max_tokens": 2, "temperature": 0}
+    path = "/v1/chat/completions"
+    first = httpx.post(f"{url}{path}", json=chat, timeout=120).json()["usage"]
+    num_prompt = first["prompt_tokens"]
+    expected = (num_prompt - 1) // 16 * 16
+    assert num_prompt > 64 and first["prompt_tokens_details"]["cached_tokens"] < expected
+    second = httpx.post(f"{url}{path}", json=chat, timeout=120).json()["usage"]
+    assert second["prompt_tokens_details"] == {"cached_tokens": expected}
+    assert _streamed_usage(url, path, chat)["prompt_tokens_details"] == {"cached_tokens": expected}
+
+
 def test_dead_engine_loop_makes_health_503(limited):
     """Runs last in this module: it kills this server's engine loop on purpose."""
     assert httpx.get(f"{limited.url}/health").status_code == 200
