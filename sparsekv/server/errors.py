@@ -12,6 +12,7 @@ is a 405 ``method_not_allowed`` with an ``Allow`` header listing the methods it 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import sys
@@ -23,6 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from sparsekv.compression_config import CompressionConfig
 from sparsekv.errors import ContextLengthError
 
 logger = logging.getLogger(__name__)
@@ -199,6 +201,15 @@ def _pydantic_param(loc: tuple) -> str | None:
     return ".".join(parts) or None
 
 
+def _unknown_field(param: str | None) -> str:
+    """The message for a field the schema does not have; inside ``kv_compression`` it lists
+    the policy's fields (the object most often misspelt)."""
+    if param is not None and param.startswith("kv_compression."):
+        names = ", ".join(f.name for f in dataclasses.fields(CompressionConfig))
+        return f"unknown field; kv_compression takes {names}"
+    return "unknown field"
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Answer every error with the OpenAI body; invalid JSON and type errors are 400s."""
 
@@ -219,6 +230,8 @@ def install_error_handlers(app: FastAPI) -> None:
         # pydantic prefixes a validator's ValueError with "Value error, ": the client needs
         # only the validator's own words
         detail = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+        if first.get("type") == "extra_forbidden":
+            detail = _unknown_field(param)
         message = f"{param or 'body'}: {detail}"
         return APIError(400, message, param=param, code="invalid_value").response()
 

@@ -10,6 +10,7 @@ model's layers, ``context_tokens`` outside scope ``context``).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -17,6 +18,7 @@ import sys
 import httpx
 import pytest
 
+from sparsekv.compression_config import CompressionConfig
 from tests.e2e.conftest import API_KEY, MODEL
 
 pytestmark = pytest.mark.skipif(
@@ -511,3 +513,13 @@ def test_context_tokens_outside_scope_context_is_400(http, path, compression):
     # With its scope, the same field is taken.
     body["kv_compression"] = {"scope": "context", "context_tokens": 4}
     assert http.post(path, json=body).status_code == 200
+
+
+def test_a_misspelt_field_is_named_with_what_the_object_takes(http):
+    body = {"prompt": PARIS_IDS, "max_tokens": 1, "kv_compression": {"budjet": 24}}
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == 400
+    names = ", ".join(f.name for f in dataclasses.fields(CompressionConfig))
+    message = f"kv_compression.budjet: unknown field; kv_compression takes {names}"
+    assert response.json() == error_body(message, "kv_compression.budjet")
+    assert "budget, compression_ratio, window" in names
