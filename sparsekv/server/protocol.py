@@ -254,3 +254,33 @@ class ChatCompletionRequest(SamplingBody):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # Accepted only where they ask for nothing the server does not do (see the validators);
+    # then listed with the ignored fields.
+    tool_choice: Any = None
+    response_format: Any = None
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_forced_tool_call(cls, value: Any) -> Any:
+        # "none" and "auto" leave the model free to answer in text, which is what it does; a
+        # required or named tool call would be silently broken.
+        if value is not None and value not in ("none", "auto"):
+            raise ValueError("tool calls are not supported: only 'none' or 'auto' is accepted")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value: Any) -> Any:
+        kind = value.get("type") if isinstance(value, dict) else None
+        if value is not None and kind != "text":
+            raise ValueError(
+                "structured output (json_object, json_schema) is not supported: only "
+                "{'type': 'text'} is accepted"
+            )
+        return value
+
+    @property
+    def ignored_fields(self) -> list[str]:
+        """Top-level fields the server does not know or does not act on (sorted)."""
+        accepted = [n for n in ("tool_choice", "response_format") if getattr(self, n) is not None]
+        return sorted([*(self.model_extra or {}), *accepted])

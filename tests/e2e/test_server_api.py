@@ -523,3 +523,39 @@ def test_a_misspelt_field_is_named_with_what_the_object_takes(http):
     message = f"kv_compression.budjet: unknown field; kv_compression takes {names}"
     assert response.json() == error_body(message, "kv_compression.budjet")
     assert "budget, compression_ratio, window" in names
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        (
+            "tool_choice",
+            "required",
+            "tool calls are not supported: only 'none' or 'auto' is accepted",
+        ),
+        ("tool_choice", {"type": "function", "function": {"name": "f"}}, None),
+        ("response_format", {"type": "json_object"}, None),
+        ("response_format", {"type": "json_schema", "json_schema": {"name": "x"}}, None),
+    ],
+)
+def test_a_forced_tool_call_or_structured_output_is_400(http, field, value, message):
+    body = {"messages": CHAT, "max_tokens": 1, "tools": [{"type": "function"}], field: value}
+    response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400
+    expected = message or (
+        "tool calls are not supported: only 'none' or 'auto' is accepted"
+        if field == "tool_choice"
+        else "structured output (json_object, json_schema) is not supported: only "
+        "{'type': 'text'} is accepted"
+    )
+    assert response.json() == error_body(f"{field}: {expected}", field)
+
+
+def test_tool_choice_auto_and_text_format_are_served_and_listed_as_ignored(http):
+    body = {
+        "messages": CHAT, "max_tokens": 1, "tools": [{"type": "function"}],
+        "tool_choice": "auto", "response_format": {"type": "text"},
+    }  # fmt: skip
+    response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert response.headers["x-ignored-fields"] == "response_format, tool_choice, tools"
