@@ -140,8 +140,10 @@ def random_checkpoint(name: str, shape: dict, dtype: torch.dtype, device: str, t
     )
 
 
-def engine_config(args: argparse.Namespace, max_seqs: int):
-    """SnapKV engine settings (budget ``--budget``; full-cache requests opt out per request)."""
+def engine_config(args: argparse.Namespace, max_seqs: int, context: int):
+    """SnapKV engine settings (budget ``--budget``; full-cache requests opt out per request);
+    ``max_model_len`` fits the longest request, at most the model's ``context`` (the engine
+    refuses a longer one)."""
     from sparsekv.config import (
         CacheConfig,
         CompressionConfig,
@@ -159,7 +161,7 @@ def engine_config(args: argparse.Namespace, max_seqs: int):
             device=args.device,
             attention_backend=args.attention_backend,
             enforce_eager=args.enforce_eager,
-            max_model_len=args.input_len + args.output_len + 64,
+            max_model_len=min(args.input_len + args.output_len + 64, context),
         ),
         cache=cache,
         compression=CompressionConfig(
@@ -297,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             built = time.perf_counter()
             checkpoint = random_checkpoint(name, shape, dtype, args.device, tokenizer)
-            config = engine_config(args, max(concurrencies))
+            config = engine_config(args, max(concurrencies), shape["max_position_embeddings"])
             engine = LLMEngine(config, build_engine_parts(config, checkpoint))
             del checkpoint
             # Kernels compile outside the timings: a prompt past the budget compresses.

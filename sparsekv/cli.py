@@ -144,7 +144,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     from sparsekv.loader import convert_gguf, resolve_model
 
-    out = convert_gguf(resolve_model(args.gguf), args.out_dir)
+    out = convert_gguf(resolve_model(args.gguf), args.out_dir, overwrite=args.overwrite)
     print(f"wrote {out}")
     return 0
 
@@ -263,6 +263,11 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument(
         "out_dir", metavar="OUT_DIR", help="folder to write (config.json, safetensors, tokenizer)"
     )
+    convert.add_argument(
+        "--overwrite", action="store_true",
+        help="write into a folder that holds files: replace its checkpoint files and remove an "
+        "earlier checkpoint's other weights, index and tokenizer files (default: refuse it)",
+    )  # fmt: skip
     convert.set_defaults(func=cmd_convert)
 
     models = sub.add_parser("models", help="list the supported model architectures")

@@ -108,12 +108,14 @@ def load_budgets(path: str | Path, num_layers: int | None = None) -> LayerBudget
         raise ValueError(f"{name}: cannot read {str(path)!r}: {exc}") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ValueError(f"{name}: {str(path)!r} is not a {FORMAT} file")
-    if data.get("version") != VERSION:
-        raise ValueError(f"{name}: version {data.get('version')!r} is not {VERSION}")
+    version = data.get("version")
+    # An int, not a bool or a float: JSON's true and 1.0 compare equal to 1.
+    if not _is_int(version) or version != VERSION:
+        raise ValueError(f"{name}: version {version!r} is not {VERSION} (an integer)")
     values = data.get("budgets")
     if not isinstance(values, list):
         raise ValueError(f"{name}: budgets must be a list")
-    if data.get("num_layers") != len(values):
+    if not _is_int(data.get("num_layers")) or data.get("num_layers") != len(values):
         raise ValueError(
             f"{name}: num_layers is {data.get('num_layers')!r} but {len(values)} budgets are given"
         )
@@ -122,3 +124,8 @@ def load_budgets(path: str | Path, num_layers: int | None = None) -> LayerBudget
     budgets = LayerBudgets(str(data.get("kind")), tuple(values), extra)
     budgets.validate(num_layers)
     return budgets
+
+
+def _is_int(value) -> bool:
+    """A JSON integer: ``int`` but not ``bool``."""
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -12,6 +12,7 @@ from sparsekv.loader.gguf import load_gguf
 from sparsekv.loader.gguf_file import read_gguf
 from sparsekv.loader.gguf_metadata import load_gguf_config_and_tokenizer
 from sparsekv.loader.gguf_packed import load_packed_weights
+from sparsekv.loader.hf_config import check_layer_count
 from sparsekv.loader.resolve import BUILTIN_MODELS, resolve_model
 from sparsekv.loader.safetensors import generation_eos_ids, load_hf_folder
 
@@ -90,6 +91,7 @@ def load_checkpoint(
     eos_ids: tuple[int, ...] = ()
     if path.is_file():
         hf_config, own, state_dict = load_gguf(path, dtype)
+        check_layer_count(hf_config, state_dict, f"{path}'s block_count")
     else:
         hf_config, own, state_dict = load_hf_folder(path, dtype, with_tokenizer=override is None)
         eos_ids = generation_eos_ids(path)

@@ -8,7 +8,9 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoTokenizer
+
+from sparsekv.loader.hf_config import check_layer_count, load_hf_config
 
 # Multimodal checkpoints (e.g. Gemma 3 4B's Gemma3ForConditionalGeneration) keep the text model
 # under these prefixes; the engine serves the text model only, with HF's text-model names.
@@ -35,12 +37,13 @@ def load_hf_folder(folder: str | Path, dtype: torch.dtype, with_tokenizer: bool 
         ``dtype`` (``lm_head.weight`` may be absent when ``tie_word_embeddings``).
 
     Raises:
-        ValueError: (message starts with ``model:``) a safetensors file is unreadable, or the
-            folder has no tokenizer.
+        ValueError: (message starts with ``model:``) ``config.json`` holds a bad value (naming
+            the field and the value, see :mod:`sparsekv.loader.hf_config`), a safetensors file
+            is unreadable, the tensors' layers are not the config's ``num_hidden_layers``, or
+            the folder has no tokenizer.
     """
     folder = Path(folder)
-    config = AutoConfig.from_pretrained(folder)
-    config = config.get_text_config(decoder=True)
+    config = load_hf_config(folder)
     tokenizer = None
     if with_tokenizer:
         try:
@@ -53,6 +56,7 @@ def load_hf_folder(folder: str | Path, dtype: torch.dtype, with_tokenizer: bool 
     state_dict = {}
     for file in sorted(folder.glob("*.safetensors")):
         state_dict.update(_read_safetensors(file, dtype))
+    check_layer_count(config, state_dict, str(folder / "config.json"))
     return config, tokenizer, state_dict
 
 

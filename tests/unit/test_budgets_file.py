@@ -42,6 +42,11 @@ def test_round_trip(tmp_path, budgets):
         ({"num_layers": 4}, "num_layers is 4 but 3 budgets"),
         ({"format": "other"}, "is not a sparsekv-layer-budgets file"),
         ({"version": 2}, "version 2 is not 1"),
+        # JSON's true and 1.0 compare equal to 1: the version is an integer, not a bool.
+        ({"version": True}, r"version True is not 1 \(an integer\)"),
+        ({"version": 1.0}, r"version 1.0 is not 1 \(an integer\)"),
+        ({"version": "1"}, "version '1' is not 1"),
+        ({"budgets": [1.0], "num_layers": True}, "num_layers is True but 1 budgets"),
         ({"budgets": "1,2"}, "budgets must be a list"),
     ],
 )
