@@ -20,7 +20,8 @@ from sparsekv.sampling_params import SamplingParams
 
 
 def output_row(prompt: str, output: RequestOutput) -> dict:
-    """The row of one finished request: text, token ids, finish reason and KV usage."""
+    """The row of one finished request: text, token ids, finish reason, KV usage and the
+    prompt tokens taken from the prefix cache."""
     completion = output.outputs[0]
     stats = output.kv_stats
     return {
@@ -32,6 +33,7 @@ def output_row(prompt: str, output: RequestOutput) -> dict:
         "kv_tokens_full": stats.tokens_full if stats else 0,
         "kv_compression_ratio": stats.compression_ratio if stats else 0.0,
         "kv_sliding_window_ratio": stats.window_ratio if stats else 0.0,
+        "cached_tokens": output.num_cached_tokens,
     }
 
 

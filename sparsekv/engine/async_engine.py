@@ -154,7 +154,8 @@ class AsyncEngine:
             max_waiting=self.max_waiting,
         ):
             raise EngineOverloadedError(
-                f"the server is overloaded: {self.max_waiting} requests are already waiting"
+                f"the server is overloaded: its waiting queue is full (max_waiting "
+                f"{self.max_waiting} beyond the free running slots)"
             )
         outputs: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = outputs

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server: FastAPI app, lifespan, and ``sparsekv serve``.
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET and HEAD
+Endpoints: POST /v1/completions, POST /v1/chat/completions, GET and HEAD /v1/models, GET and HEAD
 /health (a probe that sends HEAD gets the status without a body), GET /metrics; another method
 on one of them is a 405 naming the methods it takes, an unknown path under /v1 a 404.
 Readiness: /health answers 200 only once the model is loaded and a one-token warm-up generation
@@ -118,7 +118,7 @@ def create_app_for(ctx: ServerContext) -> FastAPI:
         await ctx.engine.refresh()
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def list_models() -> dict:
         return {"object": "list", "data": [_model_card(ctx)]}
 

@@ -298,7 +298,7 @@ def test_unknown_field_names_cannot_break_the_header(http):
 @pytest.mark.parametrize(
     ("method", "path", "allow"),
     [("GET", "/v1/chat/completions", "POST"), ("GET", "/v1/completions", "POST"),
-     ("DELETE", "/v1/completions", "POST"), ("PUT", "/v1/models", "GET"),
+     ("DELETE", "/v1/completions", "POST"), ("PUT", "/v1/models", "GET, HEAD"),
      ("POST", "/v1/models/" + MODEL, "GET"), ("POST", "/health", "GET, HEAD")],
 )  # fmt: skip
 def test_a_wrong_method_is_405_with_the_allowed_ones(http, method, path, allow):
@@ -314,6 +314,12 @@ def test_health_answers_head_as_get_without_a_body(http):
     head, get = http.head("/health"), http.get("/health")
     assert (head.status_code, get.status_code) == (200, 200)
     assert head.content == b"" and get.json() == {"status": "ok"}
+
+
+def test_models_answers_head_as_get_without_a_body(http):
+    head, get = http.head("/v1/models"), http.get("/v1/models")
+    assert (head.status_code, get.status_code) == (200, 200)
+    assert head.content == b"" and get.json()["data"][0]["id"] == MODEL
 
 
 def test_an_unknown_path_stays_404(http):

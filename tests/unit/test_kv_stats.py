@@ -50,4 +50,5 @@ def test_generate_json_rows_carry_every_usage_figure():
         "kv_tokens_full": 1000,
         "kv_compression_ratio": 0.15,
         "kv_sliding_window_ratio": 0.366,
+        "cached_tokens": 0,
     }

@@ -35,7 +35,8 @@ GUARD_S = 60.0
 def overloaded_body(max_waiting: int) -> dict:
     return {
         "error": {
-            "message": f"the server is overloaded: {max_waiting} requests are already waiting",
+            "message": "the server is overloaded: its waiting queue is full (max_waiting "
+            f"{max_waiting} beyond the free running slots)",
             "type": "service_unavailable_error",
             "param": None,
             "code": "overloaded",
@@ -230,7 +231,10 @@ def params(n: int = 1) -> SamplingParams:
 
 
 def overloaded(error: BaseException, max_waiting: int) -> bool:
-    message = f"the server is overloaded: {max_waiting} requests are already waiting"
+    message = (
+        f"the server is overloaded: its waiting queue is full (max_waiting {max_waiting} "
+        "beyond the free running slots)"
+    )
     return isinstance(error, EngineOverloadedError) and str(error) == message
 
 
