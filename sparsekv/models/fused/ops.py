@@ -16,6 +16,8 @@ instruction count, not by memory).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from sparsekv.attention import paging
@@ -65,18 +67,23 @@ def fused_isa() -> str:
     return _variant() or str(ext.available_isas()).split(",")[0]
 
 
+def _family(setting: str) -> str | None:
+    """The fused-op variant a ``SPARSEKV_KERNEL_ISA`` setting (of any kernel family) names:
+    ``avx512`` for every ``avx512*``, ``avx2`` for ``avx2*``, ``generic``; ``None`` for none."""
+    for family in ("avx512", "avx2"):
+        if setting.startswith(family):
+            return family
+    return "generic" if setting == "generic" else None
+
+
+@functools.cache
 def _variant_for(ext, setting: str) -> str:
     """The variant name passed to the kernels for a ``SPARSEKV_KERNEL_ISA`` setting: ``""``
-    (the fastest) unless the setting caps it below what this CPU runs."""
-    if ext is None or not setting:
+    (the fastest) unless the setting caps it below what this CPU runs. Cached: outside a
+    :class:`native_scope` every op asks."""
+    family = _family(setting)
+    if ext is None or family is None:
         return ""
-    family = (
-        "avx512"
-        if setting.startswith("avx512")
-        else "avx2"
-        if setting.startswith("avx2")
-        else setting
-    )
     return family if family in str(ext.available_isas()).split(",") else ""
 
 
@@ -91,8 +98,7 @@ def bf16_matmul_kernels_allowed() -> tuple[bool, bool]:
     naming no variant; the GEMV for ``avx512_bf16`` and ``avx512_amx``; the GEMM for
     ``avx512_amx`` only. Read when a model's linears are prepacked."""
     setting = kernel_isa_setting()
-    known = ("avx512", "avx2", "generic")
-    if not setting or not (setting.startswith(known[:2]) or setting == known[2]):
+    if _family(setting) is None:
         return True, True
     return setting in _GEMV_SETTINGS, setting in _SMALL_GEMM_SETTINGS
 
