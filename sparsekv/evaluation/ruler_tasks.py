@@ -152,7 +152,8 @@ def generate(task: RulerTask, tokenizer: Any, max_seq_length: int, num_samples: 
         timeout: seconds the script may run.
 
     The rows are cached on disk per task, length, count, seed, tokenizer and package version
-    (``~/.cache/sparsekv/ruler/samples``): a second run with the same inputs reads them back.
+    (``ruler_data.cache_dir() / "samples"``, by default ``~/.cache/sparsekv/ruler/samples``): a
+    second run with the same inputs reads them back.
 
     Returns:
         ``num_samples`` samples, the script's order.
@@ -172,7 +173,7 @@ def generate(task: RulerTask, tokenizer: Any, max_seq_length: int, num_samples: 
     nltk_data = ruler_data.punkt_data_dir()
     tokenizer_path = ruler_data.tokenizer_dir(tokenizer)
     cached = (
-        ruler_data.CACHE_DIR
+        ruler_data.cache_dir()
         / "samples"
         / (
             f"{task.name}-{max_seq_length}-{num_samples}-{seed}-{tokenizer_path.name}"

@@ -34,29 +34,20 @@ __all__ = ["KVCacheManager", "KVPolicy", "LayerStep", "StepPlan"]
 class KVCacheManager(KVPageStore):
     """Allocate, plan, compact, swap and free the paged KV cache of every request.
 
+    Every argument but the three below is ``KVPageStore``'s (the page pool: ``layer_specs``,
+    ``num_pages``, ``block_size``, ``num_kv_heads``, ``head_dim``, ``dtype``, ``device``,
+    ``max_num_batched_tokens``, ``kv_cache_dtype``, ``full_precision_layers``, ``backend``),
+    passed on to it and documented there.
+
     Args:
-        layer_specs: one spec per model layer.
-        num_pages: pages in the pool; with ``full_precision_layers``, a pair (quantized pages,
-            full-precision pages).
-        block_size: slots per page.
-        num_kv_heads, head_dim: per-layer KV shape (same for all layers).
-        dtype: the model's compute dtype (page storage dtype for ``auto``).
-        device: where pages live.
-        max_num_batched_tokens: step token budget (bounds a sliding layer's transient growth).
         enable_prefix_caching: share full pages of identical prefixes through a
             ``PrefixCache`` (the caller keeps it off for models with sliding-window layers).
         prefix_cache_uncompressed: at a compressing prefill, also keep the budgeted layers'
             uncompressed prompt pages in the prefix cache while the pool has room.
-        kv_cache_dtype: page format, ``auto`` (= ``dtype``), ``int8``, ``fp8`` or ``int4``.
-        full_precision_layers: layers whose pages stay in ``dtype`` when the format is
-            quantized; they draw from a second pool (page kind 1).
-        backend: the engine's attention backend every storage runs on (``None``: the
-            ``auto`` backend of ``device``).
         num_heads: the model's query heads (sizes the side state; ``None``: ``num_kv_heads``).
 
     Raises:
-        ValueError: an unknown format, a layer index out of range, or ``num_pages`` that does
-            not match the number of page kinds.
+        ValueError: a page-pool argument ``KVPageStore`` refuses (see there).
     """
 
     def __init__(

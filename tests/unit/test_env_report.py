@@ -15,6 +15,7 @@ import transformers
 import sparsekv
 from sparsekv import cli, env_report
 from sparsekv.bench.kernels import variants
+from sparsekv.evaluation import ruler_data
 from sparsekv.evaluation.provenance import cpu_info
 from sparsekv.loader.cache import cache_root
 
@@ -67,9 +68,10 @@ def test_json_through_the_cli(capsys, marked_env):
     assert {k: e["env"] for k, e in caches.items()} == {
         "native_kernels": "SPARSEKV_EXT_DIR",
         "loader": "SPARSEKV_CACHE_DIR",
-        "ruler_data": "SPARSEKV_CACHE",
+        "ruler_data": "SPARSEKV_CACHE_DIR",
     }
     assert caches["loader"]["path"] == str(cache_root())
+    assert caches["ruler_data"]["path"] == str(ruler_data.cache_dir())
     for ext in document["native_extensions"]:
         assert os.path.dirname(ext["directory"]) == caches["native_kernels"]["path"]
 
@@ -91,8 +93,9 @@ def test_text_through_the_cli(capsys, marked_env):
     kernel_lines = variants.variant_lines()
     start = lines.index(kernel_lines[0])
     assert lines[start : start + len(kernel_lines)] == kernel_lines  # verbatim, in order
-    for name in ("SPARSEKV_EXT_DIR", "SPARSEKV_CACHE_DIR", "SPARSEKV_CACHE "):
-        assert f"(set {name.strip()} to move)" in out
+    for name in ("SPARSEKV_EXT_DIR", "SPARSEKV_CACHE_DIR"):
+        assert f"(set {name} to move)" in out
+    assert "(set SPARSEKV_CACHE to move)" not in out  # deprecated: not recommended
     assert "  SPARSEKV_ENV_REPORT_TEST=on" in lines
     assert "  SPARSEKV_API_KEY=<hidden>" in lines
     assert "do-not-print" not in out
@@ -101,9 +104,11 @@ def test_text_through_the_cli(capsys, marked_env):
 def test_cache_folders_follow_their_variables(monkeypatch, tmp_path):
     monkeypatch.setenv("SPARSEKV_EXT_DIR", str(tmp_path / "ext"))
     monkeypatch.setenv("SPARSEKV_CACHE_DIR", str(tmp_path / "loader"))
+    monkeypatch.delenv("SPARSEKV_CACHE", raising=False)
     found = env_report.caches()
     assert found["native_kernels"]["path"] == str(tmp_path / "ext")
     assert found["loader"]["path"] == str(tmp_path / "loader")
+    assert found["ruler_data"]["path"] == str(tmp_path / "loader" / "ruler")
     extensions = env_report.native_extensions()
     assert all(not e["built"] for e in extensions)  # nothing was built in tmp_path
     assert all(e["directory"].startswith(str(tmp_path / "ext")) for e in extensions)

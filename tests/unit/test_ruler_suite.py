@@ -30,7 +30,7 @@ from tests.conftest import tiny_checkpoint, tiny_llama_config
 @pytest.fixture(autouse=True)
 def private_cache(tmp_path, monkeypatch):
     """Generated samples and punkt tables go to this test's folder (no cached rows reused)."""
-    monkeypatch.setattr(ruler_data, "CACHE_DIR", tmp_path / "cache")
+    monkeypatch.setattr(ruler_data, "cache_dir", lambda: tmp_path / "cache")
 
 
 def package_prepare(tmp_path: Path, tokenizer, task: str, length: int, num_samples: int):
