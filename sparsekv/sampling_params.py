@@ -31,8 +31,14 @@ class SamplingParams:
             logits are divided by it, negative ones multiplied; ``1`` is off; in [1e-4, 1e4].
         presence_penalty: OpenAI penalty subtracted once from every token already generated.
         frequency_penalty: OpenAI penalty subtracted per occurrence of a generated token.
-        seed: seeds the request's own random generator (reproducible in any batch, and after
-            preemption); ``None`` uses the engine's generator.
+        seed: seeds the request's own random generator, so its random draws do not depend
+            on the batch, on other requests or on preemption; ``None`` uses the engine's
+            generator. The tokens repeat exactly where the logits do: in fp32 with
+            full-precision KV pages, in any batch, after preemption and on a prefix-cache
+            hit. In bf16 (the default dtype where the CPU has native bf16) a batch or a
+            prefix-cache hit rounds the logits differently, and so does a prefix-cache hit or
+            a chunked prefill over int8 / fp8 / int4 KV pages, so a draw near a boundary can
+            differ and the text diverge from there.
         stop: strings that end generation; the text is cut before the match (a ``str`` is
             accepted and becomes a one-element list).
         stop_token_ids: token ids that end generation (besides EOS).

@@ -159,7 +159,8 @@ class LLMEngine:
         self._groups[request_id] = group
         for state in samples:
             self.scheduler.add(state.request)
-        self.stats.num_prompt_tokens += num_prompt * params.n
+        # Once per request whatever its n, as usage.prompt_tokens counts it.
+        self.stats.num_prompt_tokens += num_prompt
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its pages; returns its final output (or None)."""

@@ -50,6 +50,10 @@ ABORT_GRACE_S = 5.0
 async def warm_up(ctx: ServerContext) -> None:
     """Run a one-token greedy generation so the first user request pays no first-call costs.
 
+    It is not traffic: /metrics shows the engine counters less what they held once it ended
+    (its prompt and generated tokens, its prefix-cache lookup; with replicas, their own
+    warm-ups too), and it is observed in no latency histogram.
+
     Raises:
         RuntimeError: the warm-up generation failed.
     """
@@ -60,6 +64,10 @@ async def warm_up(ctx: ServerContext) -> None:
         final = output
     if final is None or final.error is not None:
         raise RuntimeError(f"warm-up generation failed: {final.error if final else 'no output'}")
+    # A local engine published its counters before it handed out the final output; replicas
+    # are asked for theirs.
+    await ctx.engine.refresh()
+    ctx.metrics.exclude_counts_so_far()
 
 
 def _lifespan(ctx: ServerContext):

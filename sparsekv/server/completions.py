@@ -5,6 +5,12 @@ before the generated ones in the legacy logprobs object (the first prompt token'
 top logprobs are ``null``, as in OpenAI's legacy API and vLLM): what lm-evaluation-harness's
 ``local-completions`` reads to score multiple-choice tasks. vLLM's ``prompt_logprobs`` adds a
 ``prompt_logprobs`` list to each choice.
+
+Legacy logprobs, streamed or not: ``text_offset`` is each token's first character in the
+choice's ``text`` (``TextOffsets``), and a token whose bytes are not UTF-8 text on their own
+(part of a character split over several tokens) is written ``bytes:\\xNN...`` in ``tokens``
+and as its ``top_logprobs`` key, as OpenAI's legacy API writes such tokens, so alternatives
+that are different pieces of characters keep distinct keys.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from sparsekv.server.serving import (
     start_request,
     usage,
 )
+from sparsekv.server.text_offsets import REPLACEMENT_CHAR, TextOffsets, token_bytes_text
 
 
 def _single_prompt(body: CompletionRequest) -> str | list[int]:
@@ -90,13 +97,16 @@ class CompletionFormatter:
         self.num_logprobs = body.logprobs
         self.want_prompt_logprobs = body.prompt_logprobs is not None
         self.prompt_text = prompt_text
-        self.text_offsets: dict[int, int] = {}
         # Generated tokens (and echoed token-id prompts) go into the text decoded with
         # skip_special_tokens; an echoed text prompt is the client's text as sent.
         self.skip_special = body.skip_special_tokens
         self.echo_as_sent = echo_as_sent  # a text prompt: echoed as the client sent it
         self.echoed: set[int] = set()
         self.terminated: set[int] = set()
+        self.offsets: dict[int, TextOffsets] = {}  # per choice: its generated tokens
+        self.echo_offsets: list[int] | None = None  # the echoed prompt tokens' (all choices)
+        self.text_lengths: dict[int, int] = {}  # per choice: characters streamed so far
+        self.token_texts: dict[int, str] = {}
 
     def _chunk(self, choices: list[dict], usage_value: dict | None = None) -> dict:
         chunk = {
@@ -110,27 +120,74 @@ class CompletionFormatter:
             chunk["usage"] = usage_value
         return chunk
 
-    def _logprobs(self, index: int, records: list[Logprob | None], num_echo: int = 0) -> dict:
+    def _token_text(self, token_id: int) -> str:
+        """A token's text alone, or ``bytes:\\xNN...`` when its bytes are not UTF-8 text
+        (a piece of a character: its decode alone would be U+FFFD, like any other piece)."""
+        text = self.token_texts.get(token_id)
+        if text is None:
+            text = self.ctx.tokenizer.decode([token_id])
+            if REPLACEMENT_CHAR in text:
+                raw = self.ctx.token_bytes(token_id)
+                try:
+                    raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    text = token_bytes_text(raw)
+            self.token_texts[token_id] = text
+        return text
+
+    def _echo_offsets(self, prompt_ids: list[int]) -> list[int]:
+        """The echoed prompt tokens' offsets in ``prompt_text`` (the same for every choice).
+
+        A text prompt is echoed as sent, special tokens' text included, so it is measured
+        without skipping them, except a BOS the tokenizer added in front of a text that
+        does not start with it (Gemma 3), which takes no character."""
+        if self.echo_offsets is None:
+            skip = self.skip_special and not self.echo_as_sent
+            tokenizer = self.ctx.tokenizer
+            lead = 0
+            bos_id = getattr(tokenizer, "bos_token_id", None)
+            bos_text = getattr(tokenizer, "bos_token", None)
+            if self.echo_as_sent and bos_id is not None and prompt_ids[:1] == [bos_id]:
+                lead = int(not (bos_text and self.prompt_text.startswith(bos_text)))
+            offsets = TextOffsets(tokenizer, [], skip)
+            end = len(self.prompt_text)
+            self.echo_offsets = [0] * lead + [min(offsets.add(t), end) for t in prompt_ids[lead:]]
+        return self.echo_offsets
+
+    def _logprobs(
+        self,
+        output: RequestOutput,
+        index: int,
+        records: list[Logprob | None],
+        num_echo: int = 0,
+        text_end: int | None = None,
+    ) -> dict:
         """OpenAI's legacy shape: tokens, token_logprobs, top_logprobs, text_offset (each
-        token's first character in the choice's ``text``: a token the text skips, a special
-        one under ``skip_special_tokens``, takes none). The first ``num_echo`` records are
-        the echoed prompt's."""
-        decode = self.ctx.tokenizer.decode
-        offset = self.text_offsets.get(index, 0)
-        tokens, offsets, values, tops = [], [], [], []
-        for i, record in enumerate(records):
-            text = decode([record.token_id])
-            tokens.append(text)
-            offsets.append(offset)
-            if self.skip_special and not (i < num_echo and self.echo_as_sent):
-                text = decode([record.token_id], skip_special_tokens=True)
-            offset += len(text)
+        token's first character in the choice's ``text``, see ``TextOffsets``; a token the
+        text skips, a special one under ``skip_special_tokens``, takes none). The first
+        ``num_echo`` records are the echoed prompt's. ``text_end``: the choice's whole text
+        length once it is known (offsets of tokens whose text a stop string cut stop there).
+        """
+        offsets: list[int] = []
+        if num_echo:
+            offsets += self._echo_offsets(output.prompt_token_ids)[:num_echo]
+        tracker = self.offsets.get(index)
+        if tracker is None:
+            tracker = TextOffsets(self.ctx.tokenizer, output.prompt_token_ids, self.skip_special)
+            self.offsets[index] = tracker
+        base = len(self.prompt_text) if self.echo else 0
+        offsets += [base + tracker.add(r.token_id) for r in records[num_echo:]]
+        if text_end is not None:
+            offsets = [min(offset, text_end) for offset in offsets]
+        tokens, values, tops = [], [], []
+        for record in records:
+            tokens.append(self._token_text(record.token_id))
             values.append(record.logprob)
             if record.top is None:
                 tops.append(None)
             else:
-                tops.append({decode([t]): lp for t, lp in record.top[: self.num_logprobs or 0]})
-        self.text_offsets[index] = offset
+                top = record.top[: self.num_logprobs or 0]
+                tops.append({self._token_text(t): lp for t, lp in top})
         return {
             "tokens": tokens,
             "token_logprobs": values,
@@ -186,11 +243,14 @@ class CompletionFormatter:
             new = completion.logprobs[-num_new:] if completion.logprobs and num_new else []
             echo = self.echo and completion.index not in self.echoed
             text = (self.prompt_text if echo else "") + completion.delta_text
+            length = self.text_lengths.get(completion.index, 0) + len(text)
+            self.text_lengths[completion.index] = length
             if text or new or echo:
                 logprobs = None
                 if self.num_logprobs is not None:
                     records, num_echo = self._records(output, completion, new)
-                    logprobs = self._logprobs(completion.index, records, num_echo)
+                    end = length if completion.finished else None
+                    logprobs = self._logprobs(output, completion.index, records, num_echo, end)
                 self.echoed.add(completion.index)
                 choice = self._choice(completion.index, text, logprobs, None)
                 result.append(self._chunk([choice]))
@@ -216,11 +276,11 @@ class CompletionFormatter:
         """The non-streamed ``text_completion`` body."""
         choices = []
         for c in output.outputs:
+            text = (self.prompt_text if self.echo else "") + c.text
             logprobs = None
             if self.num_logprobs is not None:
                 records, num_echo = self._records(output, c, c.logprobs or [])
-                logprobs = self._logprobs(c.index, records, num_echo)
-            text = (self.prompt_text if self.echo else "") + c.text
+                logprobs = self._logprobs(output, c.index, records, num_echo, len(text))
             choice = self._choice(c.index, text, logprobs, c.finish_reason)
             if self.want_prompt_logprobs:
                 choice["prompt_logprobs"] = self._prompt_logprobs(output)

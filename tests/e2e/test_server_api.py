@@ -251,6 +251,43 @@ def test_text_offsets_index_the_text_around_special_tokens(http, skip):
     assert choice["logprobs"]["text_offset"][:3] == [0, 12, 15]
 
 
+# Prompts whose characters split over tokens, and their echoed tokens' offsets.
+SPLIT_PROMPTS = {
+    "Ελληνικά και 中文 ": [0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 13, 14, 15],
+    "日本語のテキスト": [0, 0, 1, 2, 2, 2, 3, 4, 4, 5, 5, 6, 6, 7, 7],
+    "Emoji 🎉🦊 test": [0, 2, 5, 6, 6, 7, 7, 7, 8],
+}
+
+
+@pytest.mark.parametrize("prompt", list(SPLIT_PROMPTS))
+def test_text_offsets_index_the_text_across_split_characters(http, prompt):
+    """Each offset is its token's first character in the text (a piece of a character: that
+    character's), non-decreasing and inside the text; pieces are ``bytes:\\xNN`` tokens;
+    the stream gives the same logprobs."""
+    body = {"prompt": prompt, "max_tokens": 6, "echo": True, "logprobs": 2, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    choice = http.post("/v1/completions", json=body).json()["choices"][0]
+    text, logprobs = choice["text"], choice["logprobs"]
+    tokens, offsets = logprobs["tokens"], logprobs["text_offset"]
+    num_echo = len(SPLIT_PROMPTS[prompt])
+    assert text.startswith(prompt) and len(tokens) == num_echo + 6
+    assert offsets[:num_echo] == SPLIT_PROMPTS[prompt]
+    assert offsets == sorted(offsets) and offsets[-1] < len(text)
+    assert offsets[num_echo] == len(prompt)
+    for token, offset in zip(tokens, offsets):
+        if token.startswith("bytes:"):
+            assert ord(text[offset]) > 0x7F or text[offset] == token[6]  # a multi-byte char
+        else:
+            assert text[offset:].startswith(token), (token, offset)
+    for top in logprobs["top_logprobs"][1:]:
+        assert len(top) == 2  # distinct keys, pieces of characters included
+    streamed = sse_payloads(http.post("/v1/completions", json=dict(body, stream=True)))
+    pieces = [c["choices"][0] for c in streamed if c["choices"][0]["logprobs"]]
+    assert "".join(c["choices"][0]["text"] for c in streamed) == text
+    assert [t for p in pieces for t in p["logprobs"]["tokens"]] == tokens
+    assert [o for p in pieces for o in p["logprobs"]["text_offset"]] == offsets
+
+
 def test_echo_with_generation_streamed(http):
     body = {"prompt": PARIS_IDS, "max_tokens": 1, "echo": True, "logprobs": 0, "temperature": 0}
     whole = http.post("/v1/completions", json=body).json()["choices"][0]
