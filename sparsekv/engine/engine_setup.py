@@ -16,6 +16,7 @@ import torch
 from sparsekv.attention.backends import AttentionBackend, create_backend
 from sparsekv.config import EngineConfig, SpeculativeConfig
 from sparsekv.engine.device_memory import kv_cache_gib, profile_forward
+from sparsekv.engine.model_len import LONG_MAX_MODEL_LEN, model_len_of
 from sparsekv.engine.pool_sizing import (
     GIB,
     available_memory_bytes,
@@ -23,7 +24,6 @@ from sparsekv.engine.pool_sizing import (
     num_pool_pages,
 )
 from sparsekv.engine.scheduler import Scheduler
-from sparsekv.env_flags import switched_on
 from sparsekv.host_allocator import tune_host_allocator
 from sparsekv.kv_cache.manager import KVCacheManager
 from sparsekv.models.prepack import can_prepack, prepack_linears
@@ -49,9 +49,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-# Lets --max-model-len exceed the model's context (vLLM: VLLM_ALLOW_LONG_MAX_MODEL_LEN).
-LONG_MAX_MODEL_LEN = "SPARSEKV_ALLOW_LONG_MAX_MODEL_LEN"
 
 
 @dataclass
@@ -111,39 +108,6 @@ def has_native_bf16() -> bool:
     """Whether the CPU computes bf16 natively (AVX512-BF16 or AMX): where ``auto`` means bf16
     and bf16 weights are worth pre-packing (elsewhere, fp32 ones)."""
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
-
-
-def model_len_of(config: EngineConfig, hf_config) -> int:
-    """``--max-model-len``, else the model's context (``max_position_embeddings``; 2048 where
-    the config has none).
-
-    Raises:
-        ValueError: (names ``max_model_len``) it is longer than the model's context, unless
-            ``SPARSEKV_ALLOW_LONG_MAX_MODEL_LEN`` is on: then it is used, with a warning.
-    """
-    stated = getattr(hf_config, "max_position_embeddings", None)
-    context = stated or 2048
-    requested = config.model.max_model_len
-    if requested is None:
-        return context
-    if requested > context:
-        source = "max_position_embeddings" if stated else "the config sets none; 2048 assumed"
-        if not switched_on(LONG_MAX_MODEL_LEN):
-            raise ValueError(
-                f"max_model_len: {requested} tokens is longer than the model's context length "
-                f"of {context} tokens ({source}); serve at most {context}, or set "
-                f"{LONG_MAX_MODEL_LEN}=1 to use {requested} anyway (outputs past the model's "
-                "context may be wrong)"
-            )
-        logger.warning(
-            "max_model_len %d is longer than the model's context length of %d tokens (%s); "
-            "used because %s is set: outputs past the model's context may be wrong",
-            requested,
-            context,
-            source,
-            LONG_MAX_MODEL_LEN,
-        )
-    return requested
 
 
 def make_kv_manager(

@@ -11,6 +11,7 @@ import pytest
 
 from sparsekv.config import CacheConfig, EngineConfig, ModelConfig
 from sparsekv.engine.engine_setup import LONG_MAX_MODEL_LEN, build_engine_parts, model_len_of
+from sparsekv.engine.model_len import model_context
 from tests.conftest import tiny_checkpoint, tiny_llama_config
 
 
@@ -51,7 +52,7 @@ def test_a_config_without_a_context_assumes_2048():
 @pytest.mark.parametrize("value", ["1", "true", " ON "])
 def test_the_environment_variable_allows_it_with_a_warning(monkeypatch, caplog, value):
     monkeypatch.setenv(LONG_MAX_MODEL_LEN, value)
-    with caplog.at_level(logging.WARNING, logger="sparsekv.engine.engine_setup"):
+    with caplog.at_level(logging.WARNING, logger="sparsekv.engine.model_len"):
         assert model_len_of(_config(100_000), SMOLLM2) == 100_000
     assert "max_model_len 100000 is longer than the model's context length of 8192" in caplog.text
 
@@ -70,3 +71,39 @@ def test_the_engine_refuses_it_at_build(smollm2_tokenizer):
     )
     with pytest.raises(ValueError, match="^max_model_len: 4097 tokens .* of 4096 tokens"):
         build_engine_parts(config, checkpoint)
+
+
+@pytest.mark.parametrize(
+    "rope,context,source",
+    [
+        # Qwen2.5's documented long-context setting: yarn x4 over 32768 positions.
+        (
+            {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+            131072,
+            "original_max_position_embeddings 32768 x yarn factor 4.0",
+        ),
+        ({"type": "yarn", "factor": 2.0}, 16384, "max_position_embeddings 8192 x yarn factor 2.0"),
+        ({"rope_type": "linear", "factor": 2.0}, 16384, "x linear factor 2.0"),
+        ({"rope_type": "dynamic", "factor": 1.5}, 12288, "x dynamic factor 1.5"),
+        # Already the extended length in max_position_embeddings:
+        ({"rope_type": "llama3", "factor": 8.0}, 8192, "max_position_embeddings"),
+        ({"rope_type": "longrope", "factor": 4.0}, 8192, "max_position_embeddings"),
+        ({"rope_type": "default", "rope_theta": 10000.0}, 8192, "max_position_embeddings"),
+        ({"rope_type": "linear", "factor": 1.0}, 8192, "max_position_embeddings"),
+        # One setting per layer type (Gemma 3): its max_position_embeddings is the context.
+        (
+            {"full_attention": {"rope_type": "linear", "factor": 8.0}, "sliding_attention": {}},
+            8192,
+            "max_position_embeddings",
+        ),
+    ],
+)
+def test_rope_scaling_stretches_the_context(rope, context, source):
+    for key in ("rope_parameters", "rope_scaling"):
+        config = types.SimpleNamespace(max_position_embeddings=8192, **{key: rope})
+        length, where = model_context(config)
+        assert length == context and source in where
+        assert model_len_of(_config(None), config) == context
+        assert model_len_of(_config(context), config) == context
+        with pytest.raises(ValueError, match=f"of {context} tokens"):
+            model_len_of(_config(context + 1), config)
