@@ -19,6 +19,7 @@ summaries and per-request timelines) and the server logs beside them.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from dataclasses import asdict
@@ -193,6 +194,7 @@ def main(argv: list[str] | None = None, *, tokenizer=None, **_: Any) -> int:
     from sparsekv.bench.common import format_table
 
     args = build_parser().parse_args(argv)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
     document = run_sweep(args, tokenizer)
     columns = ("config", "concurrency", "num_prompts", "failed", "output_tok_per_s")
     columns += ("ttft_p50_ms", "tpot_p50_ms", "itl_p50_ms", "kv_ratio")
