@@ -3,7 +3,7 @@
 The context is what the checkpoint's config states: ``max_position_embeddings``, stretched by
 the RoPE scaling where its type extends the positions past it (``linear``, ``dynamic``,
 ``yarn``: times ``factor``; yarn's base is ``original_max_position_embeddings`` where given),
-as vLLM derives it. ``llama3`` and ``longrope`` configs state the extended length in
+as vLLM derives it, but never shorter than ``max_position_embeddings``. ``llama3`` and ``longrope`` configs state the extended length in
 ``max_position_embeddings`` already, and so does Gemma 3, whose per-layer-type RoPE settings are
 left out. ``--max-model-len`` longer than the context is refused unless
 ``SPARSEKV_ALLOW_LONG_MAX_MODEL_LEN`` is on (vLLM: ``VLLM_ALLOW_LONG_MAX_MODEL_LEN``).
@@ -41,7 +41,9 @@ def model_context(hf_config) -> tuple[int, str]:
     """The context length ``hf_config`` states, in tokens, and where it comes from (for
     messages): ``max_position_embeddings`` (:data:`DEFAULT_CONTEXT` where absent), times the
     RoPE ``factor`` where the rope type stretches positions (:data:`STRETCHING_ROPE_TYPES`;
-    yarn from ``original_max_position_embeddings`` where set).
+    yarn from ``original_max_position_embeddings`` where set), never less than
+    ``max_position_embeddings`` (configs that state the stretched length there, e.g. yarn with
+    ``max_position_embeddings`` = original x factor, keep it).
     """
     stated = getattr(hf_config, "max_position_embeddings", None)
     context = stated or DEFAULT_CONTEXT
@@ -54,10 +56,13 @@ def model_context(hf_config) -> tuple[int, str]:
     base = context
     if rope_type == "yarn" and settings.get("original_max_position_embeddings"):
         base = int(settings["original_max_position_embeddings"])
-        source = f"original_max_position_embeddings {base} x {rope_type} factor {factor}"
+        stretched_source = f"original_max_position_embeddings {base} x {rope_type} factor {factor}"
     else:
-        source = f"{source} {base} x {rope_type} factor {factor}"
-    return int(base * float(factor)), source
+        stretched_source = f"{source} {base} x {rope_type} factor {factor}"
+    stretched = int(base * float(factor))
+    if stretched <= context:  # a config that states the stretched length already
+        return context, source
+    return stretched, stretched_source
 
 
 def model_len_of(config: EngineConfig, hf_config) -> int:

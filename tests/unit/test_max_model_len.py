@@ -90,6 +90,18 @@ def test_the_engine_refuses_it_at_build(smollm2_tokenizer):
         ({"rope_type": "longrope", "factor": 4.0}, 8192, "max_position_embeddings"),
         ({"rope_type": "default", "rope_theta": 10000.0}, 8192, "max_position_embeddings"),
         ({"rope_type": "linear", "factor": 1.0}, 8192, "max_position_embeddings"),
+        # The stretched length stated already (original 2048 x 4 = max_position_embeddings), or
+        # an original x factor below it: max_position_embeddings stays the context.
+        (
+            {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048},
+            8192,
+            "max_position_embeddings",
+        ),
+        (
+            {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+            8192,
+            "max_position_embeddings",
+        ),
         # One setting per layer type (Gemma 3): its max_position_embeddings is the context.
         (
             {"full_attention": {"rope_type": "linear", "factor": 8.0}, "sliding_attention": {}},
