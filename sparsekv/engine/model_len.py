@@ -53,16 +53,13 @@ def model_context(hf_config) -> tuple[int, str]:
     factor = settings.get("factor")
     if rope_type not in STRETCHING_ROPE_TYPES or not factor or float(factor) <= 1.0:
         return context, source
-    base = context
-    if rope_type == "yarn" and settings.get("original_max_position_embeddings"):
-        base = int(settings["original_max_position_embeddings"])
-        stretched_source = f"original_max_position_embeddings {base} x {rope_type} factor {factor}"
-    else:
-        stretched_source = f"{source} {base} x {rope_type} factor {factor}"
+    original = settings.get("original_max_position_embeddings") if rope_type == "yarn" else None
+    base = int(original) if original else context
     stretched = int(base * float(factor))
     if stretched <= context:  # a config that states the stretched length already
         return context, source
-    return stretched, stretched_source
+    base_source = "original_max_position_embeddings" if original else source
+    return stretched, f"{base_source} {base} x {rope_type} factor {factor}"
 
 
 def model_len_of(config: EngineConfig, hf_config) -> int:

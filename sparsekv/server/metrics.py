@@ -185,7 +185,6 @@ class ServerMetrics:
     def __init__(
         self, snapshots: Callable[[], dict[str, EngineSnapshot]], prefix_caching: bool
     ) -> None:
-        self.snapshots = snapshots
         self.registry = CollectorRegistry(auto_describe=False)
         self.engine_collector = _EngineCollector(snapshots, prefix_caching)
         self.registry.register(self.engine_collector)
@@ -214,7 +213,7 @@ class ServerMetrics:
         server's warm-up generation) is subtracted from every scrape. Call once the
         snapshots are current (after ``refresh`` for replicas)."""
         self.engine_collector.baseline = {
-            label: snapshot.stats for label, snapshot in self.snapshots().items()
+            label: snapshot.stats for label, snapshot in self.engine_collector.snapshots().items()
         }
 
     def render(self) -> bytes:
