@@ -94,9 +94,10 @@ def native_extensions() -> list[dict[str, Any]]:
 
 def caches() -> dict[str, dict[str, str]]:
     """Returns ``{"native_kernels", "loader", "ruler_data"}``, each ``{"path", "env"}``: the
-    folder sparsekv uses and the environment variable that moves it (the RULER data lives
-    under the loader's root, so ``SPARSEKV_CACHE_DIR`` moves both; the deprecated
-    ``SPARSEKV_CACHE`` still wins for the RULER data where set)."""
+    folder sparsekv uses and the environment variable that moves it (the RULER data and,
+    unless ``SPARSEKV_EXT_DIR`` is set, the native kernels live under the loader's root, so
+    ``SPARSEKV_CACHE_DIR`` moves them too; the deprecated ``SPARSEKV_CACHE`` still wins for
+    the RULER data where set)."""
     from sparsekv.attention.cpu.build import build_directory
     from sparsekv.evaluation import ruler_data
     from sparsekv.loader.cache import cache_root

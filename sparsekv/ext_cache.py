@@ -1,7 +1,7 @@
 """Housekeeping of the C++ extensions' build cache (``~/.cache/sparsekv/ext``).
 
-Root: ``$SPARSEKV_EXT_DIR``, else ``$XDG_CACHE_HOME/sparsekv/ext``, else
-``~/.cache/sparsekv/ext``; every version of an extension's sources and flags builds in a folder
+Root: ``$SPARSEKV_EXT_DIR``, else ``ext`` under sparsekv's cache root (``$SPARSEKV_CACHE_DIR``,
+``$XDG_CACHE_HOME/sparsekv`` or ``~/.cache/sparsekv``); every version of an extension's sources and flags builds in a folder
 of its own there (:func:`cache_folder`).
 
 :func:`build_progress` logs a build while it runs: a build takes one to three minutes on two
@@ -30,6 +30,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from sparsekv.cache_root import cache_root
 from sparsekv.ext_prune import STALE_LOCK_SECONDS, mark_used, prune_after_build
 
 logger = logging.getLogger(__name__)
@@ -118,7 +119,8 @@ def cache_folder(
         cflags / ldflags: the compiler and linker flags (digested too).
 
     Returns:
-        ``$SPARSEKV_EXT_DIR`` (else ``$XDG_CACHE_HOME/sparsekv/ext``, else
+        ``$SPARSEKV_EXT_DIR`` (else ``ext`` under :func:`sparsekv.cache_root.cache_root`:
+        ``$SPARSEKV_CACHE_DIR/ext``, ``$XDG_CACHE_HOME/sparsekv/ext`` or
         ``~/.cache/sparsekv/ext``) ``/ {prefix}torch{version}-py{XY}-{digest[:16]}``.
     """
     import torch
@@ -129,10 +131,7 @@ def cache_folder(
             digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     digest.update(" ".join(tuple(cflags) + tuple(ldflags)).encode())
     root = os.environ.get("SPARSEKV_EXT_DIR")
-    if root:
-        base = Path(root)
-    else:
-        base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "sparsekv" / "ext"
+    base = Path(root) if root else cache_root() / "ext"
     version = sys.version_info
     tag = f"torch{torch.__version__.replace('+', '_')}-py{version[0]}{version[1]}"
     return base / f"{prefix}{tag}-{digest.hexdigest()[:16]}"

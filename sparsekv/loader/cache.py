@@ -1,7 +1,7 @@
 """The loader's on-disk cache: assembled built-in GGUF files and parsed config/tokenizer.
 
-Root: ``$SPARSEKV_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/sparsekv``, else
-``~/.cache/sparsekv``. Entries are written to a temporary sibling and renamed into place, so a
+Root: :func:`sparsekv.cache_root.cache_root` (``$SPARSEKV_CACHE_DIR`` if set, else
+``$XDG_CACHE_HOME/sparsekv``, else ``~/.cache/sparsekv``). Entries are written to a temporary sibling and renamed into place, so a
 reader never sees a half-written entry and concurrent writers are harmless.
 """
 
@@ -12,13 +12,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from sparsekv.cache_root import cache_root
 
-def cache_root() -> Path:
-    """The cache directory (not created)."""
-    if os.environ.get("SPARSEKV_CACHE_DIR"):
-        return Path(os.environ["SPARSEKV_CACHE_DIR"])
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "sparsekv"
+__all__ = ["cache_root", "publish", "temporary_sibling"]
 
 
 def temporary_sibling(target: Path, directory: bool) -> Path:

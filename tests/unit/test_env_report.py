@@ -115,6 +115,18 @@ def test_cache_folders_follow_their_variables(monkeypatch, tmp_path):
     assert not list(tmp_path.iterdir())  # asking builds nothing and creates no folder
 
 
+def test_the_kernel_folder_follows_the_cache_root_unless_moved_alone(monkeypatch, tmp_path):
+    monkeypatch.delenv("SPARSEKV_EXT_DIR", raising=False)
+    monkeypatch.setenv("SPARSEKV_CACHE_DIR", str(tmp_path / "root"))
+    assert env_report.caches()["native_kernels"]["path"] == str(tmp_path / "root" / "ext")
+    monkeypatch.delenv("SPARSEKV_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert env_report.caches()["native_kernels"]["path"] == str(tmp_path / "xdg" / "sparsekv" / "ext")
+    monkeypatch.setenv("SPARSEKV_EXT_DIR", str(tmp_path / "alone"))
+    assert env_report.caches()["native_kernels"]["path"] == str(tmp_path / "alone")
+    assert not list(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("built", [True, False])
 def test_a_build_is_announced_on_stderr_first(monkeypatch, capsys, built):
     rows = [{"name": "x", "directory": "/d/x", "built": built, "disabled": False}]

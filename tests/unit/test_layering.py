@@ -10,7 +10,7 @@ Tiers, top to bottom; a module imports its own tier or lower ones, never a highe
 1 attention ``attention`` (the backend interface and implementations, the PyTorch reference)
 0 kernels   ``attention.cpu``, ``attention.triton``, ``models.fused`` (compiled / Triton ops)
 - base      vocabulary every tier may import: ``config``, ``outputs``, ``sampling_params``,
-            ``ext_cache``, ``ext_prune``, ``host_allocator``, ``kv_cache.spec``, ``kv_cache.quant``,
+            ``cache_root``, ``ext_cache``, ``ext_prune``, ``host_allocator``, ``kv_cache.spec``, ``kv_cache.quant``,
             ``attention.paging``; they import only each other.
 
 Beyond the tiers: ``compression`` never imports a kernel package (it runs on the backend object
@@ -67,6 +67,7 @@ TIERS = {  # longest matching prefix wins
     "sparsekv.outputs": BASE,
     "sparsekv.sampling_params": BASE,
     "sparsekv.errors": BASE,
+    "sparsekv.cache_root": BASE,
     "sparsekv.ext_cache": BASE,
     "sparsekv.ext_prune": BASE,
     "sparsekv.host_allocator": BASE,
