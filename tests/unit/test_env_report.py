@@ -121,7 +121,9 @@ def test_the_kernel_folder_follows_the_cache_root_unless_moved_alone(monkeypatch
     assert env_report.caches()["native_kernels"]["path"] == str(tmp_path / "root" / "ext")
     monkeypatch.delenv("SPARSEKV_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert env_report.caches()["native_kernels"]["path"] == str(tmp_path / "xdg" / "sparsekv" / "ext")
+    assert env_report.caches()["native_kernels"]["path"] == str(
+        tmp_path / "xdg" / "sparsekv" / "ext"
+    )
     monkeypatch.setenv("SPARSEKV_EXT_DIR", str(tmp_path / "alone"))
     assert env_report.caches()["native_kernels"]["path"] == str(tmp_path / "alone")
     assert not list(tmp_path.iterdir())
