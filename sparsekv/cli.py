@@ -3,16 +3,24 @@
 from __future__ import annotations
 
 import argparse
-import errno
-import json
 import logging
-import socket
 import sys
-from pathlib import Path
 
-from sparsekv.cli_args import OnOffFlag, add_engine_args, engine_config_from_args, flag_of_error
+from sparsekv.cli_args import OnOffFlag, add_engine_args, flag_of_error
+from sparsekv.cli_commands import (
+    DEFAULT_PROMPT,
+    cmd_bench,
+    cmd_calibrate,
+    cmd_convert,
+    cmd_env,
+    cmd_eval,
+    cmd_generate,
+    cmd_models,
+    cmd_serve,
+    read_prompts,
+)
 
-DEFAULT_PROMPT = "Explain in two sentences why the KV cache limits LLM serving."
+__all__ = ["DEFAULT_PROMPT", "build_parser", "error_line", "main", "read_prompts"]
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -39,157 +47,8 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
-def read_prompts(args: argparse.Namespace) -> list[str]:
-    """The prompts given as arguments, the ``--prompt`` values, then the non-empty lines of
-    ``--prompts-file``.
-
-    Raises:
-        ValueError: ``--prompts-file`` names a file that cannot be read.
-    """
-    prompts = list(getattr(args, "texts", None) or []) + list(args.prompt or [])
-    if args.prompts_file:
-        path = Path(args.prompts_file)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise ValueError(f"--prompts-file: no such file: {path}") from None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ValueError(f"--prompts-file: cannot read {path}: {exc}") from None
-        prompts.extend(line for line in text.splitlines() if line.strip())
-    return prompts or [DEFAULT_PROMPT]
-
-
-def check_port_free(host: str, port: int) -> None:
-    """Bind ``(host, port)`` once and release it, before the model loads.
-
-    Raises:
-        ValueError: the port is in use or cannot be bound (names ``--port``/``--host``).
-    """
-    if not 0 <= port <= 65535:
-        raise ValueError(f"--port must be in 0..65535, got {port}")
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as exc:
-        raise ValueError(f"--host: cannot resolve {host!r}: {exc}") from None
-    family, kind, proto, _, address = infos[0]
-    with socket.socket(family, kind, proto) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-        try:
-            sock.bind(address)
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                raise ValueError(
-                    f"--port: {host}:{port} is already in use; stop what listens there or "
-                    "choose another port"
-                ) from None
-            raise ValueError(f"--host/--port: cannot bind {host}:{port}: {exc}") from None
-
-
-def cmd_generate(args: argparse.Namespace) -> int:
-    from sparsekv.distributed.batch import output_row
-    from sparsekv.sampling_params import SamplingParams
-
-    prompts = read_prompts(args)
-    config = engine_config_from_args(args)
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-    )
-    if config.parallel.data_parallel_size > 1:
-        rows = _generate_on_replicas(config, prompts, params, args.chat)
-    else:
-        from sparsekv.llm import LLM
-
-        if config.parallel.threads_per_rank is not None:
-            import torch
-
-            torch.set_num_threads(config.parallel.threads_per_rank)
-        llm = LLM(engine_config=config)
-        inputs = [[{"role": "user", "content": p}] if args.chat else p for p in prompts]
-        try:
-            outputs = llm.generate(inputs, params, use_tqdm=len(inputs) > 1)
-        finally:
-            llm.shutdown()  # the tensor-parallel ranks, if any
-        rows = [output_row(p, o) for p, o in zip(prompts, outputs)]
-    for row in rows:
-        if args.json:
-            print(json.dumps(row))
-        else:
-            print(f"### {row['prompt']}\n{row['text']}\n[{row['finish_reason']}]")
-    return 0
-
-
-def _generate_on_replicas(config, prompts: list[str], params, chat: bool) -> list[dict]:
-    """``generate --data-parallel-size N``: one ray.data actor per replica."""
-    from sparsekv.distributed.batch import generate_with_replicas
-    from sparsekv.distributed.cluster import connect
-
-    cluster = connect(config.parallel.ray_address)
-    try:
-        return generate_with_replicas(config, prompts, params, chat)
-    finally:
-        cluster.shutdown()
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    check_port_free(args.host, args.port)  # before minutes of model loading, not after
-    from sparsekv.server.app import serve
-
-    return serve(args)
-
-
-def cmd_convert(args: argparse.Namespace) -> int:
-    from sparsekv.loader import convert_gguf, resolve_model
-
-    out = convert_gguf(resolve_model(args.gguf), args.out_dir, overwrite=args.overwrite)
-    print(f"wrote {out}")
-    return 0
-
-
-def cmd_models(args: argparse.Namespace) -> int:
-    from sparsekv.models.families import FAMILIES
-
-    print(f"{'family':<9} {'model_type':<22} {'GGUF':<8} checkpoints")
-    for family in FAMILIES.values():
-        types = ", ".join(family.model_types)
-        print(f"{family.name:<9} {types:<22} {family.gguf_architecture:<8} {family.examples}")
-    return 0
-
-
-def cmd_env(args: argparse.Namespace) -> int:
-    from sparsekv.env_report import main as env_main
-
-    return env_main(as_json=args.json)
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    from sparsekv.bench.main import main as bench_main
-
-    return bench_main(args.bench_args)
-
-
-def cmd_eval(args: argparse.Namespace) -> int:
-    from sparsekv.evaluation.main import main as eval_main
-
-    return eval_main(args.eval_args)
-
-
-def cmd_calibrate(args: argparse.Namespace) -> int:
-    from sparsekv.evaluation.calibrate import main as calibrate_main
-
-    return calibrate_main(args.calibrate_args)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="sparsekv",
-        description="sparsekv: an LLM serving engine whose KV cache is sparse layer by layer.",
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _add_generate(sub) -> None:
+    """``sparsekv generate``: prompts, sampling and engine flags."""
     gen = sub.add_parser(
         "generate",
         help="generate offline for one or more prompts",
@@ -222,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
 
+
+def _add_serve(sub) -> None:
+    """``sparsekv serve``: server and engine flags."""
     serve = sub.add_parser(
         "serve",
         help="OpenAI-compatible HTTP server",
@@ -258,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 
+
+def _add_tools(sub) -> None:
+    """convert, models, env, and bench / eval / calibrate (which parse their own flags)."""
     convert = sub.add_parser("convert", help="write a Hugging Face folder from a GGUF file")
     convert.add_argument("gguf", metavar="MODEL", help="GGUF path or built-in model name")
     convert.add_argument(
@@ -303,6 +168,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     calibrate.add_argument("calibrate_args", nargs=argparse.REMAINDER)
     calibrate.set_defaults(func=cmd_calibrate)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``sparsekv`` parser: one subcommand each, ``func`` its handler (``cli_commands``)."""
+    parser = argparse.ArgumentParser(
+        prog="sparsekv",
+        description="sparsekv: an LLM serving engine whose KV cache is sparse layer by layer.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    _add_generate(sub)
+    _add_serve(sub)
+    _add_tools(sub)
     return parser
 
 
