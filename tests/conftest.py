@@ -245,6 +245,12 @@ def pytest_collection_modifyitems(config, items):
     kernel_variants.select(config, items)
 
 
+def pytest_runtest_logreport(report):
+    from tests import kernel_variants
+
+    kernel_variants.record(report)
+
+
 def pytest_terminal_summary(terminalreporter):
     from tests import kernel_variants
 

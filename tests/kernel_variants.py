@@ -6,7 +6,8 @@ kernel family (``sparsekv.attention.cpu.variants.FAMILIES``, plus ``fused`` and
 ``kernel_variant(family)`` checks every variant the CPU
 runs (the test loops over them). At collection, the cases of a variant this CPU cannot run are
 deselected and named, with the reason, as untested in the summary printed after the run; they
-are never skipped silently. When the extension fails to build the cases stay selected and fail
+are never skipped silently. The summary counts the cases that ran (passed or failed), not
+those collected: a case deselected by ``-k`` / ``-m`` or skipped at run time is not counted. When the extension fails to build the cases stay selected and fail
 (CI must not pass on a build failure); ``SPARSEKV_DISABLE_NATIVE=1`` deselects them on purpose.
 """
 
@@ -26,6 +27,7 @@ PACKED_FAMILY, PACKED_VARIANTS = (
 
 _tested: dict[str, dict[str, int]] = {}
 _untested: dict[str, dict[str, str]] = {}
+_variants_of: dict[str, list[tuple[str, str]]] = {}  # node id -> (family, variant) it checks
 
 
 @functools.cache
@@ -91,17 +93,16 @@ def select(config: pytest.Config, items: list[pytest.Item]) -> None:
             continue
         family, variant = marker.args[0], marker.args[1] if len(marker.args) > 1 else None
         runs, unavailable, failed = status(family)
-        tested, untested = _tested.setdefault(family, {}), _untested.setdefault(family, {})
+        untested = _untested.setdefault(family, {})
         if failed:
             keep.append(item)  # the build failed: the case runs and fails
             continue
         if variant is None:
-            for v in runs:
-                tested[v] = tested.get(v, 0) + 1
+            _variants_of[item.nodeid] = [(family, v) for v in runs]
             untested.update(unavailable)
             (keep if runs else drop).append(item)
         elif variant in runs:
-            tested[variant] = tested.get(variant, 0) + 1
+            _variants_of[item.nodeid] = [(family, variant)]
             keep.append(item)
         else:
             untested[variant] = unavailable.get(variant, "unknown variant")
@@ -111,8 +112,18 @@ def select(config: pytest.Config, items: list[pytest.Item]) -> None:
         items[:] = keep
 
 
+def record(report: pytest.TestReport) -> None:
+    """Count a case's variants once its test body ran (passed or failed, not skipped)."""
+    if report.when != "call" or report.skipped:
+        return
+    for family, variant in _variants_of.get(report.nodeid, ()):
+        tested = _tested.setdefault(family, {})
+        tested[variant] = tested.get(variant, 0) + 1
+
+
 def summary() -> str | None:
-    """One line: the variants whose cases ran, and those left untested with the reason."""
+    """One line: the variants whose cases ran (with how many), and those left untested with
+    the reason."""
     if not _tested and not _untested:
         return None
     ran = [f"{f}/{v} ({n})" for f, vs in _tested.items() for v, n in vs.items()]
@@ -123,7 +134,7 @@ def summary() -> str | None:
         if v not in _tested.get(f, {})
     ]
     return (
-        "kernel variants tested (cases): "
+        "kernel variants tested (cases run): "
         + (", ".join(ran) or "none")
         + "; untested, this CPU cannot run them: "
         + (", ".join(left) or "none")

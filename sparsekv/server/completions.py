@@ -6,25 +6,21 @@ top logprobs are ``null``, as in OpenAI's legacy API and vLLM): what lm-evaluati
 ``local-completions`` reads to score multiple-choice tasks. vLLM's ``prompt_logprobs`` adds a
 ``prompt_logprobs`` list to each choice.
 
-Legacy logprobs, streamed or not: ``text_offset`` is each token's first character in the
-choice's ``text`` (``TextOffsets``), and a token whose bytes are not UTF-8 text on their own
-(part of a character split over several tokens) is written ``bytes:\\xNN...`` in ``tokens``
-and as its ``top_logprobs`` key, as OpenAI's legacy API writes such tokens, so alternatives
-that are different pieces of characters keep distinct keys.
+The logprobs objects are built by ``completion_logprobs.LegacyLogprobs``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from sparsekv.engine.detokenizer import unfinished_tail
 from sparsekv.engine.prompts import encode_prompt
-from sparsekv.outputs import CompletionOutput, Logprob, RequestOutput
+from sparsekv.outputs import CompletionOutput, RequestOutput
+from sparsekv.server.completion_logprobs import LegacyLogprobs
 from sparsekv.server.errors import APIError, invalid_request
 from sparsekv.server.protocol import CompletionRequest
 from sparsekv.server.responses import run_to_end, sse_stream, streaming_response
@@ -36,7 +32,6 @@ from sparsekv.server.serving import (
     start_request,
     usage,
 )
-from sparsekv.server.text_offsets import REPLACEMENT_CHAR, TextOffsets, token_bytes_text
 
 
 def _single_prompt(body: CompletionRequest) -> str | list[int]:
@@ -61,15 +56,6 @@ def _num_prompt_logprobs(body: CompletionRequest) -> int | None:
         wanted.append(body.logprobs)
     given = [n for n in wanted if n is not None]
     return max(given) if given else None
-
-
-@dataclass
-class _Unscored:
-    """The first prompt token in echoed logprobs: nothing precedes it, so no logprob."""
-
-    token_id: int
-    logprob: None = None
-    top: None = None
 
 
 class CompletionFormatter:
@@ -97,16 +83,15 @@ class CompletionFormatter:
         self.num_logprobs = body.logprobs
         self.want_prompt_logprobs = body.prompt_logprobs is not None
         self.prompt_text = prompt_text
-        # Generated tokens (and echoed token-id prompts) go into the text decoded with
-        # skip_special_tokens; an echoed text prompt is the client's text as sent.
-        self.skip_special = body.skip_special_tokens
-        self.echo_as_sent = echo_as_sent  # a text prompt: echoed as the client sent it
         self.echoed: set[int] = set()
         self.terminated: set[int] = set()
-        self.offsets: dict[int, TextOffsets] = {}  # per choice: its generated tokens
-        self.echo_offsets: list[int] | None = None  # the echoed prompt tokens' (all choices)
         self.text_lengths: dict[int, int] = {}  # per choice: characters streamed so far
-        self.token_texts: dict[int, str] = {}
+        # Generated tokens (and echoed token-id prompts) go into the text decoded with
+        # skip_special_tokens; an echoed text prompt is the client's text as sent.
+        self.logprobs = LegacyLogprobs(
+            ctx.tokenizer, ctx.token_bytes, prompt_text, body.echo, echo_as_sent,
+            body.skip_special_tokens, body.logprobs,
+        )  # fmt: skip
 
     def _chunk(self, choices: list[dict], usage_value: dict | None = None) -> dict:
         chunk = {
@@ -120,108 +105,6 @@ class CompletionFormatter:
             chunk["usage"] = usage_value
         return chunk
 
-    def _token_text(self, token_id: int) -> str:
-        """A token's text alone, or ``bytes:\\xNN...`` when its bytes are not UTF-8 text
-        (a piece of a character: its decode alone would be U+FFFD, like any other piece)."""
-        text = self.token_texts.get(token_id)
-        if text is None:
-            text = self.ctx.tokenizer.decode([token_id])
-            if REPLACEMENT_CHAR in text:
-                raw = self.ctx.token_bytes(token_id)
-                try:
-                    raw.decode("utf-8")
-                except UnicodeDecodeError:
-                    text = token_bytes_text(raw)
-            self.token_texts[token_id] = text
-        return text
-
-    def _echo_offsets(self, prompt_ids: list[int]) -> list[int]:
-        """The echoed prompt tokens' offsets in ``prompt_text`` (the same for every choice).
-
-        A text prompt is echoed as sent, special tokens' text included, so it is measured
-        without skipping them, except a BOS the tokenizer added in front of a text that
-        does not start with it (Gemma 3), which takes no character."""
-        if self.echo_offsets is None:
-            skip = self.skip_special and not self.echo_as_sent
-            tokenizer = self.ctx.tokenizer
-            lead = 0
-            bos_id = getattr(tokenizer, "bos_token_id", None)
-            bos_text = getattr(tokenizer, "bos_token", None)
-            if self.echo_as_sent and bos_id is not None and prompt_ids[:1] == [bos_id]:
-                lead = int(not (bos_text and self.prompt_text.startswith(bos_text)))
-            offsets = TextOffsets(tokenizer, [], skip)
-            end = len(self.prompt_text)
-            self.echo_offsets = [0] * lead + [min(offsets.add(t), end) for t in prompt_ids[lead:]]
-        return self.echo_offsets
-
-    def _logprobs(
-        self,
-        output: RequestOutput,
-        index: int,
-        records: list[Logprob | None],
-        num_echo: int = 0,
-        text_end: int | None = None,
-    ) -> dict:
-        """OpenAI's legacy shape: tokens, token_logprobs, top_logprobs, text_offset (each
-        token's first character in the choice's ``text``, see ``TextOffsets``; a token the
-        text skips, a special one under ``skip_special_tokens``, takes none). The first
-        ``num_echo`` records are the echoed prompt's. ``text_end``: the choice's whole text
-        length once it is known (offsets of tokens whose text a stop string cut stop there).
-        """
-        offsets: list[int] = []
-        if num_echo:
-            offsets += self._echo_offsets(output.prompt_token_ids)[:num_echo]
-        tracker = self.offsets.get(index)
-        if tracker is None:
-            tracker = TextOffsets(self.ctx.tokenizer, output.prompt_token_ids, self.skip_special)
-            self.offsets[index] = tracker
-        base = len(self.prompt_text) if self.echo else 0
-        offsets += [base + tracker.add(r.token_id) for r in records[num_echo:]]
-        if text_end is not None:
-            offsets = [min(offset, text_end) for offset in offsets]
-        tokens, values, tops = [], [], []
-        for record in records:
-            tokens.append(self._token_text(record.token_id))
-            values.append(record.logprob)
-            if record.top is None:
-                tops.append(None)
-            else:
-                top = record.top[: self.num_logprobs or 0]
-                tops.append({self._token_text(t): lp for t, lp in top})
-        return {
-            "tokens": tokens,
-            "token_logprobs": values,
-            "top_logprobs": tops,
-            "text_offset": offsets,
-        }
-
-    def _echo_records(self, output: RequestOutput) -> list[Logprob]:
-        """The prompt tokens' records: the first one with ``null`` logprob and top."""
-        return [_Unscored(output.prompt_token_ids[0]), *(output.prompt_logprobs or [])[1:]]
-
-    def _prompt_logprobs(self, output: RequestOutput) -> list[dict | None]:
-        """vLLM's shape: per prompt token ``{token_id: {logprob, rank, decoded_token}}``."""
-        decode = self.ctx.tokenizer.decode
-        result: list[dict | None] = []
-        for record in output.prompt_logprobs or []:
-            if record is None:
-                result.append(None)
-                continue
-            entry = {
-                str(record.token_id): {
-                    "logprob": record.logprob,
-                    "rank": record.rank,
-                    "decoded_token": decode([record.token_id]),
-                }
-            }
-            for rank, (token_id, logprob) in enumerate(record.top, start=1):
-                entry.setdefault(
-                    str(token_id),
-                    {"logprob": logprob, "rank": rank, "decoded_token": decode([token_id])},
-                )
-            result.append(entry)
-        return result
-
     def _choice(self, index, text, logprobs, finish_reason) -> dict:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
@@ -231,7 +114,7 @@ class CompletionFormatter:
         """The records a choice's logprobs list now and how many lead with the echoed
         prompt."""
         if self.echo and completion.index not in self.echoed:
-            echo = self._echo_records(output)
+            echo = self.logprobs.echo_records(output)
             return echo + new, len(echo)
         return new, 0
 
@@ -250,7 +133,7 @@ class CompletionFormatter:
                 if self.num_logprobs is not None:
                     records, num_echo = self._records(output, completion, new)
                     end = length if completion.finished else None
-                    logprobs = self._logprobs(output, completion.index, records, num_echo, end)
+                    logprobs = self.logprobs.build(output, completion.index, records, num_echo, end)
                 self.echoed.add(completion.index)
                 choice = self._choice(completion.index, text, logprobs, None)
                 result.append(self._chunk([choice]))
@@ -258,7 +141,7 @@ class CompletionFormatter:
                 self.terminated.add(completion.index)
                 choice = self._choice(completion.index, "", None, completion.finish_reason)
                 if self.want_prompt_logprobs:
-                    choice["prompt_logprobs"] = self._prompt_logprobs(output)
+                    choice["prompt_logprobs"] = self.logprobs.prompt_logprobs(output)
                 result.append(self._chunk([choice]))
         return result
 
@@ -280,10 +163,10 @@ class CompletionFormatter:
             logprobs = None
             if self.num_logprobs is not None:
                 records, num_echo = self._records(output, c, c.logprobs or [])
-                logprobs = self._logprobs(output, c.index, records, num_echo, len(text))
+                logprobs = self.logprobs.build(output, c.index, records, num_echo, len(text))
             choice = self._choice(c.index, text, logprobs, c.finish_reason)
             if self.want_prompt_logprobs:
-                choice["prompt_logprobs"] = self._prompt_logprobs(output)
+                choice["prompt_logprobs"] = self.logprobs.prompt_logprobs(output)
             choices.append(choice)
         return {
             "id": self.request_id,

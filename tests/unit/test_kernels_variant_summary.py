@@ -13,6 +13,7 @@ from tests import kernel_variants
 class _Item:
     def __init__(self, *args):
         self.marker = None if not args else types.SimpleNamespace(args=args)
+        self.nodeid = f"case{id(self)}"
 
     def get_closest_marker(self, name):
         assert name == kernel_variants.MARKER
@@ -32,6 +33,14 @@ class _Config:
 def fresh(monkeypatch):
     monkeypatch.setattr(kernel_variants, "_tested", {})
     monkeypatch.setattr(kernel_variants, "_untested", {})
+    monkeypatch.setattr(kernel_variants, "_variants_of", {})
+
+
+def _ran(item, outcome="passed", when="call"):
+    report = types.SimpleNamespace(
+        nodeid=item.nodeid, when=when, outcome=outcome, skipped=outcome == "skipped"
+    )
+    kernel_variants.record(report)
 
 
 def test_unrunnable_variants_are_deselected_and_named(fresh, monkeypatch):
@@ -46,9 +55,28 @@ def test_unrunnable_variants_are_deselected_and_named(fresh, monkeypatch):
     items, config = [plain, bf16, amx, every], _Config()
     kernel_variants.select(config, items)
     assert items == [plain, bf16, every] and config.deselected == [amx]
+    for item in items:
+        _ran(item, when="setup")
+        _ran(item)
+        _ran(item, when="teardown")
     assert kernel_variants.summary() == (
-        "kernel variants tested (cases): prefill/avx512_bf16 (2), prefill/avx2 (1); "
+        "kernel variants tested (cases run): prefill/avx512_bf16 (2), prefill/avx2 (1); "
         "untested, this CPU cannot run them: prefill/avx512_amx (no AMX)"
+    )
+
+
+def test_only_cases_that_ran_are_counted(fresh, monkeypatch):
+    table = {"decode": (("avx512", "avx2"), {}, False)}
+    monkeypatch.setattr(kernel_variants, "status", lambda family: table[family])
+    passed, failed, skipped, never = (_Item("decode", "avx512") for _ in range(4))
+    items = [passed, failed, skipped, never, _Item("decode", "avx2")]
+    kernel_variants.select(_Config(), items)
+    _ran(passed)
+    _ran(failed, "failed")
+    _ran(skipped, "skipped")
+    assert kernel_variants.summary() == (
+        "kernel variants tested (cases run): decode/avx512 (2); "
+        "untested, this CPU cannot run them: none"
     )
 
 
