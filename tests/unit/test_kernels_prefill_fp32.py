@@ -98,6 +98,38 @@ def test_fp32_head_dim_96_strided_query_and_large_logits(isa):
 
 
 @pytest.mark.parametrize("isa", VARIANTS)
+def test_fp32_a_late_jump_of_the_max_redoes_the_lazy_block(isa):
+    # Keys 150 and 230 align with every query at ~20x the other logits: the blocks holding
+    # them exceed the lazy bound (a sum of 2^8 against the old max) and are redone against the
+    # new max, in unmasked blocks (rows far past them) and masked ones (their own diagonal).
+    query, key, value = make_qkv(6, 2, 300, 300, 64, seed=5)
+    direction = query.mean(dim=(0, 1))
+    key[:, 150] = 20 * direction / direction.norm()
+    key[:, 230] = -key[:, 150]
+    run_kernel(isa, query, key, value)
+    run_kernel(isa, query, key, value, sliding_window=100)
+
+
+@pytest.mark.parametrize("isa", VARIANTS)
+def test_fp32_a_nan_key_reaches_only_the_rows_that_see_it(isa):
+    query, key, value = make_qkv(6, 2, 200, 200, 64, seed=6)
+    # (the reference adds its mask to the logits, NaN + -inf = NaN in every row: taken first)
+    ref_out, ref_lse = torch_ref.attention_with_lse(query, key, value, 0.125, 50)
+    key[1, 70, 3] = float("nan")
+    out, lse = prefill_ops.prefill_attention(query, key, value, 0.125, 50, isa=isa)
+    sees = torch.zeros(200, dtype=torch.bool)
+    sees[70:120] = True  # rows 70..119 have key 70 in their 50-key window
+    group = slice(3, 6)  # the query heads of KV head 1
+    assert out[group][:, sees].isnan().all() and lse[group][:, sees].isnan().all()
+    for part in (out, ref_out):
+        part[group, sees] = 0.0
+    for part in (lse, ref_lse):
+        part[group, sees] = 0.0
+    torch.testing.assert_close(out, ref_out, **FP32_TOL)
+    torch.testing.assert_close(lse, ref_lse, **FP32_TOL)
+
+
+@pytest.mark.parametrize("isa", VARIANTS)
 def test_fp32_no_queries_and_strided_keys(isa):
     query, key, value = make_qkv(6, 2, 0, 5, 64)
     out, lse = prefill_ops.prefill_attention(query, key, value, 0.125, isa=isa)

@@ -6,8 +6,10 @@
 //
 // The structure of the bf16 kernels (prefill_softmax.h): one work item is a block of query
 // rows of every query head of one KV head, transposed so that W query columns share a vector,
-// key blocks of kPrefillKeyBlock; the softmax is the plain online one (a max pass per block,
-// then exp2 against the new max), with the probabilities kept in fp32 for the value product:
+// key blocks of kPrefillKeyBlock; the softmax is the online one with a lazy max (as in
+// prefill_softmax.h: a block is exponentiated against the column's current max and kept if its
+// sum stays within kFmaLazySum, otherwise redone with a max pass and the new max), with the
+// probabilities kept in fp32 for the value product:
 //   S^T[key][W cols] += K[key][e] * Q^T[e][W cols]          (broadcast key element, FMA)
 //   O^T[dim][W cols] += V[key][dim] * P^T[key][W cols]      (broadcast value element, FMA)
 // in register blocks of kFmaRows rows by up to 3 column vectors (12 accumulators, within the 16
@@ -20,11 +22,15 @@
 constexpr int64_t kFKeys = kPrefillKeyBlock;
 constexpr int kFmaRows = 4;
 constexpr float kFmaNoMax = -1e30f;  // the running max before a key: see prefill_softmax.h
+// A block's probabilities against a column's current max may sum to this much before the max
+// is moved (lazy max): 2^8 keeps them far from fp32's limits and spares most blocks a max pass.
+constexpr float kFmaLazySum = 256.0f;
 
 // Scratch of one item; column col = h * BQ + r as in prefill_softmax.h, tiles of W columns.
 struct FmaScratch {
   float* qt;    // [tiles][d][W] queries * scale, transposed
-  float* s;     // [tiles][kFKeys][W] logits, then probabilities, of the current key block
+  float* s;     // [tiles][kFKeys][W] logits of the current key block
+  float* p;     // [tiles][kFKeys][W] their probabilities (0 for keys a column does not see)
   float* o;     // [tiles][d][W] unnormalised output, transposed
   float* m;     // [cols] running max
   float* l;     // [cols] running sum
@@ -33,11 +39,12 @@ struct FmaScratch {
 
 static int64_t fma_layout(const PrefillArgs& a, float* base, FmaScratch* out) {
   const int64_t cols = a.num_heads / a.num_kv_heads * a.query_block, d = a.head_dim;
-  const int64_t sizes[6] = {cols * d, kFKeys * cols, cols * d, cols, cols, cols};
-  float* parts[6];
-  const int64_t used = carve_scratch(base, sizes, 6, parts);
+  const int64_t sizes[7] = {cols * d, kFKeys * cols, kFKeys * cols, cols * d, cols, cols, cols};
+  float* parts[7];
+  const int64_t used = carve_scratch(base, sizes, 7, parts);
   if (out != nullptr)
-    *out = {parts[0], parts[1], parts[2], parts[3], parts[4], reinterpret_cast<int32_t*>(parts[5])};
+    *out = {parts[0], parts[1], parts[2], parts[3], parts[4], parts[5],
+            reinterpret_cast<int32_t*>(parts[6])};
   return used;
 }
 
@@ -91,7 +98,7 @@ static inline void fma_values(const PrefillArgs& a, const float* V, int64_t k0, 
     for (int c = 0; c < NC; ++c) acc[r][c] = loadu(w.o + (t[c] * d + e0 + r) * W);
   for (int64_t k = 0; k < kFKeys; ++k) {
     vf p[NC];
-    for (int c = 0; c < NC; ++c) p[c] = loadu(w.s + (t[c] * kFKeys + k) * W);
+    for (int c = 0; c < NC; ++c) p[c] = loadu(w.p + (t[c] * kFKeys + k) * W);
     for (int r = 0; r < kFmaRows; ++r) {
       const vf v = splat(V[(k0 + k) * d + e0 + r]);
       for (int c = 0; c < NC; ++c) acc[r][c] += v * p[c];
@@ -128,34 +135,85 @@ static void fma_products_all(bool values, const PrefillArgs& a, const float* K, 
   }
 }
 
-// Online softmax of tile t over the block's logits (in place: they become probabilities, 0
-// for keys a column does not see), m and l updated, O^T rescaled where the max moved.
+// Lanes of the columns that see key k: thr - reach <= k <= thr, as one unsigned compare of
+// thr - k against reach (negative differences wrap past it).
+static inline vi fma_visible(vi thr, vu reach, int64_t k) {
+  return (vi)((vu)(thr - (vi{} + (int32_t)k)) <= reach);
+}
+
+static inline bool all_lanes(vi mask) {
+  int32_t all = -1;
+  for (int i = 0; i < W; ++i) all &= mask[i];
+  return all != 0;
+}
+
+// p = exp2((s - m) * log2 e) of tile t's block logits into w.p, 0 for keys a column does not
+// see (kMasked; their logits may be anything, inf and NaN included); returns the columns' sums.
+template <bool kMasked>
+static inline vf fma_probabilities(int64_t k0, int t, vf m, vi thr, vu reach,
+                                   const FmaScratch& w) {
+  const float* s = w.s + t * kFKeys * W;
+  float* p = w.p + t * kFKeys * W;
+  const vf log2e = splat(kLog2e);
+  vf sum0 = {}, sum1 = {};
+  for (int64_t k = 0; k < kFKeys; k += 2) {
+    vf p0 = vexp2((loadu(s + k * W) - m) * log2e);
+    vf p1 = vexp2((loadu(s + (k + 1) * W) - m) * log2e);
+    if (kMasked) {
+      p0 = (vf)((vi)p0 & fma_visible(thr, reach, k0 + k));
+      p1 = (vf)((vi)p1 & fma_visible(thr, reach, k0 + k + 1));
+    }
+    storeu(p + k * W, p0);
+    storeu(p + (k + 1) * W, p1);
+    sum0 += p0;
+    sum1 += p1;
+  }
+  return sum0 + sum1;
+}
+
+// The columns' max of tile t's block logits over the keys they see (-inf where none; a NaN
+// logit is passed over). Four chains: the max's latency, not its throughput, bounds one.
+template <bool kMasked>
+static inline vf fma_block_max(int64_t k0, int t, vi thr, vu reach, const FmaScratch& w) {
+  const float* s = w.s + t * kFKeys * W;
+  vf mx[4];
+  for (int j = 0; j < 4; ++j) mx[j] = splat(kNegInf);
+  for (int64_t k = 0; k < kFKeys; k += 4)
+    for (int j = 0; j < 4; ++j) {
+      const vf x = loadu(s + (k + j) * W);
+      const vi larger = x > mx[j];
+      mx[j] = (kMasked ? larger & fma_visible(thr, reach, k0 + k + j) : larger) ? x : mx[j];
+    }
+  const vf a = mx[0] > mx[1] ? mx[0] : mx[1], b = mx[2] > mx[3] ? mx[2] : mx[3];
+  return a > b ? a : b;
+}
+
+// Online softmax of tile t over the block's logits into w.p; m and l updated, O^T rescaled
+// where the max moved. kMasked: the block crosses the tile's diagonal or its window's lower
+// edge. Lazy max: once every column has a max, the block is first exponentiated against it;
+// that is kept if no column's sum exceeds kFmaLazySum (m + ln l is the same for any reference
+// max; it only has to keep the probabilities in range), else the block is redone against the
+// new max.
+template <bool kMasked>
 static void fma_softmax(const PrefillArgs& a, int64_t k0, int t, int32_t reach,
                         const FmaScratch& w) {
-  float* s = w.s + t * kFKeys * W;
   const vi thr = (vi)loadu(reinterpret_cast<const float*>(w.thr + t * W));
   const vu reach_v = (vu)(vi{} + reach);
-  vf mx = splat(kNegInf);
-  for (int64_t k = 0; k < kFKeys; ++k) {
-    const vi see = (vu)(thr - (vi{} + (int32_t)(k0 + k))) <= reach_v;
-    const vf x = loadu(s + k * W);
-    mx = see ? (x > mx ? x : mx) : mx;
+  const vf m_old = loadu(w.m + t * W), l = loadu(w.l + t * W);
+  if (all_lanes(m_old != splat(kFmaNoMax))) {
+    const vf sum = fma_probabilities<kMasked>(k0, t, m_old, thr, reach_v, w);
+    if (all_lanes(sum <= splat(kFmaLazySum))) {
+      storeu(w.l + t * W, l + sum);
+      return;
+    }
   }
-  const vf m_old = loadu(w.m + t * W), m_new = m_old > mx ? m_old : mx;
-  const vf log2e = splat(kLog2e);
-  const vf alpha = vexp2((m_old - m_new) * log2e);
-  vf sum = {};
-  for (int64_t k = 0; k < kFKeys; ++k) {
-    const vi see = (vu)(thr - (vi{} + (int32_t)(k0 + k))) <= reach_v;
-    const vf p = (vf)((vi)vexp2((loadu(s + k * W) - m_new) * log2e) & see);
-    storeu(s + k * W, p);
-    sum += p;
-  }
-  storeu(w.l + t * W, loadu(w.l + t * W) * alpha + sum);
+  const vf mx = fma_block_max<kMasked>(k0, t, thr, reach_v, w);
+  const vf m_new = m_old > mx ? m_old : mx;
+  const vf alpha = vexp2((m_old - m_new) * splat(kLog2e));
+  const vf sum = fma_probabilities<kMasked>(k0, t, m_new, thr, reach_v, w);
+  storeu(w.l + t * W, l * alpha + sum);
   storeu(w.m + t * W, m_new);
-  bool moved = false;
-  for (int i = 0; i < W; ++i) moved |= alpha[i] != 1.0f;
-  if (!moved) return;
+  if (all_lanes(alpha == splat(1.0f))) return;
   float* o = w.o + t * a.head_dim * W;
   for (int64_t e = 0; e < a.head_dim; ++e) storeu(o + e * W, loadu(o + e * W) * alpha);
 }
@@ -201,13 +259,22 @@ static void prefill_item_fma(const PrefillArgs& a, int64_t kvh, int64_t qb, floa
   int tiles[4 * 64];
   for (int64_t k0 = first_block; k0 <= last_key; k0 += kFKeys) {
     int nt = 0;
+    bool masked[4 * 64];
     for (int t = 0; t < ntiles; ++t) {
       const int64_t low = w.thr[t * W], high = w.thr[t * W + W - 1];
       if (k0 > high || k0 + kFKeys - 1 < low - reach) continue;
+      // every column sees every key of the block: none past its diagonal or below its window
+      masked[nt] = k0 + kFKeys - 1 > low || k0 < high - reach;
       tiles[nt++] = t;
     }
     fma_products_all(false, a, K, V, k0, tiles, nt, w);
-    for (int i = 0; i < nt; ++i) fma_softmax(a, k0, tiles[i], reach, w);
+    for (int i = 0; i < nt; ++i) {
+      if (masked[i]) {
+        fma_softmax<true>(a, k0, tiles[i], reach, w);
+      } else {
+        fma_softmax<false>(a, k0, tiles[i], reach, w);
+      }
+    }
     fma_products_all(true, a, K, V, k0, tiles, nt, w);
   }
   fma_write_rows(a, kvh, q0, rows, w);
