@@ -6,12 +6,13 @@ with ``gguf`` weights, teacher-forced on the dense (dequantized fp32) engine's g
 agrees on all 8 x 64 positions (measured 1.0, KL ~1e-11 nats on the 2-core AMD test machine;
 the floor 0.99 is the required bound). ``int8`` requantizes the dequantized weights per output
 channel: measured 0.949 mean agreement (worst text 0.906), floor 0.90. ``w8a8`` also
-quantizes the prefill's activations per token (on the variants with that path: ``avx512_amx``,
-``avx512_vnni``, ``avx2``): measured 0.922 (worst text 0.859) in fp32 and 0.912 (0.812) in bf16
-on the AMD Zen 4 test machine (the same engine with the activation applied after a bf16 gate /
-up output, as before it moved into the int8 path's scaling pass: 0.924 and 0.928; a few
-near-ties move); with 7-bit weights, as where oneDNN's int8 GEMM saturates (AVX2 without VNNI,
-emulated on that machine; the output head keeps 8 bits), 0.912 (0.844) in fp32; floor 0.88.
+quantizes the activations per token (on the variants with that path: ``avx512_amx``,
+``avx512_vnni``, ``avx2``; the prefill's, and the decode batches' on ``avx512_vnni`` and
+``avx2``): measured on the AMD Zen 4 test machine 0.898 (worst text 0.797) in fp32 and 0.895
+(0.812) in bf16 with ``avx512_vnni``, 0.896 (0.812) and 0.883 (0.766) with ``avx2`` (with only
+the prefill's activations quantized: 0.922 (0.859) in fp32, 0.912 (0.812) in bf16; with 7-bit
+weights, as where oneDNN's int8 GEMM saturates (AVX2 without VNNI, emulated on that machine; the
+output head keeps 8 bits), 0.912 (0.844) in fp32); floor 0.86.
 ``int8`` in bf16 (untested) measured 0.947 (worst 0.906). A bf16 engine on the
 ``gguf`` weights (bf16 activations into the packed kernels; bf16 rounding everywhere else too)
 measured 0.977 with the ``avx512_bf16`` variant (worst text 0.938), 0.977 with ``avx512_vnni``
@@ -49,7 +50,7 @@ from tests.forced_agreement import forced_agreement, real_prompts
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gguf"
 NUM_TEXTS, PROMPT_LEN, FORCED = 8, 128, 64
-AGREEMENT_FLOOR = {"gguf": 0.99, "int8": 0.90, "w8a8": 0.88}
+AGREEMENT_FLOOR = {"gguf": 0.99, "int8": 0.90, "w8a8": 0.86}
 BF16_AGREEMENT_FLOOR = 0.95
 BF16_ISAS = ("avx512_amx", "avx512_vnni", "avx512_bf16", "avx2")
 
@@ -185,8 +186,9 @@ def test_teacher_forced_agreement(smollm2_gguf, references, weight_dtype):
 )
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_w8a8_teacher_forced_agreement(smollm2_gguf, references, isa, dtype, monkeypatch):
-    # The 128-token prompts are prefilled with int8 activations (one scale per token), the
-    # forced tokens decode through the int8 weights' kernels.
+    # The 128-token prompts are prefilled with int8 activations (one scale per token); the
+    # forced tokens decode with int8 activations too where that is the faster route
+    # (int8_rows.DECODE_MIN_ROWS: the 8 texts' decode batches), else through the kernels.
     monkeypatch.setenv(ops.ISA_ENV, isa)
     calls = []
     original = int8_rows.int8_rows_matmul
@@ -200,7 +202,12 @@ def test_w8a8_teacher_forced_agreement(smollm2_gguf, references, isa, dtype, mon
     # every prompt token went through the int8 path in the 30 layers x 4 linears, gate / up
     # (3072 outputs) always with its activation applied inside
     tokens = NUM_TEXTS * PROMPT_LEN * 30
-    assert sum(rows for rows, _, _ in calls) >= 4 * tokens and min(c[0] for c in calls) > 64
+    assert sum(rows for rows, _, _ in calls) >= 4 * tokens
+    decode_rows = {rows for rows, _, _ in calls if rows <= 64}
+    if isa in int8_rows.DECODE_MIN_ROWS:
+        assert decode_rows and min(decode_rows) >= int8_rows.DECODE_MIN_ROWS[isa]
+    else:
+        assert not decode_rows
     assert sum(rows for rows, _, act in calls if act == "silu") >= tokens
     assert not [c for c in calls if c[1] == 3072 and c[2] != "silu"]
     assert agreement >= AGREEMENT_FLOOR["w8a8"], per_text

@@ -149,6 +149,37 @@ def test_linear_takes_the_path_past_its_kernel_rows(int8_isa):
     torch.testing.assert_close(plain(x), dense_y, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("large", [False, True], ids=["layer", "head"])
+def test_decode_batches_take_the_path_where_it_is_faster(int8_isa, large, monkeypatch):
+    # A layer (and an output head, a weight over LARGE_DENSE_BYTES as bf16) takes decode-sized
+    # row counts through the int8 path from DECODE_MIN_ROWS(_LARGE) on its variant; fewer rows
+    # and other variants keep the kernels, whose result is x times the dequantized weight.
+    g = torch.Generator().manual_seed(11)
+    out_features = 8192 + 16 if large else 96
+    dense = torch.randn(out_features, 1024 if large else 160, generator=g)
+    layer = QuantizedLinear([_quantize(dense)], int8_rows=True)
+    assert layer.large_weight == large
+    table = int8_rows.DECODE_MIN_ROWS_LARGE if large else int8_rows.DECODE_MIN_ROWS
+    least = table.get(int8_isa)
+    calls = []
+    original = int8_rows.int8_rows_matmul
+    monkeypatch.setattr(
+        int8_rows, "int8_rows_matmul", lambda x, *a: calls.append(x.shape[0]) or original(x, *a)
+    )
+    for rows in (1, 2, 5, 6, 8, 16):
+        x = torch.randn(rows, layer.in_features, generator=g)
+        calls.clear()
+        y = layer(x)
+        if least is not None and rows >= least:
+            assert calls == [rows]
+            torch.testing.assert_close(y, _reference(x, layer.parts[0], None), rtol=1e-5, atol=1e-4)
+        else:
+            assert calls == []
+            dense_y = x @ dequantize_reference(layer.parts[0]).T
+            torch.testing.assert_close(y, dense_y, rtol=1e-5, atol=1e-4)
+    assert int8_rows.DECODE_MIN_ROWS == {"avx512_vnni": 2, "avx2": 2}
+
+
 def test_int8_rows_needs_one_int8_part():
     with pytest.raises(ValueError, match="int8_rows: needs one int8 part"):
         QuantizedLinear([pack_bf16(torch.randn(16, 32))], int8_rows=True)
@@ -230,8 +261,13 @@ def test_gated_mlp_applies_the_activation_in_the_int8_path(int8_isa, monkeypatch
     assert torch.equal(fused, mlp.down_proj(hidden))
     unfused = mlp.down_proj(F.silu(mlp.gate_up_proj(x)[:, :96]) * mlp.gate_up_proj(x)[:, 96:])
     torch.testing.assert_close(fused, unfused, rtol=1e-4, atol=1e-3 * unfused.abs().max().item())
-    # few rows (decode), no int8_rows, an activation it does not fuse: the caller's path
-    assert mlp.gate_up_proj.gated_forward(x[:8], "silu") is None
+    # one row (a lone decode row), no int8_rows, an activation it does not fuse: the caller's
+    # path; a decode batch takes the fused path where the variant sends it to int8
+    assert mlp.gate_up_proj.gated_forward(x[:1], "silu") is None
+    batch = mlp.gate_up_proj.gated_forward(x[:8], "silu")
+    assert (batch is not None) == (int8_rows.DECODE_MIN_ROWS.get(int8_isa, 99) <= 8)
+    if batch is not None:
+        torch.testing.assert_close(batch, hidden[:8])
     assert mlp.gate_up_proj.gated_forward(x, "relu") is None
     plain = QuantizedLinear(mlp.gate_up_proj.parts)
     assert plain.gated_forward(x, "silu") is None

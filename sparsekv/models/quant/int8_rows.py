@@ -27,6 +27,17 @@ SATURATING_GEMM_CODE_MAX = 63
 # swaps its operands for a single output column, which puts the weight codes on the unsigned
 # side where even 7-bit ones saturate; every decoder linear has hundreds.
 INT8_ROWS_MIN_OUTPUTS = 16
+# Decode-sized inputs (up to ``ops.kernel_max_rows`` rows) take the path too from this many rows
+# on, per variant: there oneDNN's int8 GEMM outruns the packed kernels (which dequantize the
+# weight and accumulate fp32 on full-precision x). One AMD EPYC Zen 4 core, SmolLM2's w8a8
+# layers (960 / 576 / 3072 x 576, 576 x 1536), weights in cache: avx512_vnni 2.5-4x faster from
+# 2 rows, 4-5x at 16; avx2 (forced, AVX2 limits on the libraries too) 1.5x at 4 rows, ~3x at 16.
+# A lone row stays on the kernels: once the weights stream from memory both routes run a
+# batch-1 decode step alike (44 tok/s either way on Zen 4), and the kernels keep x unquantized.
+# The output head (49152 x 576), which the kernels stream better at few rows: int8 faster from
+# ~6 rows (avx512_vnni), between 4 and 16 (avx2). avx512_amx keeps the kernels (not measured).
+DECODE_MIN_ROWS = {"avx512_vnni": 2, "avx2": 2}
+DECODE_MIN_ROWS_LARGE = {"avx512_vnni": 6, "avx2": 8}
 # Rows of x per int8 product of that path: a chunk's int32 products stay in cache for the
 # scaling pass (SmolLM2's 3072 x 576 gate / up at 4000 rows, 2 threads, Zen 4: 22.9 ms in
 # chunks of 512 against 31.0 ms at once, the int8 product alone).
@@ -47,6 +58,16 @@ def int8_rows_runs(x: torch.Tensor) -> bool:
         return False
     ext, variant = ops.resolved_kernels()
     return ext is not None and variant in INT8_ROWS_VARIANTS
+
+
+def takes_decode_rows(num_rows: int, large_weight: bool) -> bool:
+    """Whether :func:`int8_rows_matmul` should take ``num_rows`` rows of x that the packed
+    kernels could (:data:`DECODE_MIN_ROWS`, :data:`DECODE_MIN_ROWS_LARGE` for a weight past
+    ``ops.LARGE_DENSE_BYTES`` as bf16) on the variant in use."""
+    least = (DECODE_MIN_ROWS_LARGE if large_weight else DECODE_MIN_ROWS).get(
+        ops.resolved_kernels()[1]
+    )
+    return least is not None and num_rows >= least
 
 
 @functools.cache

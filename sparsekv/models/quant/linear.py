@@ -5,7 +5,7 @@ concatenation of several packed parts (the fused QKV and gate/up projections of 
 whose q, k, v tensors were stored separately, possibly in different formats). Decode-sized
 inputs run the native kernels on the packed bytes; prefill-sized ones dequantize tiles for a
 dense matmul (``ops``), or with ``int8_rows`` (``--weight-dtype w8a8``) quantize the rows of
-``x`` to int8 for an int8 GEMM.
+``x`` to int8 for an int8 GEMM (decode-sized ones too, on the CPUs where that is faster).
 
 Adjacent parts of one format are stored as row slices of one tensor and multiplied by one
 kernel call (a fused QKV of three Q4_1 tensors is one call, not three): every output row is
@@ -63,9 +63,11 @@ class QuantizedLinear(nn.Module):
     int8 per block of 32 by the ``avx512_amx`` and ``avx512_vnni`` kernels of Q4_0 / Q4_1 /
     Q8_0 and the x16 layouts' kernels of ``avx512_amx``, ``avx512_vnni`` and ``avx2``, read as
     it is by the ``avx512_bf16`` ones; other formats and variants convert it to fp32 inside the
-    op); more rows multiply densely in ``x``'s dtype, or with ``int8_rows`` on an ``int8``
-    weight where the variant has that path (``int8_rows.int8_rows_runs``), with ``x``'s rows
-    quantized to int8 as well (``int8_rows.int8_rows_matmul``: W8A8 with a scale per row).
+    op); more rows multiply densely in ``x``'s dtype. With ``int8_rows`` on an ``int8`` weight
+    where the variant has that path (``int8_rows.int8_rows_runs``), those rows, and decode-sized
+    counts where it is the faster route (``int8_rows.takes_decode_rows``: from 2 rows on
+    ``avx512_vnni`` and ``avx2``; more on an output head), are quantized to int8 as well
+    (``int8_rows.int8_rows_matmul``: W8A8 with a scale per row).
     """
 
     def __init__(
@@ -84,6 +86,7 @@ class QuantizedLinear(nn.Module):
         self.max_kernel_rows = ops.kernel_max_rows(
             self.out_features, self.in_features, ops.is_x16(parts)
         )
+        self.large_weight = 2 * self.out_features * self.in_features > ops.LARGE_DENSE_BYTES
         self.formats = tuple(p.format for p in parts)
         # (kernel calls, fp32 bias) of a decode-sized forward, built on first use.
         self._calls: tuple[tuple[ops.KernelPart, ...], torch.Tensor | None] | None = None
@@ -172,12 +175,12 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.dim() == 2  # the decoder's [num_tokens, features]: no reshapes (~1 us each)
         rows = x if flat else x.reshape(-1, self.in_features)
-        if rows.shape[0] <= self.max_kernel_rows:
-            calls, bias32 = self._calls or self.kernel_calls()
-            y = ops.matmul_kernel_parts(rows, calls, self.out_features, bias32)
-        elif self._takes_int8_rows(rows):
+        if self._takes_int8_rows(rows):
             _, bias32 = self._calls or self.kernel_calls()
             y = int8_rows.int8_rows_matmul(rows, self.parts[0], bias32)
+        elif rows.shape[0] <= self.max_kernel_rows:
+            calls, bias32 = self._calls or self.kernel_calls()
+            y = ops.matmul_kernel_parts(rows, calls, self.out_features, bias32)
         else:
             y = ops.dense_matmul(rows, self.parts)
             if self.bias is not None:
@@ -185,13 +188,18 @@ class QuantizedLinear(nn.Module):
         return y if flat else y.reshape(*x.shape[:-1], self.out_features)
 
     def _takes_int8_rows(self, rows: torch.Tensor) -> bool:
-        """Whether ``rows`` (2-D) go through the int8 path: ``int8_rows``, more rows than the
-        kernels take, and a variant and dtype it runs on (``forward`` and ``gated_forward``)."""
-        return (
+        """Whether ``rows`` (2-D) go through the int8 path (``forward`` and ``gated_forward``):
+        ``int8_rows``, a variant and dtype it runs on, and more rows than the kernels take or a
+        decode-sized count it runs faster (``int8_rows.takes_decode_rows``)."""
+        if not (
             self.int8_rows
-            and rows.shape[0] > self.max_kernel_rows
             and self.out_features >= int8_rows.INT8_ROWS_MIN_OUTPUTS
             and int8_rows.int8_rows_runs(rows)
+        ):
+            return False
+        num_rows = rows.shape[0]
+        return num_rows > self.max_kernel_rows or int8_rows.takes_decode_rows(
+            num_rows, self.large_weight
         )
 
     def gated_forward(self, x: torch.Tensor, activation: str) -> torch.Tensor | None:
