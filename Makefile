@@ -4,6 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PORT ?= 8000
+ARGS ?=
 # Pinned for CPU machines only: the package itself accepts any recent torch.
 TORCH_SPEC ?= torch==2.13.0
 # Where torch comes from. Empty: pip's own index. On Linux x86-64, pypi.org's torch is the CUDA
@@ -52,7 +53,7 @@ generate: install
 	$(VENV)/bin/sparsekv generate --prompt "Explain in two sentences why the KV cache limits LLM serving."
 
 serve: install
-	$(VENV)/bin/sparsekv serve --port $(PORT)
+	$(VENV)/bin/sparsekv serve --port $(PORT) $(ARGS)
 
 lint: install-dev
 	$(VENV)/bin/ruff check sparsekv tests

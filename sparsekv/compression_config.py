@@ -212,7 +212,8 @@ class CompressionConfig:
     def merged(self, overrides: dict) -> CompressionConfig:
         """Return a copy with ``overrides`` applied field by field.
 
-        Budget and ratio are one choice: giving either replaces the other.
+        Budget and ratio are one choice: giving either replaces the other; so are per-layer
+        budgets and fractions.
 
         Raises:
             ValueError: an unknown field name, or the merged policy is invalid.
@@ -228,6 +229,11 @@ class CompressionConfig:
             values["compression_ratio"] = None
         if "compression_ratio" in values and "budget" not in values:
             values["budget"] = None
+        # Per-layer budgets and fractions are one choice too.
+        if "layer_budgets" in values and "layer_fractions" not in values:
+            values["layer_fractions"] = None
+        if "layer_fractions" in values and "layer_budgets" not in values:
+            values["layer_budgets"] = None
         for name in ("layer_budgets", "layer_fractions"):
             if isinstance(values.get(name), list):  # JSON arrays; anything else: validate()
                 values[name] = tuple(values[name])

@@ -194,8 +194,8 @@ class SchedulerConfig:
         preemption_mode: what happens to the newest request when pages run out: ``swap``
             (its pages go to host memory and come back bit-exactly) or ``recompute``
             (full-cache requests only).
-        max_waiting: the most requests waiting for admission beyond the free running slots;
-            the server answers 503 past it.
+        max_waiting: the most samples (``n`` per request) waiting for admission beyond the
+            free running slots; the server answers 503 past it.
         watermark_pages: free pages kept in reserve when a waiting request is admitted.
     """
 

@@ -6,7 +6,7 @@ tokens; ``stream_options.include_usage`` gives the server's token counts. Reques
 fixed concurrency (``--max-concurrency``) and/or as a Poisson process (``--request-rate``).
 Each request's timeline (send time, arrival of every chunk with text, usage) is kept; the
 figures (TTFT, TPOT, ITL, E2EL, throughput, goodput; docs/benchmarks.md) come from
-:mod:`sparsekv.bench.metrics`. Writes a JSON report with provenance (``--output``).
+:mod:`sparsekv.bench.metrics`. Writes a JSON report with provenance (``--output``) and a Markdown summary beside it.
 """
 
 from __future__ import annotations
@@ -144,6 +144,18 @@ def write_document(path: str | Path, document: dict[str, Any], config: dict[str,
     return path
 
 
+def write_summary_markdown(json_path: Path, summary: dict[str, Any]) -> Path:
+    """The summary as a metric / value table beside the JSON report (same name, ``.md``)."""
+    from sparsekv.evaluation.report import markdown_table
+
+    rows = [{"metric": name, "value": value} for name, value in summary.items()]
+    path = json_path.with_suffix(".md")
+    path.write_text(
+        f"# Serving benchmark\n\n{markdown_table(rows)}\n\nFull report: {json_path.name}\n"
+    )
+    return path
+
+
 def main(argv: list[str] | None = None, *, tokenizer: Any = None, **_: Any) -> int:
     """Parse flags, build the prompts, run the benchmark, print and write the report.
 
@@ -188,5 +200,6 @@ def main(argv: list[str] | None = None, *, tokenizer: Any = None, **_: Any) -> i
     config |= {"model": model, "input_len": input_len, "output_len": output_len}
     document = {"summary": summary.to_dict(), "requests": [asdict(t) for t in timelines]}
     path = write_document(args.output, document, config)
-    print(f"wrote {path}")
+    markdown = write_summary_markdown(path, document["summary"])
+    print(f"wrote {path} and {markdown}")
     return 0

@@ -105,10 +105,30 @@ def sweep_target(
             f"[{target.name} c={concurrency}] {summary.output_throughput:.1f} output tok/s, "
             f"TTFT P50 {summary.ttft.p50:.0f} ms, {summary.num_failed} failed"
         )
+        warning = prefix_hit_warning(row["prefix_hit_rate"])
+        if warning:
+            print(f"[{target.name} c={concurrency}] warning: {warning}")
         results.append(
             {"row": row, "summary": summary.to_dict(), "requests": [asdict(t) for t in timelines]}
         )
     return results
+
+
+# A level whose prompts were mostly served from the prefix cache measured cache hits, not prefill
+# (the prompts are random; a fresh server hits only the chat template's few tokens).
+PREFIX_HIT_WARNING = 0.5
+
+
+def prefix_hit_warning(hit_rate: float | None) -> str | None:
+    """The warning for a level whose prompt tokens came mostly from the server's prefix cache
+    (more than :data:`PREFIX_HIT_WARNING` of them), else ``None``."""
+    if hit_rate is None or hit_rate <= PREFIX_HIT_WARNING:
+        return None
+    return (
+        f"{hit_rate:.0%} of the prompt tokens came from the prefix cache: the server has served "
+        "these prompts before (an earlier run with the same --seed); restart it or change "
+        "--seed to measure prefill"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

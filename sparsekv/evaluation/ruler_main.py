@@ -15,6 +15,7 @@ from sparsekv.cli_args import engine_config_from_args
 from sparsekv.evaluation import (
     ruler_cells,
     ruler_cost,
+    ruler_data,
     ruler_report,
     ruler_run,
     ruler_share,
@@ -28,9 +29,13 @@ def run(args: argparse.Namespace, grid: dict, checkpoint=None) -> int:
     """Run the official RULER tasks for ``grid`` (tasks default to all 13, one length 4096).
 
     Raises:
-        ImportError: the ``ruler`` extra is not installed.
-        ValueError: an unknown task, method or protocol.
+        ValueError: the ``ruler`` extra is not installed (checked before the model loads), an
+            unknown task, method or protocol.
     """
+    try:
+        ruler_data.package_root()
+    except ImportError as exc:  # one error line from the CLI, not a traceback
+        raise ValueError(str(exc)) from None
     load_start = common.load_average()
     config = engine_config_from_args(args)
     checkpoint = common.load_checkpoint(config, checkpoint)

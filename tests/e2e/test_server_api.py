@@ -558,6 +558,29 @@ def test_context_tokens_outside_scope_context_is_400(http, path, compression):
     assert http.post(path, json=body).status_code == 200
 
 
+def test_per_request_layer_fractions(http):
+    # A calibration's fractions (sparsekv calibrate) per request, as --kv-layer-fractions sets
+    # them for the server: half of a 300-token prompt's tokens kept in all but 2 layers.
+    prompt = [(i * 37) % 5000 + 1000 for i in range(300)]
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
+    halves = http.post(
+        "/v1/completions", json=body | {"kv_compression": {"layer_fractions": [1, 1] + [0.5] * 28}}
+    )
+    assert halves.status_code == 200, halves.text
+    usage = halves.json()["usage"]
+    assert usage["kv_tokens_full"] == 300
+    assert 150 < usage["kv_tokens_kept"] < 300 * (2 + 28 * 0.6) / 30
+    whole = http.post(
+        "/v1/completions", json=body | {"kv_compression": {"layer_fractions": [1] * 30}}
+    )
+    assert whole.json()["usage"]["kv_tokens_kept"] == 300
+    both = {"layer_fractions": [1] * 30, "layer_budgets": [0] * 30}
+    response = http.post("/v1/completions", json=body | {"kv_compression": both})
+    assert response.status_code == 400
+    message = "kv_compression.layer_fractions and kv_compression.layer_budgets are exclusive"
+    assert response.json()["error"]["message"] == message
+
+
 def test_a_misspelt_field_is_named_with_what_the_object_takes(http):
     body = {"prompt": PARIS_IDS, "max_tokens": 1, "kv_compression": {"budjet": 24}}
     response = http.post("/v1/completions", json=body)

