@@ -27,6 +27,10 @@ LAYER_SCORES = ("own", "first")
 # Fields checked for their type before their values (a float budget would reach the page
 # allocator; a string ratio would fail a comparison with a TypeError).
 _INT_FIELDS = ("budget", "window", "kernel_size", "full_layers", "context_tokens")
+# Widest pooling kernel: pooling costs tokens x kernel_size per scored row, so an unbounded
+# width from one request (2^31 - 1) would hold the engine step for many minutes; SnapKV and
+# kvpress use 5 to 31.
+MAX_KERNEL_SIZE = 1023
 _REAL_FIELDS = ("compression_ratio",)
 
 
@@ -56,7 +60,8 @@ class CompressionConfig:
             [0, 1), instead of a budget. ``0`` turns the policy off for the request.
         window: observation window: the last N prompt tokens, whose queries score the rest.
         pooling: smoothing of the scores over neighbouring tokens (``none`` = off).
-        kernel_size: pooling kernel width (odd; stride 1, same padding).
+        kernel_size: pooling kernel width (odd, at most ``MAX_KERNEL_SIZE``; stride 1, same
+            padding).
         gqa_agg: how the scores of a KV group's query heads are combined.
         full_layers: the first N layers keep a full cache.
         layer_budgets: explicit budget per layer (0 = full cache), e.g. ``0,0,512,...``;
@@ -131,9 +136,10 @@ class CompressionConfig:
             raise ValueError(
                 f"kv_compression.pooling must be max, avg or none, got {self.pooling!r}"
             )
-        if self.kernel_size < 1 or self.kernel_size % 2 == 0:
+        if not 1 <= self.kernel_size <= MAX_KERNEL_SIZE or self.kernel_size % 2 == 0:
             raise ValueError(
-                f"kv_compression.kernel_size must be a positive odd number, got {self.kernel_size}"
+                f"kv_compression.kernel_size must be an odd number in [1, {MAX_KERNEL_SIZE}], "
+                f"got {self.kernel_size}"
             )
         if self.gqa_agg not in ("mean", "max"):
             raise ValueError(f"kv_compression.gqa_agg must be mean or max, got {self.gqa_agg!r}")

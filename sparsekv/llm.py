@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import numbers
 from collections.abc import Iterable, Mapping, Sequence
 
 from tqdm import tqdm
@@ -192,7 +193,7 @@ def _as_prompt_list(prompts) -> list:
             f"{type(prompts).__name__}"
         )
     items = list(prompts)
-    if items and all(isinstance(t, int) for t in items):
+    if items and all(isinstance(t, numbers.Integral) for t in items):  # numpy integers too
         return [items]
     if items and all(isinstance(m, dict) for m in items):
         return [items]

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import numbers
+from collections.abc import Iterable, Mapping, Sequence
 
 from sparsekv.engine.token_bytes import TokenBytes
 
@@ -26,23 +27,41 @@ def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
             assistant header; the template's BOS is not doubled).
 
     Raises:
-        ValueError: an empty prompt or a malformed message list.
+        ValueError: an empty prompt, text that is not valid Unicode (a lone surrogate), a list
+            mixing kinds, or a malformed message list.
     """
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("prompt: the prompt is empty")
+        check_text(prompt, "prompt")
         return _single_bos(tokenizer, prompt, list(tokenizer(prompt)["input_ids"]))
+    if isinstance(prompt, bytes | Mapping) or not isinstance(prompt, Iterable):
+        raise ValueError(
+            "prompt: expected text, a list of token ids, or a list of chat messages, got "
+            f"{type(prompt).__name__}"
+        )
     items = list(prompt)
     if not items:
         raise ValueError("prompt: the prompt is empty")
-    if all(isinstance(t, int) for t in items):
+    if all(isinstance(t, numbers.Integral) for t in items):  # int, numpy integers
         # bool is an int subclass: True / False would silently become token ids 1 / 0
         if any(isinstance(t, bool) for t in items):
             raise ValueError("prompt: token ids must be integers, got a boolean")
-        return items
+        return [int(t) for t in items]
     if all(isinstance(m, dict) for m in items):
         return render_chat(tokenizer, items)
     raise ValueError("prompt: expected text, a list of token ids, or a list of chat messages")
+
+
+def check_text(text: str, where: str) -> None:
+    """Raise ``ValueError`` naming ``where`` if ``text`` is not valid Unicode: a lone surrogate
+    (``"\\ud800"``) that the tokenizer cannot take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(
+            f"{where}: text is not valid Unicode (it holds a lone surrogate)"
+        ) from None
 
 
 def _single_bos(tokenizer, text: str, ids: list[int]) -> list[int]:
@@ -69,11 +88,17 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
     """Apply the chat template and return token ids.
 
     Raises:
-        ValueError: a message lacks ``role`` or ``content``, or the tokenizer has no template.
+        ValueError: a message lacks ``role`` or ``content``, its content is not text (or not
+            valid Unicode), or the tokenizer has no template.
     """
     for i, message in enumerate(messages):
         if "role" not in message or "content" not in message:
             raise ValueError(f"messages[{i}]: each message needs 'role' and 'content'")
+        if not isinstance(message["content"], str):
+            raise ValueError(
+                f"messages[{i}].content: expected text, got {type(message['content']).__name__}"
+            )
+        check_text(message["content"], f"messages[{i}].content")
         if message["role"] not in CHAT_ROLES:
             raise ValueError(
                 f"messages[{i}].role: {message['role']!r} is not one of {', '.join(CHAT_ROLES)}"

@@ -130,6 +130,9 @@ def method_not_allowed(method: str, path: str, allowed: list[str]) -> APIError:
     )
 
 
+LONE_SURROGATE_NAME = "a field name holds a lone surrogate escape (\\ud800-\\udfff), not text"
+
+
 def _invalid_json(reason: str = "") -> APIError:
     message = "the request body is not valid JSON" + (f": {reason}" if reason else "")
     return APIError(400, message, code="invalid_json")
@@ -227,6 +230,9 @@ def install_error_handlers(app: FastAPI) -> None:
             content_type = request.headers.get("content-type")
             return _not_an_object(first.get("type"), exc.body, content_type).response()
         param = _pydantic_param(tuple(first.get("loc", ())))
+        if first.get("type") == "string_unicode" and param is None:
+            # a field name with a lone surrogate escape: no text a field can be named by
+            return _invalid_json(LONE_SURROGATE_NAME).response()
         # pydantic prefixes a validator's ValueError with "Value error, ": the client needs
         # only the validator's own words
         detail = str(first.get("msg", "invalid value")).removeprefix("Value error, ")

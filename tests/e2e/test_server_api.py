@@ -390,8 +390,12 @@ def test_an_unknown_path_stays_404(http):
             b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
             "it nests deeper than the parser's recursion limit",
         ),
+        (
+            b'{"prompt": "hi", "max_tokens": 3, "\\ud800": 1}',
+            "a field name holds a lone surrogate escape (\\ud800-\\udfff), not text",
+        ),
     ],
-    ids=["latin1", "binary", "malformed", "trailing-comma", "huge-int", "deep"],
+    ids=["latin1", "binary", "malformed", "trailing-comma", "huge-int", "deep", "surrogate-key"],
 )
 def test_an_unreadable_body_is_invalid_json_saying_why(http, path, content, reason):
     response = http.post(path, content=content, headers={"Content-Type": "application/json"})

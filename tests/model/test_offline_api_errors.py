@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 
 from sparsekv.config import CompressionConfig, SpeculativeConfig
@@ -47,6 +48,22 @@ def _llm(engine) -> LLM:
             lambda llm: llm.generate("hi", SamplingParams(n=10**6, max_tokens=1)),
             r"^n must be <= max_num_seqs \(64\), got 1000000$",
         ),
+        (
+            lambda llm: llm.generate("\ud800", GREEDY),
+            r"^prompt: text is not valid Unicode \(it holds a lone surrogate\)$",
+        ),
+        (
+            lambda llm: llm.generate([{"role": "user", "content": "a\ud800"}], GREEDY),
+            r"^messages\[0\]\.content: text is not valid Unicode",
+        ),
+        (
+            lambda llm: llm.generate([{"role": "user", "content": 5}], GREEDY),
+            r"^messages\[0\]\.content: expected text, got int$",
+        ),
+        (
+            lambda llm: llm.generate([1, "a"], GREEDY),
+            r"^prompt: expected text, a list of token ids, or a list of chat messages, got int$",
+        ),
     ],
 )
 def test_bad_input_is_a_value_error_and_leaves_the_llm_usable(make_engine, tiny, call, match):
@@ -55,6 +72,16 @@ def test_bad_input_is_a_value_error_and_leaves_the_llm_usable(make_engine, tiny,
         call(llm)
     assert not llm.engine.has_unfinished_requests()
     assert len(llm.generate("hello there", GREEDY)[0].outputs[0].token_ids) == 4
+
+
+def test_numpy_token_ids_are_a_prompt(make_engine, tiny):
+    llm = _llm(make_engine(tiny))
+    plain = llm.generate([5, 6, 7], GREEDY)[0]
+    for prompt in (np.array([5, 6, 7]), [np.int64(5), np.int64(6), np.int64(7)]):
+        output = llm.generate(prompt, GREEDY)[0]
+        assert output.prompt_token_ids == [5, 6, 7]
+        assert all(type(t) is int for t in output.prompt_token_ids)
+        assert output.outputs[0].token_ids == plain.outputs[0].token_ids
 
 
 def test_a_failing_step_aborts_the_call_s_requests(make_engine, tiny, monkeypatch):

@@ -179,6 +179,14 @@ def test_draft_tokens_count_in_the_peak():
         ({"layer_budgets": (0, 64.0)}, {}, r"^kv_compression\.layer_budgets must be integers"),
         ({"layer_fractions": ("1",)}, {}, r"^kv_compression\.layer_fractions must be numbers"),
         ({"layer_budgets": 5}, {}, r"^kv_compression\.layer_budgets must be a list, got 5"),
+        (
+            {"kernel_size": 4},
+            {},
+            r"^kv_compression\.kernel_size must be an odd number in \[1, 1023\]",
+        ),
+        # one request's unbounded pooling width would hold the engine step for minutes
+        ({"kernel_size": 2**31 - 1}, {}, r"^kv_compression\.kernel_size must be an odd number"),
+        ({"kernel_size": 1025}, {}, r"got 1025$"),
     ],
 )
 def test_invalid_requests_name_the_parameter(overrides, kw, match):
