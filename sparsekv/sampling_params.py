@@ -10,6 +10,11 @@ from dataclasses import dataclass, field
 from sparsekv.errors import ContextLengthError
 
 MAX_LOGPROBS = 20
+# Stop strings a request may give, and characters per string: every generated token is
+# checked against each, so 100000 strings cost ~0.1 s a token of the engine's step (OpenAI
+# takes 4).
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 4096
 # Temperatures below this are treated as greedy: dividing logits by them overflows fp32.
 GREEDY_TEMPERATURE = 1e-5
 # Accepted repetition penalties (see _validate_penalties).
@@ -192,9 +197,16 @@ class SamplingParams:
             )
 
     def _validate_stops(self) -> None:
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must hold non-empty strings, got {s!r}")
+            if len(s) > MAX_STOP_CHARS:
+                raise ValueError(
+                    f"stop: a stop string may have at most {MAX_STOP_CHARS} characters, got "
+                    f"{len(s)}"
+                )
         for t in self.stop_token_ids:
             if not _is_int(t) or t < 0:
                 raise ValueError(f"stop_token_ids must hold token ids >= 0, got {t!r}")

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from sparsekv.engine.stop_prefix import StopPrefix
 from sparsekv.sampling_params import SamplingParams
 
 _REPLACEMENT_CHAR = "\ufffd"
@@ -95,6 +96,7 @@ class IncrementalDetokenizer:
         self._skip_special_tokens = params.skip_special_tokens
         self._stops = [s for s in params.stop if s]
         self._include_stop = params.include_stop_str_in_output
+        self._stop_prefixes = [] if self._include_stop else [StopPrefix(s) for s in self._stops]
         self._min_tokens = params.min_tokens
         context = prompt_context(tokenizer, prompt_ids, self._skip_special_tokens)
         self._num_context = len(context)
@@ -106,6 +108,7 @@ class IncrementalDetokenizer:
         self._num_pending_prompt = len(context) - self._read_offset
         self._decoded = ""  # all complete text decoded so far (released + held back)
         self._num_released = 0  # characters of ``_decoded`` released as deltas
+        self._held_back = 0  # characters at the end of ``_decoded`` that may start a stop string
         self.stop: str | None = None
 
     @property
@@ -142,6 +145,7 @@ class IncrementalDetokenizer:
             return DetokenizerStep("")
         num_old = len(self._decoded)
         self._decoded += new_text
+        self._held_back = max((p.feed(new_text) for p in self._stop_prefixes), default=0)
         if len(self._ids) - self._num_context >= self._min_tokens:
             match = self._find_stop(num_old)
             if match is not None:
@@ -200,17 +204,10 @@ class IncrementalDetokenizer:
         """Length of the longest suffix of the text that is a proper prefix of a stop string.
 
         With ``include_stop_str_in_output`` nothing is held: a released prefix of a stop
-        string stays in the output whether or not the stop completes.
+        string stays in the output whether or not the stop completes. Kept up to date by
+        ``append`` (``stop_prefix.StopPrefix``: linear in the text, not quadratic).
         """
-        if self._include_stop:
-            return 0
-        longest = 0
-        for stop in self._stops:
-            for length in range(min(len(stop) - 1, len(self._decoded)), longest, -1):
-                if self._decoded.endswith(stop[:length]):
-                    longest = length
-                    break
-        return longest
+        return self._held_back
 
     def _release(self, end: int) -> str:
         end = max(end, self._num_released)

@@ -298,6 +298,8 @@ INVALID = [
     ("completions", {"prompt": "hi", "stop_token_ids": [49152]}, 400, "stop_token_ids"),
     ("completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
     ("completions", {"prompt": "hi", "stop": [""]}, 400, "stop"),
+    ("completions", {"prompt": "hi", "stop": ["\x01"] * 65}, 400, "stop"),
+    ("completions", {"prompt": "hi", "stop": "x" * 4097}, 400, "stop"),
     ("completions", {"prompt": "hi", "min_tokens": 5, "max_tokens": 2}, 400, "min_tokens"),
     ("completions", {"prompt": "hi", "n": 65}, 400, "n"),
     ("completions", {"prompt": "hi", "seed": 2**80}, 400, "seed"),

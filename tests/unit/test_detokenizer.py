@@ -184,3 +184,39 @@ def test_decode_window_stays_small(tokenizer):
     text = "".join(detok.append(t).delta_text for t in ids) + detok.flush()
     assert text == tokenizer.decode(ids)
     assert counting.max_ids <= 12
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_long_stop_strings_hold_back_what_may_start_them(tokenizer, include):
+    # The held-back suffix follows the stop strings' own repetitions (a KMP automaton, linear
+    # in the text): "ab ab ab" may still become "ab ab ab ab!" until the "!" fails to come.
+    stop = " ab" * 40 + "!"
+    ids = encode(tokenizer, " ab" * 30 + " c ab ab")
+    params = SamplingParams(stop=[stop, " ab ab d"], include_stop_str_in_output=include)
+    detok, deltas, stops = stream(tokenizer, ids, params, flush=False)
+    text = tokenizer.decode(ids)
+    assert set(stops) == {None}
+    released = "".join(deltas)
+    if include:
+        assert released == text  # nothing is held back when the stop is kept in the output
+    else:
+        # " ab ab" may start either stop string: held; everything before it is out
+        assert released == text[: len(text) - len(" ab ab")]
+    assert released + detok.flush() == text
+
+
+def test_stop_prefix_matches_the_quadratic_definition():
+    from sparsekv.engine.stop_prefix import StopPrefix
+
+    rng = random.Random(3)
+    for _ in range(300):
+        stop = "".join(rng.choice("ab") for _ in range(rng.randint(1, 8)))
+        text = "".join(rng.choice("ab") for _ in range(rng.randint(0, 30)))
+        tracker, fed = StopPrefix(stop), ""
+        for piece in [text[i : i + 3] for i in range(0, len(text), 3)]:
+            fed += piece
+            expected = max(
+                (n for n in range(len(stop)) if n <= len(fed) and fed.endswith(stop[:n])),
+                default=0,
+            )
+            assert tracker.feed(piece) == expected, (stop, fed)

@@ -56,6 +56,8 @@ def test_list_fields_are_not_shared():
         ("min_tokens", {"min_tokens": -1}),
         ("min_tokens", {"min_tokens": 20, "max_tokens": 10}),
         ("stop", {"stop": ["ok", ""]}),
+        ("stop", {"stop": ["x"] * 65}),
+        ("stop", {"stop": ["x" * 4097]}),
         ("stop_token_ids", {"stop_token_ids": [-5]}),
         ("seed", {"seed": 1.5}),
         ("seed", {"seed": 2**70}),
