@@ -25,6 +25,12 @@ class SampleState:
     num_sent_tokens: int = 0
     pending_text: str = ""
     kv_stats: KVStats | None = None
+    # the request's stop_token_ids as a set: checked after every token, and a request may
+    # list thousands of ids
+    stop_ids: frozenset[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.stop_ids = frozenset(self.request.sampling_params.stop_token_ids)
 
 
 @dataclass
@@ -60,7 +66,7 @@ def append_token(
     if step.stop is not None:
         request.stop_reason = step.stop
         return "stop"
-    if token_id in params.stop_token_ids:
+    if token_id in state.stop_ids:
         request.stop_reason = token_id
         return "stop"
     if not params.ignore_eos and token_id in request.eos_token_ids and num_out >= params.min_tokens:
