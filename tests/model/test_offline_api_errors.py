@@ -158,3 +158,15 @@ def test_speculation_does_not_change_the_usage_past_a_stop(make_engine, smollm2_
         assert out.kv_stats.tokens_kept == expected  # a full cache
         stats[spec is None] = (out.outputs[0].text, out.kv_stats.num_tokens)
     assert stats[True] == stats[False]
+
+
+def test_a_stop_token_id_ends_the_sample_there(make_engine, tiny):
+    llm = _llm(make_engine(tiny))
+    free = llm.generate("hello there", SamplingParams(max_tokens=8, temperature=0.0))[0].outputs[0]
+    stop_id = free.token_ids[2]
+    first = free.token_ids.index(stop_id)  # the first time it comes
+    # listed many times over, as a client may: the sample still stops at its first occurrence
+    params = SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[stop_id] * 10_000)
+    out = llm.generate("hello there", params)[0].outputs[0]
+    assert out.token_ids == free.token_ids[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id
