@@ -16,11 +16,11 @@ DEFAULT_PROMPT = "Explain in two sentences why the KV cache limits LLM serving."
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
-    """The prompts given as arguments, the ``--prompt`` values, then the non-empty lines of
-    ``--prompts-file``.
+    """The prompts given as arguments, the ``--prompt`` values, then the non-blank lines of
+    ``--prompts-file`` (lines end at ``\n``; a trailing ``\r`` is dropped).
 
     Raises:
-        ValueError: ``--prompts-file`` names a file that cannot be read.
+        ValueError: ``--prompts-file`` names a file that cannot be read or holds no prompt.
     """
     prompts = list(getattr(args, "texts", None) or []) + list(args.prompt or [])
     if args.prompts_file:
@@ -31,7 +31,12 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
             raise ValueError(f"--prompts-file: no such file: {path}") from None
         except (OSError, UnicodeDecodeError) as exc:
             raise ValueError(f"--prompts-file: cannot read {path}: {exc}") from None
-        prompts.extend(line for line in text.splitlines() if line.strip())
+        # lines end at "\n" only (str.splitlines also splits at form feeds, U+2028, ...)
+        lines = [line.removesuffix("\r") for line in text.split("\n")]
+        from_file = [line for line in lines if line.strip()]
+        if not from_file:
+            raise ValueError(f"--prompts-file: {path} holds no prompt (no non-blank line)")
+        prompts.extend(from_file)
     return prompts or [DEFAULT_PROMPT]
 
 

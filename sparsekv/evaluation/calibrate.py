@@ -134,6 +134,8 @@ def main(argv: list[str] | None = None, *, checkpoint=None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     if args.texts < 1 or args.tokens < 2 or args.rows < 1:
         raise ValueError("texts, tokens and rows must be positive")
+    if not 0 <= args.ratio < 1:  # NaN too
+        raise ValueError(f"ratio: must be in [0, 1), got {args.ratio}")
     common.apply_threads(args.threads)
     config = engine_config_from_args(args)
     checkpoint = common.load_checkpoint(config, checkpoint)
@@ -142,6 +144,10 @@ def main(argv: list[str] | None = None, *, checkpoint=None) -> int:
     keep = 1 - args.ratio
     sums = [0.0] * len(specs)
     texts = long_texts(engine.tokenizer, min_tokens=args.tokens, count=args.texts)
+    if not texts:
+        raise ValueError(
+            f"tokens: no calibration text on this machine has {args.tokens} tokens; lower --tokens"
+        )
     for _, text in texts:
         ids = engine.tokenizer.encode(text, add_special_tokens=False)[: args.tokens]
         probe = ConcentrationProbe(keep, args.rows, getattr(model, "attn_logit_softcap", None))

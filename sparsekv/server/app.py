@@ -262,7 +262,7 @@ def serve(args: argparse.Namespace) -> int:
     )
     if settings.max_body_bytes < 1:
         raise ValueError("max_body_bytes must be >= 1")
-    if settings.request_timeout is not None and settings.request_timeout <= 0:
+    if settings.request_timeout is not None and not settings.request_timeout > 0:  # NaN too
         raise ValueError("request_timeout must be > 0 seconds")
     if not settings.shutdown_timeout >= 0:
         raise ValueError("shutdown_timeout must be >= 0 seconds")

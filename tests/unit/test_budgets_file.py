@@ -139,3 +139,33 @@ def test_probe_attention_is_causal_attention_in_the_model_dtype(dtype):
     tolerance = 1e-5 if dtype == torch.float32 else 2**-6  # a bf16 step in [2, 4)
     torch.testing.assert_close(out.float(), expected.to(dtype).float(), atol=tolerance, rtol=0)
     assert 0.5 < probe.top_mass[0] <= 1.0
+
+
+@pytest.mark.parametrize("ratio", ["-0.5", "nan", "1"])
+def test_calibrate_checks_the_ratio_before_loading(ratio, tmp_path, monkeypatch):
+    from sparsekv import cli
+    from sparsekv.bench import common
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model loaded before the ratio was checked")
+
+    monkeypatch.setattr(common, "load_checkpoint", no_model)
+    argv = ["calibrate", "--ratio", ratio, "--output", str(tmp_path / "c.json")]
+    assert cli.main(argv) == 2
+    assert not (tmp_path / "c.json").exists()
+
+
+def test_calibrate_without_a_text_that_long_writes_nothing(tmp_path, smollm2_tokenizer):
+    from sparsekv.evaluation import calibrate
+    from tests.conftest import tiny_checkpoint, tiny_llama_config
+
+    tiny = tiny_checkpoint(tiny_llama_config(), smollm2_tokenizer, seed=1)[0]
+    argv = ["--tokens", str(10**9), "--texts", "1", "--output", str(tmp_path / "c.json")]
+    argv += ["--threads", "1", "--dtype", "float32", "--kv-cache-memory", "0.05"]
+    before = torch.get_num_threads()
+    try:
+        with pytest.raises(ValueError, match=r"^tokens: no calibration text .* 1000000000 tokens"):
+            calibrate.main(argv, checkpoint=tiny)
+    finally:
+        torch.set_num_threads(before)
+    assert not (tmp_path / "c.json").exists()

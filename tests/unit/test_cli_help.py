@@ -86,3 +86,34 @@ def test_generate_takes_prompts_as_arguments(tmp_path):
     )
     assert cli.read_prompts(args) == ["a b", "e", "x", "c", "d"]
     assert cli.read_prompts(cli.build_parser().parse_args(["generate"])) == [cli.DEFAULT_PROMPT]
+
+
+def test_a_prompts_file_is_split_at_newlines_only_and_must_hold_a_prompt(tmp_path):
+    from sparsekv import cli
+
+    file = tmp_path / "p.txt"
+    file.write_bytes("Say hi\x0bSay mid\x0cSay end\u2028Next\r\n\r\nlast".encode())
+    args = cli.build_parser().parse_args(["generate", "--prompts-file", str(file)])
+    assert cli.read_prompts(args) == ["Say hi\x0bSay mid\x0cSay end\u2028Next", "last"]
+    file.write_text("\n  \n\r\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"^--prompts-file: .* holds no prompt"):
+        cli.read_prompts(args)
+    assert cli.main(["generate", "--prompts-file", str(file)]) == 2  # before the model loads
+
+
+@pytest.mark.parametrize("value", ["nan", "0", "-1"])
+def test_serve_refuses_a_request_timeout_that_is_not_positive(value):
+    # NaN compares false with everything: it passed a `<= 0` check and timed out every request.
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "sparsekv.cli", "serve", "--port", "0", "--request-timeout", value],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert (
+        done.stderr.strip()
+        .splitlines()[-1]
+        .startswith("error: request_timeout must be > 0 seconds")
+    )
