@@ -54,19 +54,24 @@ def int8_rows_runs(x: torch.Tensor) -> bool:
         True for a CPU fp32 or bf16 ``x`` with the extension loaded and the variant in use
         (forced or the fastest) one of :data:`INT8_ROWS_VARIANTS`.
     """
+    return runs_on(x) is not None
+
+
+def runs_on(x: torch.Tensor) -> str | None:
+    """The variant :func:`int8_rows_matmul` runs ``x`` on now, or ``None`` where it does not
+    (:func:`int8_rows_runs`)."""
     if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
-        return False
+        return None
     ext, variant = ops.resolved_kernels()
-    return ext is not None and variant in INT8_ROWS_VARIANTS
+    return variant if ext is not None and variant in INT8_ROWS_VARIANTS else None
 
 
-def takes_decode_rows(num_rows: int, large_weight: bool) -> bool:
+def takes_decode_rows(num_rows: int, large_weight: bool, variant: str | None = None) -> bool:
     """Whether :func:`int8_rows_matmul` should take ``num_rows`` rows of x that the packed
     kernels could (:data:`DECODE_MIN_ROWS`, :data:`DECODE_MIN_ROWS_LARGE` for a weight past
-    ``ops.LARGE_DENSE_BYTES`` as bf16) on the variant in use."""
-    least = (DECODE_MIN_ROWS_LARGE if large_weight else DECODE_MIN_ROWS).get(
-        ops.resolved_kernels()[1]
-    )
+    ``ops.LARGE_DENSE_BYTES`` as bf16) on ``variant`` (default: the one in use)."""
+    variant = ops.resolved_kernels()[1] if variant is None else variant
+    least = (DECODE_MIN_ROWS_LARGE if large_weight else DECODE_MIN_ROWS).get(variant)
     return least is not None and num_rows >= least
 
 

@@ -191,15 +191,14 @@ class QuantizedLinear(nn.Module):
         """Whether ``rows`` (2-D) go through the int8 path (``forward`` and ``gated_forward``):
         ``int8_rows``, a variant and dtype it runs on, and more rows than the kernels take or a
         decode-sized count it runs faster (``int8_rows.takes_decode_rows``)."""
-        if not (
-            self.int8_rows
-            and self.out_features >= int8_rows.INT8_ROWS_MIN_OUTPUTS
-            and int8_rows.int8_rows_runs(rows)
-        ):
+        if not self.int8_rows or self.out_features < int8_rows.INT8_ROWS_MIN_OUTPUTS:
+            return False
+        variant = int8_rows.runs_on(rows)  # resolved once per call, not twice
+        if variant is None:
             return False
         num_rows = rows.shape[0]
         return num_rows > self.max_kernel_rows or int8_rows.takes_decode_rows(
-            num_rows, self.large_weight
+            num_rows, self.large_weight, variant
         )
 
     def gated_forward(self, x: torch.Tensor, activation: str) -> torch.Tensor | None:
